@@ -1,0 +1,35 @@
+"""swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind."""
+
+from swarm_opt._logging import tame_hivemind_logging
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.errors import (
+    ConfigError,
+    ConfigTypeError,
+    IncompatibleStateError,
+    StateDownloadError,
+    SwarmOptError,
+)
+from swarm_opt.optimizer import Optimizer
+from swarm_opt.progress import ProgressTracker, SwarmProgress
+from swarm_opt.strategies import GradientAveraging, Strategy
+
+__version__ = "0.1.0"
+
+tame_hivemind_logging()
+
+__all__ = [
+    "Optimizer",
+    "GradientAveraging",
+    "Strategy",
+    "SwarmConfig",
+    "Timeouts",
+    "TrackerConfig",
+    "ProgressTracker",
+    "SwarmProgress",
+    "SwarmOptError",
+    "ConfigError",
+    "ConfigTypeError",
+    "IncompatibleStateError",
+    "StateDownloadError",
+    "__version__",
+]

@@ -1,0 +1,50 @@
+"""Keep hivemind's internal chatter out of the user's console.
+
+hivemind logs routine events (retries, failed donors, shutdown races) at WARNING/ERROR with tracebacks. swarm_opt
+reports what matters itself, in one line, so hivemind's records are re-emitted at DEBUG under ``swarm_opt.hivemind``:
+``logging.getLogger("swarm_opt.hivemind").setLevel(logging.DEBUG)`` plus a handler shows them when debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+
+_ASYNCIO_SHUTDOWN_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
+                           "Task exception was never retrieved", "Exception in callback")
+
+
+class _Downgrade(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("swarm_opt.hivemind." + record.name.removeprefix("hivemind."))
+        if target.isEnabledFor(logging.DEBUG):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            target.handle(record)
+
+
+class _DropHivemindAsyncioNoise(logging.Filter):
+    """asyncio reports tasks that hivemind's background processes abandon at shutdown; they are not the user's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not (message.startswith(_ASYNCIO_SHUTDOWN_NOISE) and "hivemind" in _full_text(record))
+
+
+def _full_text(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage() + repr(record.exc_info) + repr(getattr(record, "task", ""))
+    except Exception:  # a broken record must not break logging
+        return ""
+
+
+def tame_hivemind_logging() -> None:
+    """Route hivemind's loggers through ``_Downgrade``. Idempotent; inherited by hivemind's forked processes."""
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    use_hivemind_log_handler("nowhere")
+    hivemind_logger = logging.getLogger("hivemind")
+    if not any(isinstance(h, _Downgrade) for h in hivemind_logger.handlers):
+        hivemind_logger.addHandler(_Downgrade())
+    hivemind_logger.propagate = False
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, _DropHivemindAsyncioNoise) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(_DropHivemindAsyncioNoise())

@@ -1,0 +1,151 @@
+"""The one module that talks to hivemind's averaging: all-reduce a fixed list of tensors and serve state to peers.
+
+``TensorAverager`` owns a hivemind ``DecentralizedAverager`` process with shared-memory buffers shaped like the
+tensors it averages. A round is scheduled ahead of time (matchmaking runs while the peer still computes), then
+triggered with this peer's tensors and weight. The result says who took part; a round that failed or produced
+non-finite numbers returns ``None`` and leaves the caller's tensors untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
+from hivemind.compression import CompressionBase, NoCompression
+from hivemind.dht import DHT
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+from swarm_opt.config import Timeouts
+
+logger = logging.getLogger(__name__)
+
+StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class AveragingResult:
+    """A finished round: the group it ran in and what each member sent along (``gather``)."""
+
+    peers: Tuple[PeerID, ...]
+    gathered: dict
+
+    @property
+    def group_size(self) -> int:
+        return len(self.peers)
+
+
+class _Engine(DecentralizedAverager):
+    """hivemind's averager, with the state it serves to newcomers supplied by the host process."""
+
+    state_provider: Optional[StateProvider] = None
+
+    def get_current_state(self):  # runs in the host process, in hivemind's state-fetching thread
+        provider = self.state_provider
+        if provider is None:
+            return None, [], None
+        metadata, tensors = provider()
+        return metadata, list(tensors), None
+
+
+class TensorAverager:
+    """All-reduce tensors shaped like ``templates`` with the peers of ``prefix``; serve and download state."""
+
+    def __init__(
+        self,
+        dht: DHT,
+        *,
+        prefix: str,
+        templates: Sequence[torch.Tensor],
+        timeouts: Timeouts,
+        compression: CompressionBase = NoCompression(),
+        state_provider: Optional[StateProvider] = None,
+    ) -> None:
+        self.timeouts = timeouts
+        buffers = [torch.zeros_like(t, device="cpu") for t in templates]
+        self._engine = _Engine(
+            buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
+            request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
+            next_chunk_timeout=timeouts.averaging_timeout / 3, compression=compression,
+            declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0,
+        )
+        self._engine.state_provider = state_provider
+        self._engine.run_in_background(await_ready=True, timeout=60)
+        self._scheduled: Optional[StepControl] = None
+        self._lock = threading.Lock()
+
+    @property
+    def client_mode(self) -> bool:
+        return self._engine.client_mode
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self._engine.peer_id
+
+    def set_priority(self, priority: float) -> None:
+        """Newcomers download state from the donors of highest priority first (we use the epoch)."""
+        if not self.client_mode and self._engine.state_sharing_priority != priority:
+            self._engine.state_sharing_priority = float(priority)
+
+    def schedule(self, when: float) -> None:
+        """Start matchmaking now for a round that should begin at DHT time ``when``."""
+        with self._lock:
+            if self._scheduled is not None and not self._scheduled.done():
+                return
+            when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            self._scheduled = self._engine.step(
+                scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
+                require_trigger=True, wait=False, gather=None,
+            )
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float) -> Optional[AveragingResult]:
+        """Average ``tensors`` in place (weighted by ``weight``) with a group; ``None`` if the round failed."""
+        self.schedule(get_dht_time())
+        with self._lock:
+            control, self._scheduled = self._scheduled, None
+        assert control is not None
+        try:
+            with self._engine.get_tensors() as buffers:
+                for buffer, tensor in zip(buffers, tensors):
+                    buffer.copy_(tensor.detach(), non_blocking=False)
+            control.weight = float(weight)
+            control.allow_allreduce()
+            gathered = control.result(timeout=self.timeouts.averaging_timeout + self.timeouts.matchmaking_time)
+        except Exception as e:  # matchmaking or all-reduce failed: the caller keeps its local state
+            logger.debug("Averaging round failed: %r", e)
+            control.cancel()
+            return None
+        if not gathered:
+            return None
+        with self._engine.get_tensors() as buffers:
+            if not all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point()):
+                logger.warning("A peer sent non-finite values; the round is discarded and retried")
+                return None
+            for buffer, tensor in zip(buffers, tensors):
+                tensor.copy_(buffer)
+        return AveragingResult(peers=tuple(gathered.keys()), gathered=dict(gathered))
+
+    def cancel_scheduled(self) -> None:
+        with self._lock:
+            control, self._scheduled = self._scheduled, None
+        if control is not None and not control.done():
+            control.cancel()
+
+    def load_state(self, timeout: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
+        """Download (metadata, tensors) from the best donor; ``None`` if nobody answered."""
+        try:
+            return self._engine.load_state_from_peers(timeout=timeout)
+        except Exception as e:
+            logger.debug("State download failed: %r", e)
+            return None
+
+    def shutdown(self) -> None:
+        self.cancel_scheduled()
+        self._engine.state_provider = None
+        if self._engine.is_alive():
+            self._engine.shutdown()

@@ -1,0 +1,108 @@
+"""Frozen configuration dataclasses. Every check of user input lives here, with messages that name the fix."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from swarm_opt.errors import ConfigError, ConfigTypeError
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+
+
+def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(f"{name} must be a positive int, got {value!r} of type {type(value).__name__}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {value}; pass e.g. {name}=32")
+
+
+def _positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{name} must be a positive number of seconds, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive, finite number of seconds, got {value}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long each network phase may take, in seconds.
+
+    :param matchmaking_time: peers spend this long forming an averaging group before each round. Increase it if the
+        log says rounds average in groups smaller than the swarm (peers on slow links miss the group).
+    :param averaging_timeout: a round that has not finished this long after it was due is abandoned; the peer keeps
+        its local progress and retries. Increase it for large models on slow links.
+    :param state_download_timeout: a newcomer or a peer that fell behind gives up downloading the swarm's state after
+        this long and raises StateDownloadError.
+    """
+
+    matchmaking_time: float = 5.0
+    averaging_timeout: float = 60.0
+    state_download_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _positive_float("matchmaking_time", self.matchmaking_time)
+        _positive_float("averaging_timeout", self.averaging_timeout)
+        _positive_float("state_download_timeout", self.state_download_timeout)
+        if self.averaging_timeout <= self.matchmaking_time:
+            raise ConfigError(
+                f"averaging_timeout ({self.averaging_timeout}) must exceed matchmaking_time ({self.matchmaking_time}): "
+                f"a round spends matchmaking_time forming a group before it can average"
+            )
+
+    @property
+    def request_timeout(self) -> float:
+        """hivemind requires its request timeout to be below the matchmaking time, or it warns and may deadlock."""
+        return min(3.0, self.matchmaking_time * 0.5)
+
+
+@dataclass(frozen=True)
+class TrackerConfig:
+    """How peers publish and read training progress on the DHT.
+
+    :param heartbeat_period: a peer re-publishes its progress at least this often, so that the swarm sees it alive.
+    :param record_ttl: a progress record expires this long after it was published; a peer that stopped reporting
+        (crashed, disconnected) is forgotten after at most this many seconds.
+    :param refresh_period: read the swarm's progress at least this often (more often near the end of an epoch).
+    """
+
+    heartbeat_period: float = 1.0
+    record_ttl: float = 6.0
+    refresh_period: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive_float("heartbeat_period", self.heartbeat_period)
+        _positive_float("record_ttl", self.record_ttl)
+        _positive_float("refresh_period", self.refresh_period)
+        if self.record_ttl <= 2 * self.heartbeat_period:
+            raise ConfigError(
+                f"record_ttl ({self.record_ttl}) must exceed twice heartbeat_period ({self.heartbeat_period}), "
+                f"or live peers will flicker out of the swarm between heartbeats"
+            )
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    """What identifies a run and how big its global batch is.
+
+    :param run_id: peers with the same run_id train together; letters, digits, '_' and '-' only.
+    :param target_batch_size: the swarm steps once every peer's samples add up to this many (the global batch).
+    :param batch_size_per_step: samples per local step() unless step(batch_size=...) says otherwise.
+    """
+
+    run_id: str
+    target_batch_size: int
+    batch_size_per_step: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not _RUN_ID.match(self.run_id):
+            raise ConfigError(
+                f"run_id must be 1-128 characters of letters, digits, '_' or '-', got {self.run_id!r}; "
+                f"e.g. run_id='mnist_run42'"
+            )
+        _positive_int("target_batch_size", self.target_batch_size)
+        _positive_int("batch_size_per_step", self.batch_size_per_step, allow_none=True)

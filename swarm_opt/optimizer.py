@@ -1,0 +1,408 @@
+"""``swarm_opt.Optimizer``: the fixed step loop that turns a local training loop into a swarm peer.
+
+The loop knows no algorithm. Every ``step()`` hands the gradients to the strategy, reports progress, and when the
+swarm has processed ``target_batch_size`` samples it runs one averaging round and lets the strategy apply it. A
+round commits only if this peer's group holds a majority of the live peers (or everyone), so at most one version of
+each epoch exists; a peer whose round failed keeps its local progress and retries, and a peer that finds the swarm
+ahead of it downloads the swarm's state instead of training on stale parameters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+import torch
+from hivemind.compression import CompressionBase, NoCompression
+from hivemind.dht import DHT
+from hivemind.utils import get_dht_time
+
+from swarm_opt.averaging import AveragingResult, TensorAverager
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
+from swarm_opt.progress import ProgressTracker, SwarmProgress
+from swarm_opt.serialization import flatten, unflatten
+from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.grad_averaging import GradientAveraging
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What happened at this peer's last epoch change: a committed round, or a download that caught it up."""
+
+    epoch: int
+    group_size: int
+    num_peers: int
+    samples: int
+    seconds: float
+    caught_up: bool
+
+
+OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+_STATE_FORMAT = 1
+_CATCH_UP_BACKOFF = 5.0  # seconds between automatic catch-up attempts that found no usable donor
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A drop-in ``torch.optim.Optimizer`` whose steps are coordinated with a swarm of peers over a hivemind DHT.
+
+    :param dht: a started ``hivemind.DHT``; its ``client_mode`` decides whether this peer accepts connections.
+    :param run_id: peers with the same run_id train together.
+    :param target_batch_size: the global batch: the swarm makes one step (an *epoch*) per this many samples.
+    :param optimizer: the inner optimizer: a factory ``lambda params: torch.optim.SGD(params, ...)`` or an instance.
+    :param params: the parameters (or param groups) to train; required with a factory, forbidden with an instance.
+    :param batch_size_per_step: samples per ``step()`` unless ``step(batch_size=...)`` is given.
+    :param scheduler: a factory ``lambda opt: StepLR(opt, ...)`` (or an instance bound to the given optimizer);
+        it steps once per global epoch, so every peer, late joiners included, uses the same learning rate.
+    :param strategy: the algorithm; default ``GradientAveraging()`` (synchronous large-batch training).
+    :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``).
+    :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``).
+    :param compression: a hivemind codec for the averaged tensors; default none.
+    :param tracker: how often progress is published and read (``TrackerConfig``).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        target_batch_size: int,
+        optimizer: Union[torch.optim.Optimizer, OptimizerFactory],
+        params: Optional[Iterable[Any]] = None,
+        batch_size_per_step: Optional[int] = None,
+        scheduler: Optional[Union[SchedulerFactory, Any]] = None,
+        strategy: Optional[Strategy] = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        compression: Optional[CompressionBase] = None,
+        tracker: Optional[TrackerConfig] = None,
+    ) -> None:
+        self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
+        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        if not isinstance(dht, DHT):
+            raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+        strategy = GradientAveraging() if strategy is None else strategy
+        if not isinstance(strategy, Strategy):
+            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
+
+        self.inner = _make_inner_optimizer(optimizer, params)
+        self.scheduler = _make_scheduler(scheduler, self.inner,
+                                         optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
+        self._params = [p for group in self.inner.param_groups for p in group["params"]]
+        self.strategy = strategy
+        self.strategy.bind(self._params, self.inner)
+
+        self._init_torch_hooks()
+        self._epoch, self._samples = 0, 0
+        self._loss_sum, self._loss_count = 0.0, 0
+        self._state_lock = threading.RLock()
+        self._next_catch_up = 0.0
+        self._closed = False
+        self.last_round: Optional[RoundReport] = None
+        self.model_schema = _model_schema(self._params, strategy.name)
+
+        self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema,
+                                        config=tracker or TrackerConfig())
+        self._averager = TensorAverager(
+            dht, prefix=f"{run_id}_{strategy.name}_{self.model_schema[:12]}",
+            templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
+            compression=compression or NoCompression(), state_provider=self._shareable_state,
+        )
+        self._tracker.start()
+
+    # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    @property
+    def local_epoch(self) -> int:
+        """The global epoch this peer's parameters belong to."""
+        return self._epoch
+
+    @property
+    def progress(self) -> SwarmProgress:
+        """The swarm's progress as this peer sees it (no network call)."""
+        return self._tracker.progress
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None, batch_size: Optional[int] = None) -> Any:  # type: ignore[override]
+        """Consume this step's gradients; when the swarm reaches the global batch, average and update together."""
+        if self._closed:
+            raise RuntimeError("this swarm_opt.Optimizer was shut down; create a new one to keep training")
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batch_size = self._resolve_batch_size(batch_size)
+        if loss is not None:
+            self._loss_sum, self._loss_count = self._loss_sum + float(loss), self._loss_count + 1
+
+        with torch.no_grad(), self._state_lock:
+            if self.strategy.local_step(batch_size):
+                self._samples += batch_size
+            else:
+                logger.debug("Skipped a step with non-finite gradients; it is not averaged into the swarm")
+        self._tracker.report(self._epoch, self._samples)
+
+        progress = self._tracker.progress
+        if progress.epoch > self._epoch:
+            self._catch_up()
+        elif progress.ready:
+            self._run_round(progress)
+        elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+            self._averager.schedule(progress.eta)
+        return loss
+
+    # --- rounds -----------------------------------------------------------------------------------------------------
+    def _run_round(self, progress: SwarmProgress) -> None:
+        if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
+            return
+        started = time.monotonic()
+        if progress.num_peers <= 1:
+            result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
+        else:
+            result = self._averager.all_reduce(self.strategy.tensors_to_average(), self.strategy.averaging_weight())
+            if result is None or not _is_majority(result.group_size, progress.num_peers):
+                logger.info(
+                    f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "
+                    f"({'failed' if result is None else f'group of {result.group_size}'}); keeping local progress"
+                )
+                return
+        with torch.no_grad(), self._state_lock:
+            self.strategy.apply_round(result)
+            self.last_round = RoundReport(self._epoch + 1, result.group_size, progress.num_peers, self._samples,
+                                          time.monotonic() - started, caught_up=False)
+            self._advance_epoch(result.group_size, progress)
+
+    def _advance_epoch(self, group_size: int, progress: SwarmProgress) -> None:
+        self._epoch += 1
+        self._samples = 0
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._tracker.report(self._epoch, 0)
+        self._averager.set_priority(self._epoch)
+        loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
+        self._loss_sum, self._loss_count = 0.0, 0
+        logger.info(f"epoch {self._epoch}: averaged with {group_size} of {progress.num_peers} peer(s), "
+                    f"{progress.samples_per_second:.0f} samples/s{loss}")
+
+    # --- state sharing ----------------------------------------------------------------------------------------------
+    def _catch_up(self) -> None:
+        if time.monotonic() < self._next_catch_up:
+            return
+        self._averager.cancel_scheduled()
+        try:
+            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _require_newer=True)
+        except StateDownloadError as e:
+            logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
+            self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
+
+    def load_state_from_peers(self, timeout: Optional[float] = None, *, _require_newer: bool = False) -> None:
+        """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
+
+        Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
+        ``StateDownloadError``."""
+        timeout = self.timeouts.state_download_timeout if timeout is None else timeout
+        deadline, delay, reason = time.monotonic() + timeout, 0.5, "no peer offered its state"
+        while True:
+            remaining = deadline - time.monotonic()
+            downloaded = self._averager.load_state(timeout=max(1.0, remaining))
+            if downloaded is not None:
+                try:
+                    epoch = self._apply_downloaded_state(*downloaded, require_newer=_require_newer)
+                    logger.info(f"Loaded the swarm's state at epoch {epoch}")
+                    return
+                except IncompatibleStateError as e:
+                    reason = f"a peer sent an unusable state ({e})"
+                    logger.debug(reason)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StateDownloadError(
+                    f"could not download the swarm's state within {timeout:.0f} s: {reason}. "
+                    f"Check that initial_peers point to a live peer of run '{self.config.run_id}'"
+                )
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 10.0)
+
+    def _shareable_state(self):
+        """Called by hivemind when a peer downloads our state: a consistent snapshot, copied under the lock."""
+        with self._state_lock:
+            skeleton, tensors = flatten({"params": list(self._params), "optimizer": self.state_dict()})
+            tensors = [t.detach().to("cpu", copy=True) for t in tensors]
+            metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
+                        "skeleton": skeleton}
+        return metadata, tensors
+
+    def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], *, require_newer: bool) -> int:
+        if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
+            raise IncompatibleStateError("unknown state format")
+        if metadata.get("schema") != self.model_schema:
+            raise IncompatibleStateError("the donor trains a different model")
+        epoch = metadata.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise IncompatibleStateError(f"bad epoch {epoch!r}")
+        if require_newer and epoch <= self._epoch:
+            raise IncompatibleStateError(f"the donor is at epoch {epoch}, not ahead of ours ({self._epoch})")
+        try:
+            state = unflatten(metadata.get("skeleton"), list(tensors))
+        except ValueError as e:
+            raise IncompatibleStateError(str(e)) from e
+        if not isinstance(state, dict) or not isinstance(state.get("params"), list):
+            raise IncompatibleStateError("state without parameters")
+        params = state["params"]
+        _check_tensors_fit(params, self._params)
+        with torch.no_grad(), self._state_lock:
+            backup = [p.detach().clone() for p in self._params]
+            try:
+                for p, new in zip(self._params, params):
+                    p.copy_(new)
+                self.load_state_dict(state["optimizer"])
+            except (KeyError, ValueError, TypeError, RuntimeError) as e:
+                for p, old in zip(self._params, backup):
+                    p.copy_(old)
+                raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
+            self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, caught_up=True)
+            self._epoch = epoch
+            self._samples = 0
+            self.strategy.reset()
+        self._tracker.report(self._epoch, 0)
+        self._averager.set_priority(self._epoch)
+        return epoch
+
+    # --- checkpoints ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        state = self.inner.state_dict()
+        state["swarm_opt"] = {
+            "epoch": self._epoch,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "strategy": self.strategy.state_dict(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
+        extra = state_dict.get("swarm_opt", {})
+        self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
+        if "epoch" in extra:
+            self._epoch = int(extra["epoch"])
+        if self.scheduler is not None and extra.get("scheduler") is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.strategy.load_state_dict(extra.get("strategy") or {})
+
+    # --- lifetime ---------------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Leave the swarm: withdraw our progress record and stop the averager. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tracker.shutdown()
+        self._averager.shutdown()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return (f"swarm_opt.Optimizer(run_id={self.config.run_id!r}, strategy={type(self.strategy).__name__}, "
+                f"epoch={self._epoch}, inner={type(self.inner).__name__})")
+
+    # --- helpers ----------------------------------------------------------------------------------------------------
+    def _resolve_batch_size(self, batch_size: Optional[int]) -> int:
+        batch_size = self.config.batch_size_per_step if batch_size is None else batch_size
+        if batch_size is None:
+            raise ConfigError("step() needs the number of samples: pass step(batch_size=N) or "
+                              "Optimizer(..., batch_size_per_step=N)")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        return batch_size
+
+    def _init_torch_hooks(self) -> None:
+        # torch.optim.Optimizer.__init__ would build its own param_groups; we only need its hook registries
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+
+def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> torch.optim.Optimizer:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if params is not None:
+            raise ConfigError("pass params only with an optimizer factory; an optimizer instance already has them")
+        inner = optimizer
+    elif callable(optimizer):
+        if params is None:
+            raise ConfigError("params is required with an optimizer factory: "
+                              "Optimizer(params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))")
+        params = list(params)
+        if not params:
+            raise ConfigError("params is empty: the model has no parameters to train")
+        inner = optimizer(params)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ConfigTypeError(f"the optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer")
+    else:
+        raise ConfigTypeError("optimizer must be a torch.optim.Optimizer or a factory such as "
+                              f"lambda params: torch.optim.SGD(params, lr=0.1), got {optimizer!r}")
+    if not any(group["params"] for group in inner.param_groups):
+        raise ConfigError("the inner optimizer has no parameters to train")
+    return inner
+
+
+def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_is_factory: bool) -> Any:
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "step") and hasattr(scheduler, "state_dict"):
+        if optimizer_is_factory or getattr(scheduler, "optimizer", None) is not inner:
+            raise ConfigError("a ready scheduler must be bound to the optimizer instance you pass; with an optimizer "
+                              "factory pass a scheduler factory: scheduler=lambda opt: StepLR(opt, step_size=10)")
+        return scheduler
+    if callable(scheduler):
+        made = scheduler(inner)
+        if not (hasattr(made, "step") and hasattr(made, "state_dict")):
+            raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
+        return made
+    raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
+
+
+def _is_majority(group_size: int, num_peers: int) -> bool:
+    """At most one group per epoch can hold a strict majority of the live peers, so at most one version commits."""
+    return 2 * group_size > num_peers or group_size >= num_peers
+
+
+def _model_schema(params: List[torch.Tensor], strategy_name: str) -> str:
+    description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    return hashlib.sha256(description.encode()).hexdigest()[:32]
+
+
+def _check_tensors_fit(received: List[Any], local: List[torch.Tensor]) -> None:
+    if len(received) != len(local):
+        raise IncompatibleStateError(f"{len(received)} parameters received, {len(local)} expected")
+    for i, (new, old) in enumerate(zip(received, local)):
+        if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
+            raise IncompatibleStateError(f"parameter {i} does not match the local model")
+        if new.is_floating_point() and not bool(torch.isfinite(new).all()):
+            raise IncompatibleStateError(f"parameter {i} holds non-finite values")

@@ -1,0 +1,285 @@
+"""Training progress of the swarm, published on and read from the DHT.
+
+Each peer publishes one signed record (epoch, samples accumulated in that epoch, throughput, time) under the run's
+key. Reading all records gives the global epoch, the samples toward ``target_batch_size``, the live peers and an ETA.
+Records are validated twice: by hivemind's DHT validators when they are stored (schema and RSA signature, so a peer
+cannot write another peer's record) and again here when they are read (ranges, clock sanity, model schema), because
+a hostile peer's DHT node may serve anything. The read path is one method, ``_read_records``, so that a large swarm
+can later read an aggregate or a sample instead of every record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional
+
+import pydantic.v1 as pydantic
+from hivemind.dht import DHT
+from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from swarm_opt.config import TrackerConfig
+
+logger = logging.getLogger(__name__)
+
+_MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
+_MAX_SAMPLES_PER_SECOND = 1e9
+
+
+class ProgressRecord(pydantic.BaseModel):
+    """What one peer says about itself. Strict types: the DHT schema validator requires them."""
+
+    peer_id: pydantic.StrictBytes
+    epoch: pydantic.conint(ge=0, strict=True)  # type: ignore[valid-type]
+    samples: pydantic.conint(ge=0, strict=True)  # type: ignore[valid-type]
+    samples_per_second: pydantic.confloat(ge=0.0, le=_MAX_SAMPLES_PER_SECOND, strict=True)  # type: ignore[valid-type]
+    time: pydantic.StrictFloat
+    client_mode: pydantic.StrictBool
+    model_schema: pydantic.constr(max_length=64, strict=True)  # type: ignore[valid-type]
+
+    @pydantic.validator("samples_per_second", "time")
+    def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
+        if not math.isfinite(value):
+            raise ValueError("must be finite")
+        return value
+
+
+class _ProgressSchema(pydantic.BaseModel):
+    swarm_progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+
+
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_swarm_progress"
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch)."""
+
+    epoch: int
+    samples_accumulated: int
+    target_batch_size: int
+    num_peers: int
+    num_clients: int
+    samples_per_second: float
+    eta: float
+    time: float
+
+    @property
+    def eta_seconds(self) -> float:
+        return max(0.0, self.eta - self.time)
+
+    @property
+    def ready(self) -> bool:
+        return self.samples_accumulated >= self.target_batch_size
+
+
+def aggregate_progress(
+    records: Iterable[ProgressRecord], local: ProgressRecord, target_batch_size: int, now: float
+) -> SwarmProgress:
+    """Combine validated records of other peers with this peer's own into a global view.
+
+    Samples of each peer are extrapolated from its record's time at its reported throughput, so that the estimate
+    stays tight between reads; only peers in the global (highest) epoch count toward it.
+    """
+    peers = [r for r in records if r.peer_id != local.peer_id or r.time > local.time] + [local]
+    peers = list({r.peer_id: r for r in sorted(peers, key=lambda r: r.time)}.values())
+    epoch = max(r.epoch for r in peers)
+    current = [r for r in peers if r.epoch == epoch]
+    samples = 0.0
+    for record in current:
+        elapsed = max(0.0, now - record.time) if record is not local else 0.0
+        samples += record.samples + record.samples_per_second * elapsed
+    throughput = sum(r.samples_per_second for r in peers)
+    missing = max(0.0, target_batch_size - samples)
+    if missing == 0:
+        eta = now
+    elif throughput > 0:
+        eta = now + missing / throughput
+    else:
+        eta = now + 3600.0
+    return SwarmProgress(
+        epoch=epoch,
+        samples_accumulated=int(samples),
+        target_batch_size=target_batch_size,
+        num_peers=len(peers),
+        num_clients=sum(r.client_mode for r in peers),
+        samples_per_second=throughput,
+        eta=eta,
+        time=now,
+    )
+
+
+def parse_records(raw: object, *, model_schema: str, now: float) -> tuple[List[ProgressRecord], int]:
+    """Validate what the DHT returned. Returns the usable records and how many came from a different model.
+
+    Anything malformed, out of range, from the far future or from a peer with another model is dropped.
+    """
+    if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
+        return [], 0
+    records, mismatched = [], 0
+    for entry in raw.value.values():
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if value is None:
+            continue
+        try:
+            record = ProgressRecord.parse_obj(value)
+        except (pydantic.ValidationError, TypeError, ValueError):
+            logger.debug("Ignoring a malformed progress record: %r", value)
+            continue
+        if record.time > now + _MAX_CLOCK_SKEW:
+            logger.debug("Ignoring a progress record from the future: %r", record)
+            continue
+        if record.model_schema != model_schema:
+            mismatched += 1
+            continue
+        records.append(record)
+    return records, mismatched
+
+
+class _Throughput:
+    """Samples per second within the current epoch, ignoring the time spent averaging between epochs."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._last = 0.0
+
+    def restart(self) -> None:
+        self._start = time.monotonic()
+
+    def update(self, samples: int) -> float:
+        elapsed = time.monotonic() - self._start
+        if samples > 0 and elapsed > 1e-3:
+            self._last = samples / elapsed
+        return self._last
+
+
+class ProgressTracker:
+    """Publishes this peer's progress and keeps a fresh view of the swarm's, in a background thread.
+
+    ``report()`` and ``progress`` are cheap (no network), so ``Optimizer.step()`` may call them every step.
+    """
+
+    def __init__(
+        self,
+        dht: DHT,
+        run_id: str,
+        target_batch_size: int,
+        *,
+        model_schema: str,
+        config: TrackerConfig = TrackerConfig(),
+    ) -> None:
+        self.dht, self.target_batch_size, self.config = dht, target_batch_size, config
+        self.key = progress_key(run_id)
+        self.model_schema = model_schema
+        self.client_mode = bool(dht.client_mode)
+        signer = RSASignatureValidator()  # hivemind keeps one signer per DHT, so we share the process-wide key
+        dht.add_validators([SchemaValidator(_ProgressSchema, prefix=run_id), signer])
+        # one subkey per tracker: several trackers in one process share the key but not the record
+        self._subkey = signer.local_public_key + b"/" + os.urandom(8).hex().encode()
+        self._peer_id = dht.peer_id.to_bytes() + self._subkey[-16:]
+        self._lock = threading.Lock()
+        self._epoch, self._samples = 0, 0
+        self._throughput = _Throughput()
+        self._others: List[ProgressRecord] = []
+        self._mismatch_reported = False
+        self._published: Optional[tuple] = None
+        self._last_publish = -math.inf
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
+
+    # --- what the optimizer calls -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.refresh()
+        self._thread.start()
+
+    def report(self, epoch: int, samples: int) -> None:
+        """Record local progress; published by the background thread (at once when the epoch changed)."""
+        with self._lock:
+            if epoch != self._epoch:
+                self._throughput.restart()
+                self._wake.set()
+            self._epoch, self._samples = epoch, samples
+            self._throughput.update(samples)
+
+    @property
+    def progress(self) -> SwarmProgress:
+        with self._lock:
+            local, others = self._local_record(), self._others
+        return aggregate_progress(others, local, self.target_batch_size, get_dht_time())
+
+    def refresh(self, timeout: float = 10.0) -> SwarmProgress:
+        """Publish and read right now (blocking), e.g. before deciding whether to download state."""
+        self._publish(force=True, timeout=timeout)
+        self._fetch(timeout=timeout)
+        return self.progress
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the thread and withdraw our record, so that the swarm stops counting us at once."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        try:
+            self.dht.store(self.key, subkey=self._subkey, value=None, expiration_time=get_dht_time() + 1.0,
+                           return_future=True).result(timeout=timeout)
+        except Exception as e:  # the DHT may already be gone; leaving is best effort
+            logger.debug("Could not withdraw the progress record: %r", e)
+
+    # --- background thread ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._publish(force=False, timeout=self.config.record_ttl)
+                self._fetch(timeout=self.config.record_ttl)
+            except Exception as e:  # a failed read or write is retried at the next tick; it must not kill the thread
+                logger.debug("Progress tracker tick failed: %r", e)
+            self._wake.wait(self._next_interval())
+            self._wake.clear()
+
+    def _next_interval(self) -> float:
+        progress = self.progress
+        until_target = progress.eta_seconds
+        return min(self.config.refresh_period, max(0.05, until_target / 3))
+
+    def _local_record(self) -> ProgressRecord:
+        return ProgressRecord(
+            peer_id=self._peer_id, epoch=self._epoch, samples=self._samples,
+            samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
+            client_mode=self.client_mode, model_schema=self.model_schema,
+        )
+
+    def _publish(self, *, force: bool, timeout: float) -> None:
+        with self._lock:
+            record = self._local_record()
+        state = (record.epoch, record.samples)
+        now = time.monotonic()
+        if not force and state == self._published and now - self._last_publish < self.config.heartbeat_period:
+            return
+        self.dht.store(
+            self.key, subkey=self._subkey, value=record.dict(),
+            expiration_time=get_dht_time() + self.config.record_ttl, return_future=True,
+        ).result(timeout=timeout)
+        self._published, self._last_publish = state, now
+
+    def _fetch(self, *, timeout: float) -> None:
+        raw = self._read_records(timeout)
+        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=get_dht_time())
+        if mismatched and not self._mismatch_reported:
+            self._mismatch_reported = True
+            logger.error(
+                f"{mismatched} peer(s) in run '{self.key[:-len('_swarm_progress')]}' train a different model "
+                f"(parameter shapes or dtypes differ); they are kept apart. Give each model its own run_id."
+            )
+        with self._lock:
+            self._others = [r for r in records if r.peer_id != self._peer_id]
+
+    def _read_records(self, timeout: float) -> object:
+        """The only place that reads the swarm's records (see the module docstring)."""
+        return self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)

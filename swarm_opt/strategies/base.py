@@ -1,0 +1,73 @@
+"""The interface between the optimizer's fixed step loop and an algorithm.
+
+The loop calls ``local_step`` on every ``Optimizer.step()``; when the swarm has processed ``target_batch_size``
+samples it all-reduces ``tensors_to_average()`` (weighted by ``averaging_weight()``) and calls ``apply_round`` with
+who took part. A round that failed is never applied: the strategy keeps its local state and the loop retries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from swarm_opt.averaging import AveragingResult
+
+
+class Strategy(ABC):
+    """One training algorithm. Instances are bound to one optimizer; pass a fresh instance per optimizer."""
+
+    #: a short stable name; peers only average with peers running the same strategy
+    name: str = "strategy"
+
+    def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
+        """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
+        if getattr(self, "_bound", False):
+            raise ValueError(
+                f"This {type(self).__name__} instance is already used by another optimizer; "
+                f"pass a new instance, e.g. strategy={type(self).__name__}()"
+            )
+        self._bound = True
+        self.params: List[torch.Tensor] = list(params)
+        self.inner = inner
+
+    @abstractmethod
+    def local_step(self, batch_size: int) -> bool:
+        """Consume the gradients of one local step of ``batch_size`` samples. Return False if the step was skipped
+        (non-finite gradients): its samples then do not count."""
+
+    @abstractmethod
+    def tensors_to_average(self) -> List[torch.Tensor]:
+        """Tensors that the round all-reduces in place. Same shapes and dtypes every round."""
+
+    @abstractmethod
+    def averaging_weight(self) -> float:
+        """This peer's weight in the round's weighted mean."""
+
+    @abstractmethod
+    def apply_round(self, result: AveragingResult) -> None:
+        """The tensors now hold the group's average (or this peer's own, for a round alone): finish the round."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, but got keys {sorted(state)}")
+
+
+def grads_are_finite(grads: List[torch.Tensor]) -> bool:
+    """One fused pass over the gradients (the kernel GradScaler uses), falling back to a plain check."""
+    if not grads:
+        return True
+    found_inf = torch.zeros(1, device=grads[0].device)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=grads[0].device))
+    except (RuntimeError, TypeError, NotImplementedError):  # e.g. dtypes the fused kernel does not take
+        return all(bool(torch.isfinite(g).all()) for g in grads)
+    return not bool(found_inf.item())

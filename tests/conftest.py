@@ -1,0 +1,6 @@
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "swarm: real multi-peer swarms on loopback (separate processes)")
+    config.addinivalue_line("markers", "slow: takes more than a minute")

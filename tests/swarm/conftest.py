@@ -1,0 +1,95 @@
+"""Launch real peers as separate OS processes (each in its own session) and always clean them up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+PEER_SCRIPT = Path(__file__).with_name("peer.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Swarm:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: Dict[int, subprocess.Popen] = {}
+        self.initial_peers: List[str] = []
+
+    def start(self, rank: int, **config) -> subprocess.Popen:
+        out = self.tmp / f"peer{rank}.pt"
+        config = dict(rank=rank, out=str(out), initial_peers=self.initial_peers, **config)
+        path = self.tmp / f"peer{rank}.json"
+        path.write_text(json.dumps(config))
+        log = open(self.tmp / f"peer{rank}.log", "w")
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=env, cwd=str(REPO))
+        self.procs[rank] = proc
+        if not self.initial_peers:
+            maddrs = Path(str(out) + ".maddrs")
+            deadline = time.monotonic() + 60
+            while not maddrs.exists() or not maddrs.read_text():
+                assert proc.poll() is None, self.log(rank)
+                assert time.monotonic() < deadline, "first peer did not start its DHT"
+                time.sleep(0.1)
+            self.initial_peers = json.loads(maddrs.read_text())
+        return proc
+
+    def log(self, rank: int) -> str:
+        return (self.tmp / f"peer{rank}.log").read_text()
+
+    def wait(self, timeout: float) -> None:
+        """Wait until every peer wrote its result, then let them all leave (peers linger as donors until then)."""
+        deadline = time.monotonic() + timeout
+        for rank, proc in self.procs.items():
+            out = self.tmp / f"peer{rank}.pt"
+            while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        for rank in self.procs:
+            (self.tmp / f"peer{rank}.pt.stop").touch()
+        for rank, proc in self.procs.items():
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"peer {rank} did not finish in time; log:\n{self.log(rank)}")
+            assert proc.returncode == 0, f"peer {rank} exited with {proc.returncode}:\n{self.log(rank)}"
+
+    def result(self, rank: int) -> dict:
+        return torch.load(self.tmp / f"peer{rank}.pt")
+
+    def kill_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            # the peer's session may hold orphans (p2pd, averager) even after the leader is gone
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    s = Swarm(tmp_path)
+    try:
+        yield s
+    finally:
+        s.kill_all()

@@ -1,0 +1,100 @@
+"""Gradient averaging in real loopback swarms: equivalence with one process, schedulers, mixed precision."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.swarm.peer import make_data, make_inner, make_model
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def reference_params(results: list, inner: str, epochs: int, scheduler: bool = False) -> list:
+    """One process applying the inner optimizer to the union of the batches every peer committed to each epoch."""
+    x, y = make_data()
+    model = make_model()
+    opt = make_inner(inner)(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    for epoch in range(1, epochs + 1):
+        batches = [b for r in results for b in r["committed"].get(epoch, []) for b in [b]]
+        assert batches, f"no peer committed batches to epoch {epoch}"
+        idx = torch.tensor([i for b in batches for i in b])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+        if sched:
+            sched.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_quiet(log: str) -> None:
+    for word in ("Traceback", "WARNING", "ERROR", "Warning:"):
+        assert word not in log, log
+
+
+@pytest.mark.parametrize("inner, client_rank", [("sgd", 2), ("adam", None)])
+def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, client_rank):
+    """Peers of unequal batch sizes (one of them behind NAT in client mode for SGD) must end with exactly the
+    parameters of one process that applies the inner optimizer to the union of the batches of each epoch."""
+    epochs = 4
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner=inner, epochs=epochs,
+                    expect_peers=3, step_sleep=0.03, client_mode=rank == client_rank)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+        # a peer that missed a round downloads the swarm's state; its batches of that round are then discarded
+        assert all(rep["caught_up"] or rep["group_size"] >= 2 for rep in r["reports"]), r["reports"]
+        assert sum(rep["group_size"] == 3 for rep in r["reports"]) >= epochs // 2, r["reports"]
+        assert_quiet(swarm.log(r["rank"]))
+    if client_rank is not None:
+        assert any(rep["group_size"] == 3 for rep in results[client_rank]["reports"]), "the client never averaged"
+    expected = reference_params(results, inner, epochs)
+    for r in results:
+        for got, want in zip(r["params"], expected):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the test is only meaningful if training moved the parameters
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
+
+
+def test_late_joiner_downloads_state_and_follows_the_global_lr_schedule(swarm):
+    common = dict(batch_size=16, target_batch_size=240, inner="sgd", epochs=7, step_sleep=0.03, scheduler=True)
+    swarm.start(0, expect_peers=2, **common)
+    swarm.start(1, expect_peers=2, **common)
+    deadline = time.monotonic() + 60
+    while "epoch 2:" not in swarm.log(0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    swarm.start(2, expect_peers=1, **common)
+    swarm.wait(timeout=180)
+    results = [swarm.result(r) for r in range(3)]
+    late = results[2]
+    assert late["reports"][0]["caught_up"] and late["reports"][0]["epoch"] >= 2, late["reports"]
+    for r in results:
+        assert r["epoch"] == 7
+        assert r["lrs"][7] == pytest.approx(0.1 * 0.5**7)
+        assert_quiet(swarm.log(r["rank"]))
+    for r in results[1:]:
+        for got, want in zip(r["params"], results[0]["params"]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_bf16_peers_train_together_and_a_different_model_is_kept_apart(swarm):
+    """Two bf16 peers average with each other; a float32 peer of the same run_id is told apart, never mixed in."""
+    common = dict(batch_size=16, target_batch_size=160, inner="sgd", epochs=3, step_sleep=0.03)
+    swarm.start(0, dtype="bfloat16", expect_peers=2, **common)
+    swarm.start(1, dtype="bfloat16", expect_peers=2, **common)
+    swarm.start(2, dtype="float32", expect_peers=1, **common)
+    swarm.wait(timeout=150)
+    bf16 = [swarm.result(r) for r in (0, 1)]
+    for r in bf16:
+        assert r["params"][0].dtype == torch.bfloat16
+        assert all(rep["group_size"] in (1, 2) for rep in r["reports"])
+    for got, want in zip(bf16[0]["params"], bf16[1]["params"]):
+        assert torch.equal(got, want)
+    lone = swarm.result(2)
+    assert lone["epoch"] == 3 and all(rep["group_size"] == 1 for rep in lone["reports"]), lone["reports"]
+    assert "train a different model" in swarm.log(2)

@@ -1,0 +1,158 @@
+"""One real peer in this process (a real DHT on loopback): input validation, mixed precision, schedules, lifetime."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hivemind
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt import ConfigError, ConfigTypeError
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def dht():
+    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    yield node
+    node.shutdown()
+
+
+def make(dht, run_id, model=None, **kwargs):
+    model = model or torch.nn.Linear(4, 2)
+    kwargs.setdefault("optimizer", lambda p: torch.optim.SGD(p, lr=0.1))
+    kwargs.setdefault("params", model.parameters())
+    return swarm_opt.Optimizer(dht=dht, run_id=run_id, target_batch_size=kwargs.pop("target", 64),
+                               matchmaking_time=1.0, averaging_timeout=5.0, **kwargs), model
+
+
+def test_bad_arguments_raise_errors_that_name_the_fix(dht):
+    model = torch.nn.Linear(2, 1)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    with pytest.raises(ConfigError, match="params is required"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd)
+    with pytest.raises(ConfigError, match="params is empty"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=[])
+    with pytest.raises(ConfigError, match="target_batch_size"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=0, optimizer=sgd, params=model.parameters())
+    with pytest.raises(ConfigError, match="batch_size_per_step"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, batch_size_per_step=-1, optimizer=sgd,
+                            params=model.parameters())
+    with pytest.raises(ConfigTypeError, match="hivemind.DHT"):
+        swarm_opt.Optimizer(dht="localhost", run_id="bad", target_batch_size=8, optimizer=sgd,
+                            params=model.parameters())
+    with pytest.raises(ConfigTypeError, match="optimizer must be"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer="sgd", params=model.parameters())
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match="pass params only with an optimizer factory"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=inner, params=model.parameters())
+    with pytest.raises(ConfigError, match="scheduler factory"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
+                            scheduler=torch.optim.lr_scheduler.StepLR(inner, 1))
+    with pytest.raises(ConfigTypeError, match="strategy"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
+                            strategy="scaffold")
+
+
+def test_step_without_batch_size_is_rejected_and_nothing_counts(dht):
+    opt, model = make(dht, "no_batch_size")
+    with opt:
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.raises(ConfigError, match=r"step\(batch_size=N\)"):
+            opt.step()
+        opt.step(batch_size=3)
+        assert opt.progress.samples_accumulated == 3
+    with pytest.raises(RuntimeError, match="shut down"):
+        opt.step(batch_size=3)
+
+
+def test_scheduler_steps_once_per_global_epoch_and_state_dict_round_trips(dht):
+    opt, model = make(dht, "sched", batch_size_per_step=32,
+                      scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    with opt:
+        for _ in range(6):
+            opt.zero_grad()
+            model(torch.randn(32, 4)).pow(2).mean().backward()
+            opt.step()
+        assert opt.local_epoch == 3 and opt.last_round.group_size == 1
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+        state = opt.state_dict()
+    again, _ = make(dht, "sched2", model=model,
+                    scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    with again:
+        again.load_state_dict(state)
+        assert again.local_epoch == 3 and again.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_grad_scaler_skips_non_finite_steps_consistently_and_unscales_first(dht):
+    model = torch.nn.Linear(4, 2)
+    opt, _ = make(dht, "amp", model=model, target=10_000, batch_size_per_step=8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(8, 4)
+    with opt:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert opt.progress.samples_accumulated == 8
+        # the accumulated gradient is the unscaled one
+        expected = torch.autograd.grad(model(x).float().pow(2).mean(), model.weight)[0]
+        torch.testing.assert_close(opt.strategy.tensors_to_average()[0], expected, atol=0.05, rtol=0.05)
+        opt.zero_grad()
+        scaler.scale(loss.detach().requires_grad_() * float("inf")).backward()  # overflow: the scaler skips step()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        opt.step()  # without a scaler, non-finite gradients are skipped by swarm_opt itself
+        assert opt.progress.samples_accumulated == 8
+
+
+def test_weights_loaded_after_creation_take_effect(dht):
+    model = torch.nn.Linear(4, 2)
+    opt, _ = make(dht, "restore", model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), batch_size_per_step=64)
+    with opt:
+        with torch.no_grad():
+            model.weight.fill_(42.0)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        assert opt.local_epoch == 1
+        assert torch.all(model.weight == 42.0)  # hivemind's offloaded copy would have reverted this
+
+
+def _descendants(pid: int) -> set:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, set()).add(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_shutdown_leaves_no_processes_behind():
+    before = _descendants(os.getpid())
+    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    opt, model = make(node, "lifetime", batch_size_per_step=4)
+    assert len(_descendants(os.getpid()) - before) >= 2  # at least the DHT, the averager, their p2pd daemons
+    opt.shutdown()
+    opt.shutdown()  # idempotent
+    node.shutdown()
+    import time
+
+    deadline = time.monotonic() + 10
+    while _descendants(os.getpid()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _descendants(os.getpid()) - before

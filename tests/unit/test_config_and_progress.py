@@ -1,0 +1,87 @@
+"""Configuration validation and the progress maths: no network."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hivemind.utils import ValueWithExpiration
+
+from swarm_opt import ConfigError, ConfigTypeError, SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(run_id="r", target_batch_size=0), ConfigError, "target_batch_size must be a positive int"),
+        (dict(run_id="r", target_batch_size=-5), ConfigError, "target_batch_size"),
+        (dict(run_id="r", target_batch_size=2.5), ConfigTypeError, "target_batch_size"),
+        (dict(run_id="r", target_batch_size=True), ConfigTypeError, "target_batch_size"),
+        (dict(run_id="r", target_batch_size=8, batch_size_per_step=0), ConfigError, "batch_size_per_step"),
+        (dict(run_id="has.dot", target_batch_size=8), ConfigError, "run_id"),
+        (dict(run_id="", target_batch_size=8), ConfigError, "run_id"),
+    ],
+)
+def test_swarm_config_rejects_bad_input_with_a_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SwarmConfig(**kwargs)
+
+
+def test_timeouts_and_tracker_config_validate():
+    with pytest.raises(ConfigError, match="must exceed matchmaking_time"):
+        Timeouts(matchmaking_time=10, averaging_timeout=5)
+    with pytest.raises(ConfigError, match="positive, finite"):
+        Timeouts(matchmaking_time=math.inf)
+    with pytest.raises(ConfigError, match="twice heartbeat_period"):
+        TrackerConfig(heartbeat_period=5, record_ttl=6)
+    assert Timeouts(matchmaking_time=1.0).request_timeout < 1.0  # hivemind needs it below the matchmaking time
+    assert isinstance(ConfigError("x"), ValueError) and isinstance(ConfigTypeError("x"), TypeError)
+
+
+def record(peer: bytes, epoch: int, samples: int, sps: float, t: float, **kw) -> ProgressRecord:
+    return ProgressRecord(peer_id=peer, epoch=epoch, samples=samples, samples_per_second=float(sps), time=float(t),
+                          client_mode=kw.get("client_mode", False), model_schema=kw.get("schema", "s"))
+
+
+def test_aggregate_counts_only_the_global_epoch_and_extrapolates_samples():
+    local = record(b"me", 3, 10, 10.0, 100.0)
+    others = [record(b"a", 3, 20, 5.0, 98.0), record(b"b", 2, 500, 100.0, 100.0, client_mode=True)]
+    p = aggregate_progress(others, local, target_batch_size=100, now=100.0)
+    assert p.epoch == 3 and p.num_peers == 3 and p.num_clients == 1
+    assert p.samples_accumulated == 10 + 20 + 5 * 2  # peer b is in an older epoch; a is extrapolated by 2 s
+    assert p.samples_per_second == pytest.approx(115.0)
+    assert p.eta == pytest.approx(100.0 + 60 / 115.0)
+    assert not p.ready
+
+
+def test_aggregate_sees_a_swarm_ahead_and_readiness():
+    local = record(b"me", 1, 0, 0.0, 50.0)
+    p = aggregate_progress([record(b"a", 4, 7, 1.0, 50.0)], local, target_batch_size=10, now=50.0)
+    assert p.epoch == 4  # the caller must catch up
+    p = aggregate_progress([record(b"a", 1, 12, 0.0, 50.0)], local, target_batch_size=10, now=50.0)
+    assert p.ready and p.eta_seconds == 0
+
+
+def _raw(entries: dict) -> ValueWithExpiration:
+    return ValueWithExpiration({k: ValueWithExpiration(v, 1e12) for k, v in entries.items()}, 1e12)
+
+
+def test_parse_records_drops_malformed_hostile_and_foreign_records():
+    good = record(b"a", 1, 5, 1.0, 10.0).dict()
+    raw = _raw({
+        b"k1": good,
+        b"k2": dict(good, samples=-1),                      # out of range
+        b"k3": dict(good, samples_per_second=float("nan")),  # not finite
+        b"k4": dict(good, epoch="1"),                        # wrong type
+        b"k5": dict(good, time=10.0 + 3600),                 # from the far future
+        b"k6": dict(good, model_schema="other"),             # a different model
+        b"k7": "garbage",
+        b"k8": None,                                          # a peer that left
+        b"k9": {**good, "samples_per_second": 1e30},        # absurd throughput
+    })
+    records, mismatched = parse_records(raw, model_schema="s", now=10.0)
+    assert [r.peer_id for r in records] == [b"a"]
+    assert mismatched == 1
+    assert parse_records(None, model_schema="s", now=0.0) == ([], 0)
+    assert parse_records(ValueWithExpiration("junk", 1.0), model_schema="s", now=0.0) == ([], 0)

@@ -1,0 +1,85 @@
+"""Gradient accumulation maths and the state codec: no network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm_opt.averaging import AveragingResult
+from swarm_opt.serialization import flatten, unflatten
+from swarm_opt.strategies import GradientAveraging
+
+
+def _bound(params):
+    strategy = GradientAveraging()
+    inner = torch.optim.SGD(params, lr=1.0)
+    strategy.bind(params, inner)
+    return strategy, inner
+
+
+def test_accumulation_is_weighted_by_samples_not_calls():
+    w = torch.nn.Parameter(torch.zeros(3))
+    strategy, _ = _bound([w])
+    for grad, batch in [(torch.tensor([1.0, 0, 0]), 1), (torch.tensor([0, 3.0, 0]), 3)]:
+        w.grad = grad.clone()
+        assert strategy.local_step(batch)
+    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([0.25, 2.25, 0.0]))
+    assert strategy.averaging_weight() == 4.0
+
+
+def test_non_finite_gradients_are_skipped_and_never_accumulated():
+    w = torch.nn.Parameter(torch.zeros(2))
+    strategy, _ = _bound([w])
+    w.grad = torch.tensor([1.0, float("inf")])
+    assert not strategy.local_step(8)
+    assert strategy.averaging_weight() == 0 and torch.all(strategy.tensors_to_average()[0] == 0)
+    w.grad = torch.tensor([2.0, 2.0])
+    assert strategy.local_step(2)
+    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([2.0, 2.0]))
+
+
+def test_apply_round_steps_the_inner_optimizer_on_the_average_and_resets():
+    w = torch.nn.Parameter(torch.ones(2))
+    strategy, _ = _bound([w])
+    w.grad = torch.tensor([1.0, 1.0])
+    strategy.local_step(4)
+    strategy.tensors_to_average()[0].copy_(torch.tensor([0.5, -0.5]))  # what the all-reduce would write
+    strategy.apply_round(AveragingResult(peers=(), gathered={}))
+    torch.testing.assert_close(w.detach(), torch.tensor([0.5, 1.5]))
+    assert w.grad is None and strategy.averaging_weight() == 0
+
+
+def test_a_parameter_without_gradient_counts_as_zero_gradient():
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    strategy, _ = _bound([a, b])
+    a.grad, b.grad = torch.ones(1), torch.ones(1)
+    strategy.local_step(1)
+    a.grad, b.grad = torch.ones(1), None
+    strategy.local_step(1)
+    torch.testing.assert_close(strategy.tensors_to_average()[1], torch.tensor([0.5]))
+
+
+def test_a_strategy_instance_serves_one_optimizer():
+    strategy, _ = _bound([torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ValueError, match="pass a new instance"):
+        strategy.bind([torch.nn.Parameter(torch.zeros(1))], torch.optim.SGD([torch.zeros(1)], lr=1))
+
+
+def test_state_codec_round_trips_optimizer_state_without_pickle():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = {"params": list(model.parameters()), "optimizer": opt.state_dict(), "t": (1, "x", None, True)}
+    skeleton, tensors = flatten(state)
+    back = unflatten(skeleton, tensors)
+    assert back["t"] == (1, "x", None, True)
+    assert set(back["optimizer"]["state"]) == {0, 1}  # integer keys survive
+    torch.testing.assert_close(back["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("skeleton", [{"__tensor__": 5}, {"__dict__": [[1]]}, {"evil": 1}, {"__dict__": [[[1], 2]]},
+                                      b"bytes"])
+def test_state_codec_rejects_what_it_did_not_produce(skeleton):
+    with pytest.raises(ValueError):
+        unflatten(skeleton, [torch.zeros(1)])

@@ -93,8 +93,10 @@ def test_bf16_peers_train_together_and_a_different_model_is_kept_apart(swarm):
     for r in bf16:
         assert r["params"][0].dtype == torch.bfloat16
         assert all(rep["group_size"] in (1, 2) for rep in r["reports"])
+    # hivemind's all-reduce returns each peer "own + (average - own)", exact in fp32 only up to round-off, so bf16
+    # peers can differ by a few bf16 ulps after momentum; they must still be far closer than independent training
     for got, want in zip(bf16[0]["params"], bf16[1]["params"]):
-        assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, atol=5e-3, rtol=2e-2)
     lone = swarm.result(2)
     assert lone["epoch"] == 3 and all(rep["group_size"] == 1 for rep in lone["reports"]), lone["reports"]
     assert "train a different model" in swarm.log(2)

@@ -87,8 +87,7 @@ def aggregate_progress(
     Samples of each peer are extrapolated from its record's time at its reported throughput, so that the estimate
     stays tight between reads; only peers in the global (highest) epoch count toward it.
     """
-    peers = [r for r in records if r.peer_id != local.peer_id or r.time > local.time] + [local]
-    peers = list({r.peer_id: r for r in sorted(peers, key=lambda r: r.time)}.values())
+    peers = [r for r in records if r.peer_id != local.peer_id] + [local]
     epoch = max(r.epoch for r in peers)
     current = [r for r in peers if r.epoch == epoch]
     samples = 0.0
@@ -249,7 +248,8 @@ class ProgressTracker:
         return min(self.config.refresh_period, max(0.05, until_target / 3))
 
     def _local_record(self) -> ProgressRecord:
-        return ProgressRecord(
+        # our own values need no validation, and step() reads this every call: skip pydantic's checks
+        return ProgressRecord.construct(
             peer_id=self._peer_id, epoch=self._epoch, samples=self._samples,
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema,

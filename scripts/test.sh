@@ -2,7 +2,7 @@
 # Set up (idempotent) and run the whole test suite: unit tests, real loopback swarms, CLI and demo end-to-end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh 2>&1 | grep -v "^WARNING: Location" || true
+bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 set +e
 .venv/bin/python -m pytest -q "$@"

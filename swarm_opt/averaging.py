@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.control import StepControl
 from hivemind.compression import CompressionBase, NoCompression
 from hivemind.dht import DHT
@@ -41,9 +42,24 @@ class AveragingResult:
 
 
 class _Engine(DecentralizedAverager):
-    """hivemind's averager, with the state it serves to newcomers supplied by the host process."""
+    """hivemind's averager, with two changes: the state it serves to newcomers comes from the host process, and a
+    round in which any part was not averaged by everyone fails instead of reporting success (hivemind silently falls
+    back to local values for the parts of a peer that timed out, which would leave this peer's result different
+    from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        runner_future = self._running_groups.get(group_info.group_id)
+        if runner_future is not None and runner_future.done() and not runner_future.exception():
+            runner = runner_future.result()
+            if runner.banned_senders or runner.tensor_part_container.failed_size:
+                raise AllreduceException(
+                    f"partial all-reduce: {len(runner.banned_senders)} sender(s) timed out, "
+                    f"{runner.tensor_part_container.failed_size} values not averaged"
+                )
+        return gathered
 
     def get_current_state(self):  # runs in the host process, in hivemind's state-fetching thread
         provider = self.state_provider
@@ -100,7 +116,7 @@ class TensorAverager:
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
-                require_trigger=True, wait=False, gather=None,
+                require_trigger=True, wait=False, gather=None, allow_retries=False,
             )
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float) -> Optional[AveragingResult]:

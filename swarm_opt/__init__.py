@@ -11,7 +11,7 @@ from swarm_opt.errors import (
 )
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.strategies import GradientAveraging, Strategy
+from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold, Strategy
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,10 @@ tame_hivemind_logging()
 __all__ = [
     "Optimizer",
     "GradientAveraging",
+    "LocalUpdates",
+    "FedProx",
+    "Scaffold",
+    "DiLoCo",
     "Strategy",
     "SwarmConfig",
     "Timeouts",

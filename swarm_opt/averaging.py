@@ -83,7 +83,9 @@ class TensorAverager:
         state_provider: Optional[StateProvider] = None,
     ) -> None:
         self.timeouts = timeouts
-        buffers = [torch.zeros_like(t, device="cpu") for t in templates]
+        # averaging runs in fp32 whatever the model's precision
+        buffers = [torch.zeros_like(t, device="cpu", dtype=torch.promote_types(t.dtype, torch.float32)
+                                    if t.is_floating_point() else t.dtype) for t in templates]
         self._engine = _Engine(
             buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,

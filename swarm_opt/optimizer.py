@@ -104,6 +104,7 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_sum, self._loss_count = 0.0, 0
         self._state_lock = threading.RLock()
         self._next_catch_up = 0.0
+        self._synced = False  # True once this peer's state is the swarm's (a committed round or a download)
         self._closed = False
         self.last_round: Optional[RoundReport] = None
         self.model_schema = _model_schema(self._params, strategy.name)
@@ -116,6 +117,8 @@ class Optimizer(torch.optim.Optimizer):
             compression=compression or NoCompression(), state_provider=self._shareable_state,
         )
         self._tracker.start()
+        # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically
+        self._synced = self._tracker.progress.epoch == 0
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
     @property
@@ -167,7 +170,7 @@ class Optimizer(torch.optim.Optimizer):
 
         progress = self._tracker.progress
         if progress.epoch > self._epoch:
-            self._catch_up()
+            self._catch_up(progress.epoch)
         elif progress.ready:
             self._run_round(progress)
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
@@ -182,7 +185,9 @@ class Optimizer(torch.optim.Optimizer):
         if progress.num_peers <= 1:
             result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
         else:
-            result = self._averager.all_reduce(self.strategy.tensors_to_average(), self.strategy.averaging_weight())
+            with torch.no_grad():
+                tensors = self.strategy.tensors_to_average()
+                result = self._averager.all_reduce(tensors, self.strategy.averaging_weight())
             if result is None or not _is_majority(result.group_size, progress.num_peers):
                 logger.info(
                     f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "
@@ -195,9 +200,19 @@ class Optimizer(torch.optim.Optimizer):
                                           time.monotonic() - started, caught_up=False)
             self._advance_epoch(result.group_size, progress)
 
+    def _skip_to_epoch(self, epoch: int) -> None:
+        logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
+        while self._epoch < epoch:
+            self._epoch += 1
+            if self.scheduler is not None:
+                self.scheduler.step()
+        self._samples = 0  # the strategy keeps its own round's weight: its local work is averaged in next round
+        self._tracker.report(self._epoch, 0)
+
     def _advance_epoch(self, group_size: int, progress: SwarmProgress) -> None:
         self._epoch += 1
         self._samples = 0
+        self._synced = True
         if self.scheduler is not None:
             self.scheduler.step()
         self._tracker.report(self._epoch, 0)
@@ -208,7 +223,13 @@ class Optimizer(torch.optim.Optimizer):
                     f"{progress.samples_per_second:.0f} samples/s{loss}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
-    def _catch_up(self) -> None:
+    def _catch_up(self, global_epoch: int) -> None:
+        """The swarm finished rounds without us: go on from our own state if the strategy allows it (local updates
+        are averaged back in next round), otherwise download the swarm's state."""
+        if self._synced and self.strategy.keeps_local_state_when_behind(global_epoch - self._epoch):
+            with self._state_lock:
+                self._skip_to_epoch(global_epoch)
+            return
         if time.monotonic() < self._next_catch_up:
             return
         self._averager.cancel_scheduled()
@@ -283,6 +304,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
             self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, caught_up=True)
+            self._synced = True
             self._epoch = epoch
             self._samples = 0
             self.strategy.reset()

@@ -1,6 +1,9 @@
 """Training algorithms, each behind the small ``Strategy`` interface."""
 
 from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.diloco import DiLoCo
 from swarm_opt.strategies.grad_averaging import GradientAveraging
+from swarm_opt.strategies.local_updates import FedProx, LocalUpdates
+from swarm_opt.strategies.scaffold import Scaffold
 
-__all__ = ["Strategy", "GradientAveraging"]
+__all__ = ["Strategy", "GradientAveraging", "LocalUpdates", "FedProx", "Scaffold", "DiLoCo"]

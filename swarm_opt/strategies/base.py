@@ -53,12 +53,23 @@ class Strategy(ABC):
     def reset(self) -> None:
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""
 
+    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from
+        its local state (it will be averaged back in next round); False if the peer must download the swarm's
+        state (the default: e.g. gradient averaging must never step from stale parameters)."""
+        return False
+
     def state_dict(self) -> Dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} has no state, but got keys {sorted(state)}")
+
+
+def state_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """Buffers that accumulate over many steps (means, anchors, controls) keep at least fp32 precision."""
+    return torch.promote_types(tensor.dtype, torch.float32)
 
 
 def grads_are_finite(grads: List[torch.Tensor]) -> bool:

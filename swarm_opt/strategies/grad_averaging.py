@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.strategies.base import Strategy, grads_are_finite
+from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
 
 
 class GradientAveraging(Strategy):
@@ -22,7 +22,7 @@ class GradientAveraging(Strategy):
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self._mean = [torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        self._mean = [torch.zeros_like(p, dtype=state_dtype(p))
                       for p in self.params]
         self._samples = 0
 
@@ -35,7 +35,7 @@ class GradientAveraging(Strategy):
             if p.grad is None:
                 mean.mul_(1.0 - fraction)
             else:
-                mean.lerp_(p.grad.detach().float(), fraction)
+                mean.lerp_(p.grad.detach().to(mean.dtype), fraction)
         self._samples += batch_size
         return True
 

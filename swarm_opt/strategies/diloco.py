@@ -1,0 +1,69 @@
+"""DiLoCo (Douillard et al., 2023): local updates, then an outer optimizer steps on the averaged pseudo-gradient."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, Sequence
+
+import torch
+
+from swarm_opt.averaging import AveragingResult
+from swarm_opt.errors import ConfigTypeError
+from swarm_opt.strategies.base import state_dtype
+from swarm_opt.strategies.local_updates import LocalUpdates, _load_tensors
+
+OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
+
+
+class DiLoCo(LocalUpdates):
+    """Keep an anchor copy ``x`` of the parameters (fp32, on CPU); after each round's average ``ybar`` the
+    pseudo-gradient ``x - ybar`` is given to the outer optimizer, which steps from ``x``; every peer then continues
+    from the new ``x``.
+
+    :param outer_optimizer: a factory over the anchor tensors returning any ``torch.optim.Optimizer``, typically
+        ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``.
+
+    A peer that missed a round downloads the swarm's state: the anchor and outer optimizer must be the swarm's.
+    """
+
+    name = "diloco"
+
+    def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = ()) -> None:
+        super().__init__(average_optimizer_state=average_optimizer_state)
+        if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
+            raise ConfigTypeError(
+                "outer_optimizer must be a factory over the anchor parameters, e.g. "
+                "outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)"
+            )
+        self._outer_factory = outer_optimizer
+
+    def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
+        super().bind(params, inner)
+        self._anchor = [p.detach().to("cpu", state_dtype(p), copy=True) for p in self.params]
+        self.outer = self._outer_factory(self._anchor)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ConfigTypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
+
+    def apply_round(self, result: AveragingResult) -> None:
+        super().apply_round(result)
+        for x, p in zip(self._anchor, self.params):
+            x.grad = x - p.detach().to("cpu", x.dtype)
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        for x, p in zip(self._anchor, self.params):
+            p.detach().copy_(x)
+
+    def reset(self) -> None:
+        """After a download: continue from the swarm's anchor, not from the donor's half-finished local model."""
+        super().reset()
+        for x, p in zip(self._anchor, self.params):
+            p.detach().copy_(x)
+
+    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"anchor": [x.clone() for x in self._anchor], "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        _load_tensors(self._anchor, state.get("anchor"), "DiLoCo anchor")
+        self.outer.load_state_dict(state["outer"])

@@ -1,0 +1,116 @@
+"""SCAFFOLD (Karimireddy et al., 2020, option II) without a server, as specified in shared ALGORITHMS.md §3.
+
+Each peer keeps one tensor per trainable parameter, ``d_i = c - c_i``. After every completed inner step the weights
+are corrected, ``p <- p - lr_k * d_i`` (after the step, never through the gradient: momentum would amplify it), and
+``S_i`` accumulates the step's learning rate. At a round the peer sends its parameters ``y_i`` and
+``u_i = z_i - d_i`` with ``z_i = (x - y_i) / S_i``; with the group's weighted means it sets
+
+    d_i <- mean_w(u) - u_i  =  d_i + mean_w(z) - z_i - mean_w(d)
+
+which is the exact option-II control update followed by re-centring on the group's weighted mean control. That is
+the rule of ALGORITHMS.md (re-centre when members or weights changed) applied every round: when neither changed,
+``Σ w_i d_i`` is already 0 and re-centring is a no-op, so it costs nothing to always do it, and it needs no extra
+tensor. ``Σ w_i d_i = 0`` then holds in every group after every round, a departed peer leaves no bias, and a peer
+that missed the round keeps its ``d``. A failed round or a round alone leaves ``d`` unchanged. (Moshpit-style
+rotating partial groups would need the non-recentred K-GT form, sending ``z`` alone; swarm_opt averages the whole
+swarm in one group per round, where partial groups only come from failures.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from swarm_opt.averaging import AveragingResult
+from swarm_opt.errors import ConfigError
+from swarm_opt.strategies.base import state_dtype
+from swarm_opt.strategies.local_updates import LocalUpdates, _load_tensors
+
+
+class Scaffold(LocalUpdates):
+    """LocalUpdates with SCAFFOLD control variates; corrects client drift on non-IID data.
+
+    Supports ``torch.optim.SGD`` (with or without momentum). Other inner optimizers are refused: SCAFFOLD's
+    correction assumes the step is ``lr * gradient``, and no public work validates it with adaptive optimizers.
+    """
+
+    name = "scaffold"
+
+    def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
+        if type(inner) is not torch.optim.SGD:
+            raise ConfigError(
+                f"Scaffold supports torch.optim.SGD (with or without momentum), not {type(inner).__name__}: its "
+                f"control variates assume steps of lr * gradient. Use optimizer=lambda p: torch.optim.SGD(p, lr=..., "
+                f"momentum=0.9), or LocalUpdates()/DiLoCo() with adaptive optimizers"
+            )
+        super().bind(params, inner)
+        self._groups = [[p for p in group["params"] if p.requires_grad] for group in inner.param_groups]
+        trainable = [p for group in self._groups for p in group]
+        self._d = {p: torch.zeros_like(p, dtype=state_dtype(p)) for p in trainable}
+        self._anchor = {p: p.detach().to(state_dtype(p), copy=True) for p in trainable}
+        self._lr_sums = [0.0 for _ in self._groups]
+        self._u_sent = [torch.zeros_like(d) for d in self._d.values()]
+        self._u_local = [torch.zeros_like(d) for d in self._d.values()]
+
+    @property
+    def controls(self) -> List[torch.Tensor]:
+        """``d_i = c - c_i`` for every trainable parameter, in parameter order."""
+        return list(self._d.values())
+
+    def after_inner_step(self) -> None:
+        for index, group in enumerate(self.inner.param_groups):
+            lr = float(group["lr"])
+            self._lr_sums[index] += lr
+            for p in self._groups[index]:
+                p.detach().sub_(self._d[p].to(p.dtype), alpha=lr)
+
+    def tensors_to_average(self) -> List[torch.Tensor]:
+        i = 0
+        for group, lr_sum in zip(self._groups, self._lr_sums):
+            for p in group:
+                u = self._u_local[i]
+                if lr_sum > 0:
+                    torch.sub(self._anchor[p], p.detach(), out=u).div_(lr_sum)  # z_i
+                else:
+                    u.zero_()  # no completed step this round: the peer did not move
+                u.sub_(self._d[p])
+                self._u_sent[i].copy_(u)
+                i += 1
+        return super().tensors_to_average() + self._u_sent
+
+    def apply_round(self, result: AveragingResult) -> None:
+        super().apply_round(result)
+        if result.group_size > 1:  # alone, the group mean is our own value: d must stay as it is
+            for d, mean_u, u in zip(self._d.values(), self._u_sent, self._u_local):
+                torch.sub(mean_u, u, out=d)
+        self._restart_round()
+
+    def reset(self) -> None:
+        """After downloading the swarm's state the peer is a newcomer: its controls start at zero."""
+        super().reset()
+        for d in self._d.values():
+            d.zero_()
+        self._restart_round()
+
+    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        for d in self._d.values():  # a peer returning after missed rounds resets its controls
+            d.zero_()
+        return True
+
+    def _restart_round(self) -> None:
+        for p, x in self._anchor.items():
+            x.copy_(p.detach())
+        self._lr_sums = [0.0 for _ in self._groups]
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"controls": [d.clone() for d in self._d.values()],
+                "anchor": [x.clone() for x in self._anchor.values()], "lr_sums": list(self._lr_sums)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        _load_tensors(list(self._d.values()), state.get("controls"), "Scaffold controls")
+        _load_tensors(list(self._anchor.values()), state.get("anchor"), "Scaffold anchor")
+        lr_sums = state.get("lr_sums")
+        if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups):
+            raise ValueError("Scaffold lr_sums: expected one number per param group")
+        self._lr_sums = [float(v) for v in lr_sums]

@@ -1,0 +1,140 @@
+"""Every strategy through the same checks: one registry, one file (as torch's optim_db does for optimizers)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable, List
+
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt.simulation import average_in_process
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    make: Callable[[], swarm_opt.Strategy]
+    inner: Callable = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    bad_arguments: tuple = ()  # (callable that must raise, exception type, message regex)
+
+
+def _outer(p):
+    return torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)
+
+
+STRATEGIES = {
+    "GradientAveraging": StrategyInfo(swarm_opt.GradientAveraging),
+    "LocalUpdates": StrategyInfo(
+        lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",)),
+        bad_arguments=((lambda: swarm_opt.LocalUpdates(average_optimizer_state="exp_avg"), TypeError, "sequence"),)),
+    "FedProx": StrategyInfo(
+        lambda: swarm_opt.FedProx(mu=0.1),
+        bad_arguments=((lambda: swarm_opt.FedProx(mu=-1), ValueError, "non-negative"),)),
+    "Scaffold": StrategyInfo(
+        swarm_opt.Scaffold,
+        bad_arguments=((lambda: swarm_opt.Scaffold().bind([torch.nn.Parameter(torch.zeros(1))],
+                                                          torch.optim.Adam([torch.zeros(1)])), ValueError, "SGD"),)),
+    "DiLoCo": StrategyInfo(
+        lambda: swarm_opt.DiLoCo(outer_optimizer=_outer),
+        inner=lambda p: torch.optim.AdamW(p, lr=0.01),
+        bad_arguments=((lambda: swarm_opt.DiLoCo(outer_optimizer=torch.optim.SGD([torch.zeros(1)], lr=1)),
+                        TypeError, "factory"),)),
+}
+
+
+class Peer:
+    def __init__(self, info: StrategyInfo, seed: int):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.inner = info.inner(list(self.model.parameters()))
+        self.strategy = info.make()
+        self.strategy.bind(list(self.model.parameters()), self.inner)
+        self.g = torch.Generator().manual_seed(seed)
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            x = torch.randn(8, 4, generator=self.g)
+            self.inner.zero_grad()
+            (self.model(x) - x[:, :2] * (1 + self.g.initial_seed() % 3)).pow(2).mean().backward()
+            with torch.no_grad():
+                assert self.strategy.local_step(8)
+
+    def snapshot(self) -> List[torch.Tensor]:
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+names = pytest.mark.parametrize("name", list(STRATEGIES))
+
+
+@names
+def test_bad_arguments_raise_clear_errors(name):
+    for make, error, match in STRATEGIES[name].bad_arguments:
+        with pytest.raises(error, match=match):
+            make()
+
+
+@names
+def test_rounds_keep_peers_finite_and_in_sync(name):
+    peers = [Peer(STRATEGIES[name], seed) for seed in range(3)]
+    for _ in range(4):
+        for p in peers:
+            p.train(3)
+        average_in_process([p.strategy for p in peers])
+    for a, b in zip(peers[0].snapshot(), peers[1].snapshot()):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
+
+
+@names
+def test_a_failed_round_is_a_no_op(name):
+    peer = Peer(STRATEGIES[name], 0)
+    peer.train(3)
+    before_params, before_state = peer.snapshot(), peer.strategy.state_dict()
+    with torch.no_grad():
+        peer.strategy.tensors_to_average()  # prepared and sent, but never applied
+    assert all(torch.equal(a, b) for a, b in zip(before_params, peer.snapshot()))
+    _assert_same_state(before_state, peer.strategy.state_dict())
+
+
+@names
+def test_state_dict_round_trips_and_a_late_joiner_gets_consistent_state(name):
+    donor = Peer(STRATEGIES[name], 0)
+    donor.train(3)
+    average_in_process([donor.strategy])
+    donor.train(2)
+    state = donor.strategy.state_dict()
+    joiner = Peer(STRATEGIES[name], 1)
+    with torch.no_grad():
+        for p, q in zip(joiner.model.parameters(), donor.model.parameters()):
+            p.copy_(q)
+    # deep copies: in one process torch's load_state_dict would share the donor's tensors (a download does not)
+    joiner.inner.load_state_dict(copy.deepcopy(donor.inner.state_dict()))
+    joiner.strategy.load_state_dict(copy.deepcopy(state))
+    _assert_same_state(state, joiner.strategy.state_dict())
+    joiner.strategy.reset()  # what the optimizer does after downloading the swarm's state
+    joiner.train(2)
+    average_in_process([joiner.strategy, donor.strategy])
+    for a, b in zip(joiner.snapshot(), donor.snapshot()):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b)
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        joiner.strategy.load_state_dict({"anchor": [torch.zeros(1)], "controls": [], "lr_sums": [], "outer": {}}
+                                        if state else {"unexpected": 1})
+
+
+def _assert_same_state(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_same_state(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same_state(x, y)
+    else:
+        assert a == b

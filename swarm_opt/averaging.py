@@ -95,6 +95,7 @@ class TensorAverager:
         self._engine.state_provider = state_provider
         self._engine.run_in_background(await_ready=True, timeout=60)
         self._scheduled: Optional[StepControl] = None
+        self._scheduled_round = -1
         self._lock = threading.Lock()
 
     @property
@@ -110,20 +111,24 @@ class TensorAverager:
         if not self.client_mode and self._engine.state_sharing_priority != priority:
             self._engine.state_sharing_priority = float(priority)
 
-    def schedule(self, when: float) -> None:
-        """Start matchmaking now for a round that should begin at DHT time ``when``."""
+    def schedule(self, when: float, round_id: int) -> None:
+        """Start matchmaking now for round ``round_id`` (the epoch it completes), due at DHT time ``when``."""
         with self._lock:
             if self._scheduled is not None and not self._scheduled.done():
-                return
+                if self._scheduled_round == round_id:
+                    return
+                self._scheduled.cancel()
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            self._scheduled_round = round_id
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
-                require_trigger=True, wait=False, gather=None, allow_retries=False,
+                require_trigger=True, wait=False, gather={"round": round_id}, allow_retries=False,
             )
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float) -> Optional[AveragingResult]:
-        """Average ``tensors`` in place (weighted by ``weight``) with a group; ``None`` if the round failed."""
-        self.schedule(get_dht_time())
+    def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float, round_id: int) -> Optional[AveragingResult]:
+        """Average ``tensors`` in place (weighted by ``weight``) with a group of peers in the same round;
+        ``None`` (tensors untouched) if the round failed or mixed peers of different rounds."""
+        self.schedule(get_dht_time(), round_id)
         with self._lock:
             control, self._scheduled = self._scheduled, None
         assert control is not None
@@ -139,6 +144,11 @@ class TensorAverager:
             control.cancel()
             return None
         if not gathered:
+            return None
+        rounds = {info.get("round") if isinstance(info, dict) else None for info in gathered.values()}
+        if rounds != {round_id}:
+            # a peer that fell behind joined the swarm's next round: nobody may apply this mixture
+            logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
             return None
         with self._engine.get_tensors() as buffers:
             if not all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point()):

@@ -40,6 +40,7 @@ class RoundReport:
     group_size: int
     num_peers: int
     samples: int
+    weight: float
     seconds: float
     caught_up: bool
 
@@ -159,7 +160,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         batch_size = self._resolve_batch_size(batch_size)
         if loss is not None:
-            self._loss_sum, self._loss_count = self._loss_sum + float(loss), self._loss_count + 1
+            self._loss_sum, self._loss_count = self._loss_sum + float(loss.detach()), self._loss_count + 1
 
         with torch.no_grad(), self._state_lock:
             if self.strategy.local_step(batch_size):
@@ -174,7 +175,7 @@ class Optimizer(torch.optim.Optimizer):
         elif progress.ready:
             self._run_round(progress)
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
-            self._averager.schedule(progress.eta)
+            self._averager.schedule(progress.eta, self._epoch + 1)
         return loss
 
     # --- rounds -----------------------------------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class Optimizer(torch.optim.Optimizer):
         else:
             with torch.no_grad():
                 tensors = self.strategy.tensors_to_average()
-                result = self._averager.all_reduce(tensors, self.strategy.averaging_weight())
+                result = self._averager.all_reduce(tensors, self.strategy.averaging_weight(), self._epoch + 1)
             if result is None or not _is_majority(result.group_size, progress.num_peers):
                 logger.info(
                     f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "
@@ -195,9 +196,10 @@ class Optimizer(torch.optim.Optimizer):
                 )
                 return
         with torch.no_grad(), self._state_lock:
+            weight = self.strategy.averaging_weight()
             self.strategy.apply_round(result)
             self.last_round = RoundReport(self._epoch + 1, result.group_size, progress.num_peers, self._samples,
-                                          time.monotonic() - started, caught_up=False)
+                                          weight, time.monotonic() - started, caught_up=False)
             self._advance_epoch(result.group_size, progress)
 
     def _skip_to_epoch(self, epoch: int) -> None:
@@ -303,7 +305,7 @@ class Optimizer(torch.optim.Optimizer):
                 for p, old in zip(self._params, backup):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
-            self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, caught_up=True)
+            self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
             self._synced = True
             self._epoch = epoch
             self._samples = 0

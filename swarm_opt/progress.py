@@ -80,20 +80,26 @@ class SwarmProgress:
 
 
 def aggregate_progress(
-    records: Iterable[ProgressRecord], local: ProgressRecord, target_batch_size: int, now: float
+    records: Iterable[ProgressRecord], local: ProgressRecord, target_batch_size: int, now: float,
+    epoch_started: Optional[float] = None,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
     Samples of each peer are extrapolated from its record's time at its reported throughput, so that the estimate
-    stays tight between reads; only peers in the global (highest) epoch count toward it.
+    stays tight between reads; only peers in the global (highest) epoch count toward it. Just after a round, the
+    records of the peers that finished it with us still say the previous epoch: those peers are counted as if they
+    had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
     """
     peers = [r for r in records if r.peer_id != local.peer_id] + [local]
     epoch = max(r.epoch for r in peers)
-    current = [r for r in peers if r.epoch == epoch]
     samples = 0.0
-    for record in current:
-        elapsed = max(0.0, now - record.time) if record is not local else 0.0
-        samples += record.samples + record.samples_per_second * elapsed
+    for record in peers:
+        if record is local:
+            samples += record.samples if record.epoch == epoch else 0
+        elif record.epoch == epoch:
+            samples += record.samples + record.samples_per_second * max(0.0, now - record.time)
+        elif record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
+            samples += record.samples_per_second * max(0.0, now - epoch_started)
     throughput = sum(r.samples_per_second for r in peers)
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
@@ -184,6 +190,7 @@ class ProgressTracker:
         self._peer_id = dht.peer_id.to_bytes() + self._subkey[-16:]
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
+        self._epoch_started: Optional[float] = None
         self._throughput = _Throughput()
         self._others: List[ProgressRecord] = []
         self._mismatch_reported = False
@@ -203,6 +210,7 @@ class ProgressTracker:
         with self._lock:
             if epoch != self._epoch:
                 self._throughput.restart()
+                self._epoch_started = get_dht_time()
                 self._wake.set()
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
@@ -210,8 +218,8 @@ class ProgressTracker:
     @property
     def progress(self) -> SwarmProgress:
         with self._lock:
-            local, others = self._local_record(), self._others
-        return aggregate_progress(others, local, self.target_batch_size, get_dht_time())
+            local, others, started = self._local_record(), self._others, self._epoch_started
+        return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""

@@ -34,6 +34,33 @@ def make_inner(name: str):
     return lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
 
 
+LSQ_DIM = 5
+
+
+def lsq_problem(rank: int):
+    """Peer ``rank``'s least-squares problem ½‖A w − b‖² (heterogeneous across ranks), as in the unit tests."""
+    g = torch.Generator().manual_seed(500 + rank)
+    a = torch.randn(16, LSQ_DIM, generator=g, dtype=torch.float64) / 4 * (1 + 0.5 * (rank % 4))
+    b = torch.randn(16, generator=g, dtype=torch.float64) * 3 + rank
+    return a, b
+
+
+def lsq_optimum(ranks) -> torch.Tensor:
+    problems = [lsq_problem(r) for r in ranks]
+    return torch.linalg.solve(sum(a.T @ a for a, _ in problems), sum(a.T @ b for a, b in problems))
+
+
+def make_strategy(name: str):
+    import swarm_opt
+
+    return {
+        "grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold,
+        "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
+        "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
+                                                                                        nesterov=True)),
+    }[name]()
+
+
 def main(config_path: str) -> None:
     import logging
 
@@ -51,16 +78,60 @@ def main(config_path: str) -> None:
     with open(cfg["out"] + ".maddrs", "w") as f:
         json.dump([str(a) for a in dht.get_visible_maddrs()], f)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
-    model = make_model(dtype)
+    task = cfg.get("task", "mlp")
+    if task == "lsq":
+        model = torch.nn.Linear(LSQ_DIM, 1, bias=False).to(torch.float64)
+        torch.nn.init.zeros_(model.weight)
+        inner = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+    else:
+        model = make_model(dtype)
+        inner = make_inner(cfg["inner"])
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
-        batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=make_inner(cfg["inner"]),
+        batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
+        strategy=make_strategy(cfg.get("strategy", "grad")),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
     )
     wait_until = time.monotonic() + 30
     while opt.progress.num_peers < cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
         time.sleep(0.05)
+    if task == "lsq":
+        run_lsq(cfg, opt, model)
+    else:
+        run_mlp(cfg, opt, model, dtype)
+    # stay a donor for a moment so that slower peers can still catch up from us
+    linger_until = time.monotonic() + cfg.get("linger", 60.0)
+    while time.monotonic() < linger_until and not os.path.exists(cfg["out"] + ".stop"):
+        time.sleep(0.1)
+    opt.shutdown()
+    dht.shutdown()
+
+
+def save(cfg: dict, result: dict) -> None:
+    torch.save(result, cfg["out"] + ".tmp")
+    os.replace(cfg["out"] + ".tmp", cfg["out"])
+
+
+def run_lsq(cfg: dict, opt, model) -> None:
+    """Full-gradient steps on this rank's least-squares problem; records the controls and weights of every round."""
+    a, b = lsq_problem(cfg["rank"])
+    rounds, last = [], None
+    deadline = time.monotonic() + cfg.get("max_seconds", 120)
+    while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
+        opt.zero_grad()
+        (0.5 * (a @ model.weight[0] - b).pow(2).sum()).backward()
+        opt.step()
+        if opt.last_round is not last:
+            last = opt.last_round
+            controls = getattr(opt.strategy, "controls", None)
+            rounds.append(dict(last.__dict__, w=model.weight.detach().clone()[0],
+                               d=None if controls is None else controls[0].clone()[0]))
+        time.sleep(cfg.get("step_sleep", 0.01))
+    save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=model.weight.detach().clone()[0]))
+
+
+def run_mlp(cfg: dict, opt, model, dtype) -> None:
     x, y = make_data()
     rank, bs = cfg["rank"], cfg["batch_size"]
     g = torch.Generator().manual_seed(1000 + rank)
@@ -82,18 +153,8 @@ def main(config_path: str) -> None:
             pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
         time.sleep(cfg.get("step_sleep", 0.01))
-    result = dict(
-        rank=rank, epoch=opt.local_epoch, committed=committed, reports=reports, lrs=lrs,
-        params=[p.detach().clone() for p in model.parameters()],
-    )
-    torch.save(result, cfg["out"] + ".tmp")
-    os.replace(cfg["out"] + ".tmp", cfg["out"])
-    # stay a donor for a moment so that slower peers can still catch up from us
-    linger_until = time.monotonic() + cfg.get("linger", 60.0)
-    while time.monotonic() < linger_until and not os.path.exists(cfg["out"] + ".stop"):
-        time.sleep(0.1)
-    opt.shutdown()
-    dht.shutdown()
+    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, reports=reports, lrs=lrs,
+                   params=[p.detach().clone() for p in model.parameters()]))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,15 @@ def test_aggregate_counts_only_the_global_epoch_and_extrapolates_samples():
     assert not p.ready
 
 
+def test_peers_that_finished_the_round_with_us_count_before_their_records_catch_up():
+    local = record(b"me", 5, 10, 10.0, 100.0)
+    stale = [record(b"a", 4, 90, 20.0, 97.0), record(b"b", 3, 90, 20.0, 97.0)]
+    p = aggregate_progress(stale, local, target_batch_size=100, now=100.0, epoch_started=99.0)
+    assert p.epoch == 5
+    assert p.samples_accumulated == 10 + 20  # a: 20 samples/s for the 1 s since we all started epoch 5; b is behind
+    assert aggregate_progress(stale, local, 100, now=100.0).samples_accumulated == 10  # without the start time
+
+
 def test_aggregate_sees_a_swarm_ahead_and_readiness():
     local = record(b"me", 1, 0, 0.0, 50.0)
     p = aggregate_progress([record(b"a", 4, 7, 1.0, 50.0)], local, target_batch_size=10, now=50.0)

@@ -139,7 +139,7 @@ def test_6_momentum_with_post_step_correction_is_stable():
 
 
 def test_7_peers_completing_different_numbers_of_steps_reach_the_optimum():
-    """Steps per round 3, 4, 6, 12 rotating between peers and rounds, equal weights (batch sizes 4, 3, 2, 1)."""
+    """Steps per round 3, 4, 6, 12 rotating between peers and rounds (Scaffold weighs every peer equally)."""
     probs = problems(4)
     plans = [(3, 4), (4, 3), (6, 2), (12, 1)]
     schedule = lambda r, i: plans[(r + i) % 4]  # noqa: E731

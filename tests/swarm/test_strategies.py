@@ -1,0 +1,83 @@
+"""Local-update strategies in real loopback swarms of four peers, on heterogeneous least-squares problems."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import defaultdict
+
+import pytest
+
+from tests.swarm.peer import lsq_optimum
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+COMMON = dict(task="lsq", batch_size=16, target_batch_size=4 * 16 * 20, epochs=25, step_sleep=0.02,
+              matchmaking_time=1.0, averaging_timeout=15.0)
+
+
+def run_swarm(swarm, strategy: str, n: int = 4, **overrides) -> list:
+    for rank in range(n):
+        swarm.start(rank, strategy=strategy, expect_peers=n, **dict(COMMON, **overrides))
+    swarm.wait(timeout=240)
+    return [swarm.result(r) for r in range(n)]
+
+
+def weighted_control_sums(results: list) -> list:
+    """For every round, Σ w_i d_i over the peers that committed it together."""
+    by_epoch = defaultdict(list)
+    for r in results:
+        for rnd in r["rounds"]:
+            if not rnd["caught_up"] and rnd["group_size"] > 1:
+                by_epoch[rnd["epoch"]].append(rnd)
+    sums = []
+    for _, members in sorted(by_epoch.items()):
+        if len(members) == members[0]["group_size"]:  # everyone of that group reported it
+            total = sum(m["weight"] * m["d"] for m in members)
+            scale = sum(m["weight"] * m["d"].abs() for m in members)
+            # relative to the controls' size: hivemind's reducers accumulate in float32
+            sums.append((total.abs() / scale.clamp_min(1e-12)).max().item())
+    return sums
+
+
+def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm, tmp_path):
+    target = lsq_optimum(range(4))
+    scaffold = run_swarm(swarm, "scaffold")
+    sums = weighted_control_sums(scaffold)
+    assert len(sums) >= 10, "too few complete rounds to judge"
+    assert max(sums) < 1e-5, sums
+    assert all(r["rounds"][-1]["d"].abs().max() > 1e-3 for r in scaffold)  # not a silent FedAvg
+    scaffold_error = max((r["w"] - target).norm().item() for r in scaffold)
+
+    fedavg_swarm = type(swarm)(tmp_path / "fedavg")
+    (tmp_path / "fedavg").mkdir()
+    try:
+        fedavg = run_swarm(fedavg_swarm, "local")
+    finally:
+        fedavg_swarm.kill_all()
+    fedavg_error = max((r["w"] - target).norm().item() for r in fedavg)
+    # peers' step counts per round vary with timing, so SCAFFOLD ends near (not exactly at) the optimum here;
+    # the exact convergence with controlled step counts is tests/unit/test_scaffold_maths.py
+    assert scaffold_error < fedavg_error / 4, (scaffold_error, fedavg_error)
+
+
+def test_a_peer_killed_mid_run_leaves_the_survivors_controls_centred(swarm):
+    for rank in range(4):
+        swarm.start(rank, strategy="scaffold", expect_peers=4, **dict(COMMON, epochs=22))
+    deadline = time.monotonic() + 120
+    while "epoch 6:" not in swarm.log(3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(swarm.procs[3].pid, signal.SIGKILL)
+    swarm.procs[3].wait(10)
+    del swarm.procs[3]
+    swarm.wait(timeout=240)
+    survivors = [swarm.result(r) for r in range(3)]
+    for r in survivors:
+        assert r["epoch"] == 22
+        assert all(rnd["group_size"] <= 3 for rnd in r["rounds"][-8:]), r["rounds"][-8:]
+    late_sums = weighted_control_sums([dict(r, rounds=r["rounds"][-8:]) for r in survivors])
+    assert late_sums and max(late_sums) < 1e-5, late_sums
+    target = lsq_optimum(range(3))
+    fedavg_like_gap = (lsq_optimum(range(4)) - target).norm().item()
+    assert max((r["w"] - target).norm().item() for r in survivors) < fedavg_like_gap

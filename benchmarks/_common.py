@@ -1,0 +1,135 @@
+"""Helpers shared by the benchmark scripts: statistics, result files, the reproduce line, process cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"
+if str(REPO) not in sys.path:  # the scripts run as `python benchmarks/X.py` from the repo root
+    sys.path.insert(0, str(REPO))
+
+
+def command_line() -> str:
+    """The exact command that reproduces this run, relative to the repository root."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+    return " ".join(shlex.quote(a) for a in ["python", script, *sys.argv[1:]])
+
+
+def quantiles(values: Sequence[float]) -> Dict[str, float]:
+    """Median and interquartile range (linear interpolation, like numpy's default)."""
+    import numpy as np
+
+    arr = np.asarray(values, dtype=float)
+    q25, q50, q75 = np.percentile(arr, [25, 50, 75])
+    return {"median": float(q50), "q25": float(q25), "q75": float(q75), "iqr": float(q75 - q25), "n": int(arr.size),
+            "min": float(arr.min()), "max": float(arr.max())}
+
+
+def machine() -> Dict[str, Any]:
+    import torch
+
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "processor": platform.processor() or platform.machine(),
+            # other jobs on this 2-core machine (e.g. a test suite) skew timings: the 1/5/15-minute load is recorded
+            "loadavg_at_end": os.getloadavg()}
+
+
+def code_version() -> str:
+    """The commit the numbers belong to, and whether swarm_opt/ had uncommitted edits while they were taken."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "swarm_opt"], cwd=REPO, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return f"{head}{' + uncommitted swarm_opt edits' if dirty else ''}" or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_json(name: str, payload: Dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / name
+    payload = {"command": command_line(), "machine": machine(), "code": code_version(),
+               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub-flavoured markdown table, so that the output pastes into RESULTS.md unchanged."""
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def launch(args: List[str], log_path: Path, env_extra: Dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a worker in its own session, so that its whole process group (p2pd, averagers) can be killed."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
+    log = open(log_path, "w")
+    return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env, cwd=str(REPO))
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float, logs: Sequence[Path]) -> None:
+    """Wait for every worker; raise with the failing worker's log tail if one fails or the time runs out."""
+    deadline = time.monotonic() + timeout
+    for proc, log in zip(procs, logs):
+        try:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            message = f"worker {proc.args} did not finish in {timeout:.0f} s; log tail:\n{tail(log)}"
+            raise RuntimeError(message) from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"worker {proc.args} exited with {proc.returncode}; log tail:\n{tail(log)}")
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"
+
+
+def kill_all(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL each worker's process group (also after a clean exit: p2pd or averager orphans may remain)."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def leftovers(procs: Sequence[subprocess.Popen]) -> List[str]:
+    """Processes still alive in the process groups of our workers (should be none after ``kill_all``)."""
+    groups = {proc.pid for proc in procs}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) in groups and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+                found.append(f"{entry.name} {cmdline}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found

@@ -1,6 +1,7 @@
 """swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind."""
 
 from swarm_opt._logging import tame_hivemind_logging
+from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import (
     ConfigError,
@@ -19,6 +20,9 @@ tame_hivemind_logging()
 
 __all__ = [
     "Optimizer",
+    "Checkpointer",
+    "BestMetric",
+    "load_checkpoint",
     "GradientAveraging",
     "LocalUpdates",
     "FedProx",

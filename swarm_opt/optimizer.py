@@ -328,12 +328,17 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
         extra = state_dict.get("swarm_opt", {})
-        self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
+        with self._state_lock:
+            self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
+            if self.scheduler is not None and extra.get("scheduler") is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            self.strategy.load_state_dict(extra.get("strategy") or {})
+            if "epoch" in extra:
+                self._epoch, self._samples = int(extra["epoch"]), 0
+                self._synced = True  # our own history; if the swarm moved on, step() catches up as usual
         if "epoch" in extra:
-            self._epoch = int(extra["epoch"])
-        if self.scheduler is not None and extra.get("scheduler") is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        self.strategy.load_state_dict(extra.get("strategy") or {})
+            self._tracker.report(self._epoch, 0)
+            self._averager.set_priority(self._epoch)
 
     # --- lifetime ---------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

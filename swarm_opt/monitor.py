@@ -1,0 +1,191 @@
+"""Watching a run from the outside: read every peer's progress record from the DHT and summarise the swarm.
+
+The monitor publishes nothing. It reads the records ``swarm_opt.progress.ProgressTracker`` publishes (same key,
+same validators, so a record that fails its signature or schema is never shown) and keeps a history of the global
+epoch over time for ``--plot``. The records do not carry ``target_batch_size``; the monitor shows progress toward the
+next epoch and an ETA only when the user gives it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from hivemind.dht import DHT
+from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from swarm_opt.progress import ProgressRecord, _ProgressSchema, progress_key
+
+_MAX_CLOCK_SKEW = 60.0
+
+
+@dataclass(frozen=True)
+class PeerView:
+    peer_id: str  # base58 libp2p peer id of the peer's DHT node
+    epoch: int
+    samples: int
+    samples_per_second: float
+    client_mode: bool
+    last_seen: float  # seconds since the record was published
+    model_schema: str
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """The swarm at one moment, as the DHT records describe it."""
+
+    run_id: str
+    time: float
+    epoch: int
+    samples_accumulated: int  # in the global epoch, extrapolated at each peer's throughput
+    samples_per_second: float
+    peers: Tuple[PeerView, ...]
+    target_batch_size: Optional[int] = None
+
+    @property
+    def num_peers(self) -> int:
+        return len(self.peers)
+
+    @property
+    def num_clients(self) -> int:
+        return sum(p.client_mode for p in self.peers)
+
+    @property
+    def eta_seconds(self) -> Optional[float]:
+        if self.target_batch_size is None:
+            return None
+        missing = max(0, self.target_batch_size - self.samples_accumulated)
+        if missing == 0:
+            return 0.0
+        return missing / self.samples_per_second if self.samples_per_second > 0 else math.inf
+
+    @property
+    def fractional_epoch(self) -> float:
+        if not self.target_batch_size:
+            return float(self.epoch)
+        return self.epoch + min(0.99, self.samples_accumulated / self.target_batch_size)
+
+
+def _peer_name(record: ProgressRecord) -> str:
+    raw = record.peer_id[:-16]  # the tracker appends 16 bytes of its subkey to the DHT node's peer id
+    try:
+        return PeerID(raw).to_base58()
+    except Exception:
+        return record.peer_id.hex()[:16]
+
+
+def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
+                          target_batch_size: Optional[int] = None) -> RunSnapshot:
+    if not records:
+        return RunSnapshot(run_id, now, 0, 0, 0.0, (), target_batch_size)
+    epoch = max(r.epoch for r in records)
+    samples = sum(r.samples + r.samples_per_second * max(0.0, now - r.time) for r in records if r.epoch == epoch)
+    peers = tuple(sorted(
+        (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
+                  r.model_schema) for r in records),
+        key=lambda p: (p.client_mode, p.peer_id)))
+    return RunSnapshot(run_id, now, epoch, int(samples), sum(r.samples_per_second for r in records), peers,
+                       target_batch_size)
+
+
+class RunMonitor:
+    """Reads a run's progress records through ``dht`` (typically a client-mode node) and keeps their history."""
+
+    def __init__(self, dht: DHT, run_id: str, *, target_batch_size: Optional[int] = None) -> None:
+        self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
+        self.key = progress_key(run_id)
+        dht.add_validators([SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator()])
+        self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
+
+    def read(self, timeout: float = 10.0) -> RunSnapshot:
+        raw = self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)
+        now = get_dht_time()
+        snapshot = snapshot_from_records(self.run_id, _parse(raw, now), now, self.target_batch_size)
+        if snapshot.peers:
+            self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))
+        return snapshot
+
+
+def _parse(raw: object, now: float) -> List[ProgressRecord]:
+    if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
+        return []
+    records = []
+    for entry in raw.value.values():
+        value = entry.value if isinstance(entry, ValueWithExpiration) else None
+        if value is None:
+            continue
+        try:
+            record = ProgressRecord.parse_obj(value)
+        except Exception:
+            continue
+        if record.time <= now + _MAX_CLOCK_SKEW:
+            records.append(record)
+    return records
+
+
+def _duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "?"
+    if math.isinf(seconds):
+        return "unknown (no throughput)"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+def format_snapshot(snapshot: RunSnapshot) -> str:
+    """A few lines a person can read and a script can grep (``epoch N``, ``peers N``)."""
+    lines = [f"run {snapshot.run_id}: epoch {snapshot.epoch}, peers {snapshot.num_peers} "
+             f"({snapshot.num_clients} in client mode), {snapshot.samples_per_second:,.0f} samples/s"]
+    if snapshot.target_batch_size is not None:
+        share = snapshot.samples_accumulated / snapshot.target_batch_size
+        status = ("target reached, averaging" if share >= 1 else f"ETA {_duration(snapshot.eta_seconds)}")
+        lines.append(f"next epoch: {snapshot.samples_accumulated}/{snapshot.target_batch_size} samples ({share:.0%}), "
+                     f"{status}")
+    else:
+        lines.append(f"next epoch: {snapshot.samples_accumulated} samples so far "
+                     f"(pass --target-batch-size for progress and ETA)")
+    schemas = {p.model_schema for p in snapshot.peers}
+    for peer in snapshot.peers:
+        mode = " client" if peer.client_mode else ""
+        model = f"  model {peer.model_schema[:8]}" if len(schemas) > 1 else ""
+        lines.append(f"  peer {peer.peer_id}  epoch {peer.epoch}  {peer.samples} samples  "
+                     f"{peer.samples_per_second:,.0f} samples/s  last seen {peer.last_seen:.1f} s ago{mode}{model}")
+    return "\n".join(lines)
+
+
+def plot_history(history: List[Tuple[float, float, int]], path: str, run_id: str) -> None:
+    """Write the run's global epoch over time (and the number of peers) to an image file."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from swarm_opt.errors import ConfigError
+
+        raise ConfigError("--plot needs matplotlib: pip install swarm_opt[cli]") from None
+    start = history[0][0]
+    seconds = [t - start for t, _, _ in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(seconds, [e for _, e, _ in history], drawstyle="steps-post", label="global epoch")
+    ax.set_xlabel("seconds since the monitor started")
+    ax.set_ylabel("global epoch")
+    ax.set_title(f"run {run_id}")
+    peers_ax = ax.twinx()
+    peers_ax.plot(seconds, [n for _, _, n in history], color="tab:gray", alpha=0.5, drawstyle="steps-post",
+                  label="peers")
+    peers_ax.set_ylabel("peers")
+    from matplotlib.ticker import MaxNLocator
+
+    peers_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.legend(loc="lower right", bbox_to_anchor=(0.85, 0.2))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,174 @@
+"""Starting a hivemind DHT node for the command line: addresses checked up front, a persistent identity, signals.
+
+Everything a user types (multiaddrs, ports, identity files) is checked here before hivemind sees it, so that a
+mistake is reported in one line (``ConfigError``) instead of a traceback from a background process.
+
+Signals: a terminal's Ctrl-C reaches every process of the foreground group, including hivemind's DHT and averager
+processes and the Go ``p2pd`` daemon, which would die before this peer could leave the swarm cleanly. Processes
+started inside ``children_ignore_sigint()`` inherit SIGINT as ignored (across fork and exec), so only the main
+process reacts and shuts them down in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence
+
+from swarm_opt.errors import ConfigError
+
+DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+
+
+def parse_maddrs(values: Optional[Sequence[str]], *, option: str, need_peer_id: bool = False) -> List[str]:
+    """Check each multiaddr; ``need_peer_id`` for addresses to dial (they must end in ``/p2p/PEER_ID``)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    checked = []
+    for value in values or ():
+        try:
+            maddr = Multiaddr(value)
+        except Exception as e:
+            raise ConfigError(f"{option}: '{value}' is not a valid multiaddr ({e}); "
+                              f"expected e.g. /ip4/203.0.113.5/tcp/31337/p2p/QmPeerId...") from None
+        if need_peer_id and "p2p" not in [p.name for p in maddr.protocols()]:
+            raise ConfigError(f"{option}: '{value}' has no /p2p/PEER_ID part; copy the whole address that "
+                              f"'swarm-opt dht' printed")
+        checked.append(str(maddr))
+    return checked
+
+
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """Fail early, in one line, if a fixed TCP port to listen on is taken (hivemind only says its daemon died)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    for value in host_maddrs:
+        maddr = Multiaddr(value)
+        names = [p.name for p in maddr.protocols()]
+        if "tcp" not in names or not ({"ip4", "ip6"} & set(names)):
+            continue
+        port = int(maddr.value_for_protocol("tcp"))
+        if port == 0:
+            continue
+        family, host = ((socket.AF_INET, maddr.value_for_protocol("ip4")) if "ip4" in names
+                        else (socket.AF_INET6, maddr.value_for_protocol("ip6")))
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"port {port} is already in use ({value}); stop what uses it or choose "
+                                      f"another port, e.g. /ip4/0.0.0.0/tcp/0 for any free port") from None
+                raise ConfigError(f"cannot listen on {value}: {e.strerror or e}") from None
+
+
+def ensure_identity(path: str) -> str:
+    """Create the identity file with hivemind's own key generation if it is missing; return its peer id.
+
+    The key is written to a temporary file and renamed into place, so an interrupted start never leaves a
+    truncated identity behind."""
+    from hivemind.p2p import P2P, PeerID
+
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"--identity-path '{path}' is a directory; give a file name, e.g. {path}/dht.id")
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            P2P.generate_identity(str(tmp))  # RSA key as a libp2p protobuf, mode 0o400
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except OSError as e:
+            raise ConfigError(f"cannot create the identity file '{path}': {e.strerror or e}") from None
+    try:
+        return PeerID.from_identity(target.read_bytes()).to_base58()
+    except OSError as e:
+        raise ConfigError(f"cannot read the identity file '{path}': {e.strerror or e}") from None
+    except Exception:
+        raise ConfigError(f"'{path}' is not a hivemind identity file; remove it to generate a new one") from None
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes started inside inherit SIGINT as ignored; the caller's handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def start_dht(
+    *,
+    initial_peers: Sequence[str] = (),
+    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+    announce_maddrs: Sequence[str] = (),
+    client_mode: bool = False,
+    identity_path: Optional[str] = None,
+):
+    """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start."""
+    import hivemind
+
+    initial_peers = parse_maddrs(initial_peers, option="--initial-peers", need_peer_id=True)
+    host_maddrs = parse_maddrs(host_maddrs, option="--host-maddrs")
+    announce_maddrs = parse_maddrs(announce_maddrs, option="--announce-maddrs")
+    if not client_mode:
+        check_ports_free(host_maddrs)
+    if identity_path is not None:
+        ensure_identity(identity_path)
+    kwargs = dict(initial_peers=initial_peers, client_mode=client_mode, start=True)
+    if not client_mode:
+        kwargs.update(host_maddrs=host_maddrs)
+        if announce_maddrs:
+            kwargs.update(announce_maddrs=announce_maddrs)
+    if identity_path is not None:
+        kwargs.update(identity_path=str(Path(identity_path).expanduser()))
+    try:
+        with children_ignore_sigint():
+            return hivemind.DHT(**kwargs)
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = ("; check that --initial-peers are reachable and up" if initial_peers else "")
+        raise ConfigError(f"could not start the DHT node: {reason}{hint}") from None
+
+
+class StopRequest:
+    """SIGINT/SIGTERM handling for long-running commands: the first signal asks to stop at the next safe point,
+    a second one interrupts at once (``KeyboardInterrupt``)."""
+
+    def __init__(self, message: Optional[str] = None) -> None:
+        self.event = threading.Event()
+        self.signal_name: Optional[str] = None
+        self._message = message
+
+    def install(self) -> StopRequest:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        self.event.set()
+        if self._message:
+            print(self._message, file=sys.stderr, flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.event.wait(timeout)

@@ -1,0 +1,246 @@
+"""``swarm-opt train``: one volunteer peer that joins a run, trains a task and leaves cleanly.
+
+The loop is the one in the README: draw a batch, backward, ``Optimizer.step(batch_size=...)``. Around it: a live
+progress bar of the swarm toward the next global epoch, one line per global epoch with the test metrics, atomic
+checkpoints, and a shutdown that always runs (first Ctrl-C or SIGTERM: stop after the current step; a second one:
+abandon the step), so the peer withdraws from the swarm instead of being waited for until its record expires.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, Optional
+
+import torch
+
+from swarm_opt.errors import ConfigError
+from swarm_opt.node import StopRequest, children_ignore_sigint, start_dht
+from swarm_opt.tasks import Task, evaluate, load_task
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "checkpoint.pt"
+STRATEGIES = ("grad", "local", "fedprox", "scaffold", "diloco")
+INNER_OPTIMIZERS = ("sgd", "adam")
+_BAR_PERIOD = 0.2  # seconds between progress bar refreshes
+
+
+def make_strategy(args: argparse.Namespace):
+    import swarm_opt
+
+    name = args.strategy
+    if name == "grad":
+        return swarm_opt.GradientAveraging()
+    if name == "local":
+        return swarm_opt.LocalUpdates()
+    if name == "fedprox":
+        return swarm_opt.FedProx(mu=args.fedprox_mu)
+    if name == "scaffold":
+        return swarm_opt.Scaffold()
+    if name == "diloco":
+        lr, momentum = args.outer_lr, args.outer_momentum
+        return swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum,
+                                                                           nesterov=momentum > 0))
+    raise ConfigError(f"unknown strategy '{name}'; choose one of {', '.join(STRATEGIES)}")
+
+
+def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:
+    lr, momentum = args.lr, args.momentum
+    if args.optimizer == "adam":
+        return lambda params: torch.optim.Adam(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def save_checkpoint(directory: str, state: Dict[str, Any]) -> Path:
+    """Write ``state`` to DIRECTORY/checkpoint.pt atomically: a reader (or a crash) never sees a partial file."""
+    folder = Path(directory).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / CHECKPOINT_NAME
+    tmp = folder / f".{CHECKPOINT_NAME}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def _batches(task: Task, batch_size: int, seed: int) -> Iterator[tuple]:
+    generator = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(task.train_dataset, batch_size=batch_size, shuffle=True,
+                                         generator=generator)
+    while True:
+        yield from loader
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf") or seconds > 99 * 3600:
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}h{seconds % 3600 // 60:02d}"
+
+
+class _ProgressBar:
+    """The swarm's progress toward the next global epoch; a tqdm bar on a terminal, nothing otherwise."""
+
+    def __init__(self, target: int) -> None:
+        self._bar = None
+        self._last = 0.0
+        try:
+            from tqdm import tqdm
+        except ImportError:  # the bar is a nicety; epoch lines still show progress
+            return
+        self._bar = tqdm(total=target, unit="sample", file=sys.stderr, disable=None, dynamic_ncols=True,
+                         leave=False, bar_format="{desc} {n}/{total} samples |{bar}| {postfix}")
+
+    def update(self, opt: Any, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._bar is None or self._bar.disable or (not force and now - self._last < _BAR_PERIOD):
+            return
+        self._last = now
+        p = opt.progress
+        self._bar.set_description_str(f"epoch {p.epoch} -> {p.epoch + 1}:", refresh=False)
+        self._bar.n = min(p.samples_accumulated, p.target_batch_size)
+        self._bar.set_postfix_str(f"{p.num_peers} peer(s), {p.samples_per_second:,.0f} samples/s, "
+                                  f"ETA {_duration(p.eta_seconds)}", refresh=False)
+        self._bar.refresh()
+
+    def write(self, line: str) -> None:
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _epoch_line(opt: Any, task: Task) -> str:
+    metrics = evaluate(task)
+    parts = []
+    if "accuracy" in metrics:
+        parts.append(f"test accuracy {metrics['accuracy']:.2%}")
+    if "loss" in metrics:
+        parts.append(f"test loss {metrics['loss']:.4f}")
+    r = opt.last_round
+    if r is not None and r.epoch == opt.local_epoch:
+        parts.append("caught up by downloading the swarm's state" if r.caught_up
+                     else f"averaged with {r.group_size} of {r.num_peers} peer(s)")
+    return f"epoch {opt.local_epoch}: " + ", ".join(parts)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """The ``train`` command. Returns the exit status; raises ConfigError for bad input."""
+    import swarm_opt
+    from swarm_opt.config import SwarmConfig, Timeouts
+
+    # validate everything that needs no network first, so a typo costs no DHT start-up
+    SwarmConfig(args.run_id, args.target_batch_size, args.batch_size)
+    Timeouts(matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout)
+    if args.batch_size > args.target_batch_size:
+        raise ConfigError(f"--batch-size ({args.batch_size}) must not exceed --target-batch-size "
+                          f"({args.target_batch_size})")
+    task = load_task(args.task, seed=args.seed)
+    strategy = make_strategy(args)
+    data_seed = args.data_seed if args.data_seed is not None else int.from_bytes(os.urandom(4), "little")
+
+    stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
+    dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
+                    announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
+                    identity_path=args.identity_path)
+    opt: Optional[swarm_opt.Optimizer] = None
+    bar: Optional[_ProgressBar] = None
+    try:
+        with children_ignore_sigint():  # the optimizer's averager is a child process too
+            opt = swarm_opt.Optimizer(
+                dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
+                batch_size_per_step=args.batch_size, params=task.model.parameters(),
+                optimizer=make_inner_optimizer(args), strategy=strategy,
+                matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+            )
+        stop.install()
+        _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
+             f"({'client mode' if args.client_mode else 'accepting connections'}); "
+             f"task {args.task}, strategy {args.strategy}")
+        if not args.client_mode:
+            for maddr in dht.get_visible_maddrs():
+                _say(f"others can join through {maddr}")
+        _wait_for_peers(opt, args.min_peers, stop)
+
+        bar = _ProgressBar(args.target_batch_size)
+        batches = _batches(task, args.batch_size, data_seed)
+        last_epoch, last_checkpoint = opt.local_epoch, opt.local_epoch
+        task.model.train()
+        while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
+            x, y = next(batches)
+            opt.zero_grad()
+            loss = task.loss_fn(task.model(x), y)
+            loss.backward()
+            opt.step(batch_size=len(y))
+            if opt.local_epoch != last_epoch:
+                last_epoch = opt.local_epoch
+                bar.write(_epoch_line(opt, task))
+                if args.checkpoint_dir and opt.local_epoch - last_checkpoint >= args.checkpoint_every:
+                    save_checkpoint(args.checkpoint_dir, _checkpoint_state(task, opt, args))
+                    last_checkpoint = opt.local_epoch
+                bar.update(opt, force=True)
+            else:
+                bar.update(opt)
+    except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
+        pass
+    finally:
+        if bar is not None:
+            bar.close()
+        _leave(opt, dht, task, args)
+    if stop.requested:
+        _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
+    else:
+        _say(f"reached epoch {opt.local_epoch}; done")
+    return 0
+
+
+def _wait_for_peers(opt: Any, min_peers: int, stop: StopRequest) -> None:
+    if opt.progress.num_peers >= min_peers:
+        return
+    _say(f"waiting for {min_peers} peers to train together ({opt.progress.num_peers} now)")
+    while opt.progress.num_peers < min_peers and not stop.requested:
+        stop.wait(0.1)
+
+
+def _checkpoint_state(task: Task, opt: Any, args: argparse.Namespace) -> Dict[str, Any]:
+    return {"model": task.model.state_dict(), "optimizer": opt.state_dict(),
+            "meta": {"run_id": args.run_id, "epoch": opt.local_epoch, "task": args.task,
+                     "strategy": args.strategy, "time": time.time()}}
+
+
+def _leave(opt: Any, dht: Any, task: Task, args: argparse.Namespace) -> None:
+    """Checkpoint first (no network), then leave the swarm, then stop the DHT. Runs once; a Ctrl-C is ignored."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is bounded; a further Ctrl-C must not cut it short
+    try:
+        if opt is not None and args.checkpoint_dir:
+            path = save_checkpoint(args.checkpoint_dir, _checkpoint_state(task, opt, args))
+            _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
+        if opt is not None:
+            opt.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def _say(line: str) -> None:
+    print(f"swarm-opt train: {line}", file=sys.stderr, flush=True)

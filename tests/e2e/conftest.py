@@ -120,8 +120,8 @@ class Cli:
         self.processes.append(process)
         return process
 
-    def run(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-        return run_cli(*args, timeout=timeout, cwd=self.workdir, **{TAG_VARIABLE: self.tag})
+    def run(self, *args: str, timeout: float = 90, **env: str) -> subprocess.CompletedProcess:
+        return run_cli(*args, timeout=timeout, cwd=self.workdir, **{TAG_VARIABLE: self.tag}, **env)
 
     def dht(self, *extra: str) -> tuple:
         """A bootstrap node on loopback; returns (process, its first multiaddr)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,20 @@ def assert_one_line_error(result, *fragments: str, status: int = 2) -> None:
     (["monitor", "--run-id", "r"], ["--initial-peers is required"]),
     (["train", "--run-id", "r", "--config", "missing.yaml"], ["cannot read config file 'missing.yaml'"]),
 ])
-def test_bad_input_is_one_line(cli, args, fragments):
+def test_bad_input_is_one_line(args, fragments, capsys, tmp_path, monkeypatch):
+    """In-process through main(argv) (the same code as the console script): many cases, no start-up cost each."""
+    monkeypatch.chdir(tmp_path)
+    status = main(args, environ={})
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess(args, status, captured.out, captured.err), *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["dht", "--initial-peers", "not-a-maddr"], ["--initial-peers: 'not-a-maddr' is not a valid multiaddr"]),
+    (["train", "--run-id", "r", "--task", "imagenet"], ["unknown task 'imagenet'", "digits, mnist"]),
+    (["train", "--run-id", "r", "--task", "no_such_module_xyz:make"], ["cannot find task module 'no_such_module_xyz'"]),
+])
+def test_bad_input_is_one_line_in_a_fresh_process(cli, args, fragments):
     assert_one_line_error(cli.run(*args), *fragments)
 
 
@@ -65,13 +79,23 @@ def test_a_port_in_use_is_one_line(cli):
 
 
 def test_config_file_errors_are_one_line(cli):
-    (cli.workdir / "bad.json").write_text("{not json")
-    assert_one_line_error(cli.run("train", "--config", "bad.json"), "cannot parse config file 'bad.json'")
     (cli.workdir / "typo.yaml").write_text("run_id: r\nlearning_rate: 0.1\n")
     assert_one_line_error(cli.run("train", "--config", "typo.yaml"), "unknown option 'learning_rate'")
-    (cli.workdir / "types.toml").write_text('run_id = "r"\nbatch_size = "many"\n')
-    assert_one_line_error(cli.run("train", "--config", "types.toml"), "batch_size: expected a positive integer")
     assert_one_line_error(cli.run("train", "--run-id", "r", SWARM_OPT_LR="fast"), "SWARM_OPT_LR: expected a number")
+
+
+@pytest.mark.parametrize("name, text, fragment", [
+    ("bad.json", "{not json", "cannot parse config file 'bad.json'"),
+    ("types.toml", 'run_id = "r"\nbatch_size = "many"\n', "batch_size: expected a positive integer"),
+    ("list.yaml", "- 1\n- 2\n", "must hold a mapping"),
+    ("run.ini", "[x]\n", "must end in .json, .toml, .yaml or .yml"),
+])
+def test_config_file_errors_in_process(name, text, fragment, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    status = main(["train", "--config", name], environ={})
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], status, captured.out, captured.err), fragment)
 
 
 # in-process: how the three sources combine

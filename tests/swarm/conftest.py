@@ -67,6 +67,12 @@ class Swarm:
     def result(self, rank: int) -> dict:
         return torch.load(self.tmp / f"peer{rank}.pt")
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL a peer's whole process group (its DHT, averager and p2pd daemons die with it)."""
+        proc = self.procs.pop(rank)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
     def kill_all(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

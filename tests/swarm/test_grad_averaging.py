@@ -100,3 +100,32 @@ def test_bf16_peers_train_together_and_a_different_model_is_kept_apart(swarm):
     lone = swarm.result(2)
     assert lone["epoch"] == 3 and all(rep["group_size"] == 1 for rep in lone["reports"]), lone["reports"]
     assert "train a different model" in swarm.log(2)
+
+
+@pytest.mark.parametrize("victim, delay", [(0, 0.0), (2, 0.6)])
+def test_a_peer_killed_at_any_moment_does_not_stall_or_corrupt_the_others(swarm, victim, delay):
+    """SIGKILL one of four peers right after a round (everyone computing, victim 0 being the peer whose address the
+    others joined through) or 0.6 s later (matchmaking for the next round is under way)."""
+    epochs = 9
+    for rank in range(4):
+        swarm.start(rank, batch_size=16, target_batch_size=256, inner="sgd", epochs=epochs, expect_peers=4,
+                    step_sleep=0.03, averaging_timeout=15.0)
+    deadline = time.monotonic() + 90
+    while "epoch 3:" not in swarm.log(victim) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)
+    swarm.kill(victim)
+    survivors = [r for r in range(4) if r != victim]
+    swarm.wait(timeout=150)
+    results = [swarm.result(r) for r in survivors]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert_quiet(swarm.log(r["rank"]))
+        # no round waited out a long timeout for the dead peer
+        assert max(rep["seconds"] for rep in r["reports"]) < 12.0, r["reports"]
+        assert all(torch.isfinite(p).all() for p in r["params"])
+    for r in results[1:]:
+        for got, want in zip(r["params"], results[0]["params"]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    last = [rep for rep in results[0]["reports"] if not rep["caught_up"]][-1]
+    assert last["group_size"] == 3  # the swarm went on with the survivors

@@ -2,23 +2,22 @@
 
 The monitor publishes nothing. It reads the records ``swarm_opt.progress.ProgressTracker`` publishes (same key,
 same validators, so a record that fails its signature or schema is never shown) and keeps a history of the global
-epoch over time for ``--plot``. The records do not carry ``target_batch_size``; the monitor shows progress toward the
-next epoch and an ETA only when the user gives it.
+epoch over time for ``--plot``. The target batch comes from the records (``--target-batch-size`` overrides it).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from hivemind.dht import DHT
-from hivemind.dht.schema import RSASignatureValidator, SchemaValidator
 from hivemind.p2p import PeerID
-from hivemind.utils import ValueWithExpiration, get_dht_time
+from hivemind.utils import get_dht_time
 
-from swarm_opt.progress import ProgressRecord, _ProgressSchema, progress_key
+from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records, progress_key, progress_validators
 
 _MAX_CLOCK_SKEW = 60.0
 
@@ -71,24 +70,22 @@ class RunSnapshot:
 
 
 def _peer_name(record: ProgressRecord) -> str:
-    raw = record.peer_id[:-16]  # the tracker appends 16 bytes of its subkey to the DHT node's peer id
     try:
-        return PeerID(raw).to_base58()
-    except Exception:
+        return PeerID(record.peer_id).to_base58()
+    except Exception:  # a record that passed validation but names no valid peer id
         return record.peer_id.hex()[:16]
 
 
 def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
                           target_batch_size: Optional[int] = None) -> RunSnapshot:
-    if not records:
-        return RunSnapshot(run_id, now, 0, 0, 0.0, (), target_batch_size)
-    epoch = max(r.epoch for r in records)
-    samples = sum(r.samples + r.samples_per_second * max(0.0, now - r.time) for r in records if r.epoch == epoch)
+    if target_batch_size is None and records:  # the target the peers train with, if they agree on one
+        target_batch_size = Counter(r.target_batch_size for r in records).most_common(1)[0][0]
+    swarm = aggregate_progress(records, None, target_batch_size or 1, now)
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
                   r.model_schema) for r in records),
         key=lambda p: (p.client_mode, p.peer_id)))
-    return RunSnapshot(run_id, now, epoch, int(samples), sum(r.samples_per_second for r in records), peers,
+    return RunSnapshot(run_id, now, swarm.epoch, swarm.samples_accumulated, swarm.samples_per_second, peers,
                        target_batch_size)
 
 
@@ -98,33 +95,20 @@ class RunMonitor:
     def __init__(self, dht: DHT, run_id: str, *, target_batch_size: Optional[int] = None) -> None:
         self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
         self.key = progress_key(run_id)
-        dht.add_validators([SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator()])
+        dht.add_validators(progress_validators(run_id))
         self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
 
     def read(self, timeout: float = 10.0) -> RunSnapshot:
-        raw = self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)
+        try:
+            raw = self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)
+        except TimeoutError:  # an unreachable DHT looks like a run with no live peers; the caller says so
+            raw = None
         now = get_dht_time()
-        snapshot = snapshot_from_records(self.run_id, _parse(raw, now), now, self.target_batch_size)
+        records, _ = parse_records(raw, model_schema=None, now=now)
+        snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size)
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))
         return snapshot
-
-
-def _parse(raw: object, now: float) -> List[ProgressRecord]:
-    if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
-        return []
-    records = []
-    for entry in raw.value.values():
-        value = entry.value if isinstance(entry, ValueWithExpiration) else None
-        if value is None:
-            continue
-        try:
-            record = ProgressRecord.parse_obj(value)
-        except Exception:
-            continue
-        if record.time <= now + _MAX_CLOCK_SKEW:
-            records.append(record)
-    return records
 
 
 def _duration(seconds: Optional[float]) -> str:
@@ -149,8 +133,7 @@ def format_snapshot(snapshot: RunSnapshot) -> str:
         lines.append(f"next epoch: {snapshot.samples_accumulated}/{snapshot.target_batch_size} samples ({share:.0%}), "
                      f"{status}")
     else:
-        lines.append(f"next epoch: {snapshot.samples_accumulated} samples so far "
-                     f"(pass --target-batch-size for progress and ETA)")
+        lines.append(f"next epoch: {snapshot.samples_accumulated} samples so far")
     schemas = {p.model_schema for p in snapshot.peers}
     for peer in snapshot.peers:
         mode = " client" if peer.client_mode else ""

@@ -34,13 +34,15 @@ _MAX_SAMPLES_PER_SECOND = 1e9
 class ProgressRecord(pydantic.BaseModel):
     """What one peer says about itself. Strict types: the DHT schema validator requires them."""
 
-    peer_id: pydantic.StrictBytes
+    peer_id: pydantic.StrictBytes  # the libp2p peer id of the peer's DHT node
+    instance: pydantic.constr(max_length=32, strict=True)  # type: ignore[valid-type]  # one per tracker
     epoch: pydantic.conint(ge=0, strict=True)  # type: ignore[valid-type]
     samples: pydantic.conint(ge=0, strict=True)  # type: ignore[valid-type]
     samples_per_second: pydantic.confloat(ge=0.0, le=_MAX_SAMPLES_PER_SECOND, strict=True)  # type: ignore[valid-type]
     time: pydantic.StrictFloat
     client_mode: pydantic.StrictBool
     model_schema: pydantic.constr(max_length=64, strict=True)  # type: ignore[valid-type]
+    target_batch_size: pydantic.conint(ge=1, strict=True)  # type: ignore[valid-type]
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
@@ -55,6 +57,12 @@ class _ProgressSchema(pydantic.BaseModel):
 
 def progress_key(run_id: str) -> str:
     return f"{run_id}_swarm_progress"
+
+
+def progress_validators(run_id: str) -> list:
+    """The DHT validators of a run's progress records: the schema, and an RSA signature so that nobody can write
+    another peer's record. hivemind keeps one signer per DHT, so the process-wide key is shared."""
+    return [SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator()]
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ class SwarmProgress:
 
 
 def aggregate_progress(
-    records: Iterable[ProgressRecord], local: ProgressRecord, target_batch_size: int, now: float,
+    records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
     epoch_started: Optional[float] = None,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
@@ -89,8 +97,13 @@ def aggregate_progress(
     stays tight between reads; only peers in the global (highest) epoch count toward it. Just after a round, the
     records of the peers that finished it with us still say the previous epoch: those peers are counted as if they
     had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
+    Without ``local`` (an observer such as the monitor), only the records count.
     """
-    peers = [r for r in records if r.peer_id != local.peer_id] + [local]
+    peers = [r for r in records if local is None or r.instance != local.instance]
+    if local is not None:
+        peers.append(local)
+    if not peers:
+        return SwarmProgress(0, 0, target_batch_size, 0, 0, 0.0, now + 3600.0, now)
     epoch = max(r.epoch for r in peers)
     samples = 0.0
     for record in peers:
@@ -98,7 +111,7 @@ def aggregate_progress(
             samples += record.samples if record.epoch == epoch else 0
         elif record.epoch == epoch:
             samples += record.samples + record.samples_per_second * max(0.0, now - record.time)
-        elif record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
+        elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
             samples += record.samples_per_second * max(0.0, now - epoch_started)
     throughput = sum(r.samples_per_second for r in peers)
     missing = max(0.0, target_batch_size - samples)
@@ -120,10 +133,11 @@ def aggregate_progress(
     )
 
 
-def parse_records(raw: object, *, model_schema: str, now: float) -> tuple[List[ProgressRecord], int]:
+def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tuple[List[ProgressRecord], int]:
     """Validate what the DHT returned. Returns the usable records and how many came from a different model.
 
-    Anything malformed, out of range, from the far future or from a peer with another model is dropped.
+    Anything malformed, out of range, from the far future or (unless ``model_schema`` is None: an observer) from a
+    peer with another model is dropped.
     """
     if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
         return [], 0
@@ -140,7 +154,7 @@ def parse_records(raw: object, *, model_schema: str, now: float) -> tuple[List[P
         if record.time > now + _MAX_CLOCK_SKEW:
             logger.debug("Ignoring a progress record from the future: %r", record)
             continue
-        if record.model_schema != model_schema:
+        if model_schema is not None and record.model_schema != model_schema:
             mismatched += 1
             continue
         records.append(record)
@@ -183,11 +197,12 @@ class ProgressTracker:
         self.key = progress_key(run_id)
         self.model_schema = model_schema
         self.client_mode = bool(dht.client_mode)
-        signer = RSASignatureValidator()  # hivemind keeps one signer per DHT, so we share the process-wide key
-        dht.add_validators([SchemaValidator(_ProgressSchema, prefix=run_id), signer])
-        # one subkey per tracker: several trackers in one process share the key but not the record
-        self._subkey = signer.local_public_key + b"/" + os.urandom(8).hex().encode()
-        self._peer_id = dht.peer_id.to_bytes() + self._subkey[-16:]
+        validators = progress_validators(run_id)
+        dht.add_validators(validators)
+        # one subkey per tracker: several trackers in one process share the signing key but not the record
+        self._instance = os.urandom(8).hex()
+        self._subkey = validators[-1].local_public_key + b"/" + self._instance.encode()
+        self._peer_id = dht.peer_id.to_bytes()
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
         self._epoch_started: Optional[float] = None
@@ -258,9 +273,9 @@ class ProgressTracker:
     def _local_record(self) -> ProgressRecord:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
         return ProgressRecord.construct(
-            peer_id=self._peer_id, epoch=self._epoch, samples=self._samples,
+            peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
-            client_mode=self.client_mode, model_schema=self.model_schema,
+            client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
         )
 
     def _publish(self, *, force: bool, timeout: float) -> None:
@@ -286,7 +301,7 @@ class ProgressTracker:
                 f"(parameter shapes or dtypes differ); they are kept apart. Give each model its own run_id."
             )
         with self._lock:
-            self._others = [r for r in records if r.peer_id != self._peer_id]
+            self._others = [r for r in records if r.instance != self._instance]
 
     def _read_records(self, timeout: float) -> object:
         """The only place that reads the swarm's records (see the module docstring)."""

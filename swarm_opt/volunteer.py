@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
@@ -24,7 +23,6 @@ from swarm_opt.tasks import Task, evaluate, load_task
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_NAME = "checkpoint.pt"
 STRATEGIES = ("grad", "local", "fedprox", "scaffold", "diloco")
 INNER_OPTIMIZERS = ("sgd", "adam")
 _BAR_PERIOD = 0.2  # seconds between progress bar refreshes
@@ -56,28 +54,6 @@ def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.opti
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def save_checkpoint(directory: str, state: Dict[str, Any]) -> Path:
-    """Write ``state`` to DIRECTORY/checkpoint.pt atomically: a reader (or a crash) never sees a partial file."""
-    folder = Path(directory).expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / CHECKPOINT_NAME
-    tmp = folder / f".{CHECKPOINT_NAME}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
-    return target
-
-
 def _batches(task: Task, batch_size: int, seed: int) -> Iterator[tuple]:
     generator = torch.Generator().manual_seed(seed)
     loader = torch.utils.data.DataLoader(task.train_dataset, batch_size=batch_size, shuffle=True,
@@ -104,7 +80,7 @@ class _ProgressBar:
         except ImportError:  # the bar is a nicety; epoch lines still show progress
             return
         self._bar = tqdm(total=target, unit="sample", file=sys.stderr, disable=None, dynamic_ncols=True,
-                         leave=False, bar_format="{desc} {n}/{total} samples |{bar}| {postfix}")
+                         leave=False, bar_format="{desc} {n}/{total} samples{postfix} |{bar}|")
 
     def update(self, opt: Any, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -164,6 +140,7 @@ def run_train(args: argparse.Namespace) -> int:
                     identity_path=args.identity_path)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
+    ckpt: Optional[swarm_opt.Checkpointer] = None
     try:
         with children_ignore_sigint():  # the optimizer's averager is a child process too
             opt = swarm_opt.Optimizer(
@@ -179,11 +156,17 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.client_mode:
             for maddr in dht.get_visible_maddrs():
                 _say(f"others can join through {maddr}")
+        if args.checkpoint_dir:
+            ckpt = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
+            restored = ckpt.restore(opt, task.model)
+            if restored is not None:
+                _say(f"resumed from {ckpt.latest()} (epoch {restored['epoch']}); the swarm's newer state, if any, "
+                     f"is downloaded at the first step")
         _wait_for_peers(opt, args.min_peers, stop)
 
         bar = _ProgressBar(args.target_batch_size)
         batches = _batches(task, args.batch_size, data_seed)
-        last_epoch, last_checkpoint = opt.local_epoch, opt.local_epoch
+        last_epoch = opt.local_epoch
         task.model.train()
         while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
             x, y = next(batches)
@@ -194,9 +177,8 @@ def run_train(args: argparse.Namespace) -> int:
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
                 bar.write(_epoch_line(opt, task))
-                if args.checkpoint_dir and opt.local_epoch - last_checkpoint >= args.checkpoint_every:
-                    save_checkpoint(args.checkpoint_dir, _checkpoint_state(task, opt, args))
-                    last_checkpoint = opt.local_epoch
+                if ckpt is not None:
+                    ckpt.maybe_save(opt, task.model, extra=_checkpoint_extra(args))
                 bar.update(opt, force=True)
             else:
                 bar.update(opt)
@@ -205,7 +187,7 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-        _leave(opt, dht, task, args)
+        _leave(opt, dht, task, args, ckpt)
     if stop.requested:
         _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
     else:
@@ -221,20 +203,18 @@ def _wait_for_peers(opt: Any, min_peers: int, stop: StopRequest) -> None:
         stop.wait(0.1)
 
 
-def _checkpoint_state(task: Task, opt: Any, args: argparse.Namespace) -> Dict[str, Any]:
-    return {"model": task.model.state_dict(), "optimizer": opt.state_dict(),
-            "meta": {"run_id": args.run_id, "epoch": opt.local_epoch, "task": args.task,
-                     "strategy": args.strategy, "time": time.time()}}
+def _checkpoint_extra(args: argparse.Namespace) -> Dict[str, Any]:
+    return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time()}
 
 
-def _leave(opt: Any, dht: Any, task: Task, args: argparse.Namespace) -> None:
+def _leave(opt: Any, dht: Any, task: Task, args: argparse.Namespace, ckpt: Any) -> None:
     """Checkpoint first (no network), then leave the swarm, then stop the DHT. Runs once; a Ctrl-C is ignored."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is bounded; a further Ctrl-C must not cut it short
     try:
-        if opt is not None and args.checkpoint_dir:
-            path = save_checkpoint(args.checkpoint_dir, _checkpoint_state(task, opt, args))
+        if opt is not None and ckpt is not None:
+            path = ckpt.save(opt, task.model, extra=_checkpoint_extra(args))
             _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
         if opt is not None:
             opt.shutdown()

@@ -129,8 +129,14 @@ class Cli:
         maddr = node.wait_for(r"^(/ip4/127\.0\.0\.1/tcp/\d+/p2p/\w+)$", timeout=60).group(1)
         return node, maddr
 
-    def leftovers(self) -> Dict[int, str]:
-        return processes_tagged(self.tag)
+    def leftovers(self, wait: float = 0.0) -> Dict[int, str]:
+        """Processes started by this test that are still alive (waiting up to ``wait`` seconds for them to go)."""
+        deadline = time.monotonic() + wait
+        while True:
+            found = processes_tagged(self.tag)
+            if not found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.2)
 
     def kill_all(self) -> None:
         for process in self.processes:

@@ -40,8 +40,9 @@ def test_timeouts_and_tracker_config_validate():
 
 
 def record(peer: bytes, epoch: int, samples: int, sps: float, t: float, **kw) -> ProgressRecord:
-    return ProgressRecord(peer_id=peer, epoch=epoch, samples=samples, samples_per_second=float(sps), time=float(t),
-                          client_mode=kw.get("client_mode", False), model_schema=kw.get("schema", "s"))
+    return ProgressRecord(peer_id=peer, instance=peer.hex(), epoch=epoch, samples=samples,
+                          samples_per_second=float(sps), time=float(t), client_mode=kw.get("client_mode", False),
+                          model_schema=kw.get("schema", "s"), target_batch_size=100)
 
 
 def test_aggregate_counts_only_the_global_epoch_and_extrapolates_samples():

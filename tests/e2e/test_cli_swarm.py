@@ -1,0 +1,102 @@
+"""``swarm-opt dht``, ``train`` and ``monitor`` together on loopback, run and stopped the way a user does."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import swarm_opt
+
+FAST_ROUNDS = ["--matchmaking-time", "1", "--averaging-timeout", "15"]
+
+
+def train_args(run_id: str, maddr: str, *extra: str) -> list:
+    return ["train", "--run-id", run_id, "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--task", "digits", *FAST_ROUNDS, *extra]
+
+
+def load_checkpoint(directory) -> dict:
+    """The newest checkpoint of a peer's --checkpoint-dir, validated by swarm_opt's own loader."""
+    paths = sorted(directory.glob("epoch-*.pt"))
+    assert paths, f"no checkpoint in {directory}"
+    return swarm_opt.load_checkpoint(paths[-1])
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_dht_prints_its_address_stops_on_ctrl_c_and_keeps_its_identity(cli):
+    node, first = cli.dht("--identity-path", "keys/dht.id")
+    peer_id = first.rsplit("/", 1)[1]
+    assert f"peer id {peer_id}" in node.wait_for("running", 10, stream="stderr").string
+    assert (cli.workdir / "keys" / "dht.id").stat().st_mode & 0o777 == 0o400
+    node.interrupt()
+    assert node.wait(30) == 0, node.describe()
+    assert "Traceback" not in node.stderr and node.stderr.strip().endswith("swarm-opt dht: stopped")
+    assert not cli.leftovers(wait=10), cli.leftovers()
+
+    again, second = cli.dht("--identity-path", "keys/dht.id")
+    assert second.rsplit("/", 1)[1] == peer_id  # the address others saved still names this node
+    again.proc.terminate()  # SIGTERM, as a service manager stops it
+    assert again.wait(30) == 0, again.describe()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_two_peers_train_three_epochs_and_checkpoint(cli):
+    _, maddr = cli.dht()
+    common = train_args("e2e_digits", maddr, "--target-batch-size", "256", "--epochs", "3", "--min-peers", "2")
+    peers = [cli.start("peer0", *common, "--checkpoint-dir", "ckpt0"),
+             cli.start("peer1", *common, "--checkpoint-dir", "ckpt1", "--data-seed", "1")]
+    for peer in peers:
+        assert peer.wait(120) == 0, peer.describe()
+    for rank, peer in enumerate(peers):
+        epochs = re.findall(r"^epoch (\d+): test accuracy [\d.]+%", peer.stdout, re.MULTILINE)
+        assert epochs and epochs[-1] == "3", peer.describe()
+        assert "reached epoch 3; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
+        state = load_checkpoint(cli.workdir / f"ckpt{rank}")
+        assert state["optimizer"]["swarm_opt"]["epoch"] == 3
+    # averaging keeps the peers' models identical
+    models = [load_checkpoint(cli.workdir / f"ckpt{r}")["model"] for r in range(2)]
+    for key in models[0]:
+        torch.testing.assert_close(models[0][key], models[1][key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_monitor_shows_a_live_run_and_ctrl_c_leaves_with_a_checkpoint(cli):
+    _, maddr = cli.dht()
+    common = train_args("e2e_live", maddr, "--target-batch-size", "1024", "--min-peers", "2")
+    peers = [cli.start("peer0", *common, "--checkpoint-dir", "ckpt0"),
+             cli.start("peer1", *common, "--checkpoint-dir", "ckpt1", "--client-mode")]
+    watcher = cli.start("watch", "monitor", "--run-id", "e2e_live", "--initial-peers", maddr, "--interval", "0.5",
+                        "--plot", "progress.png")
+    for peer in peers:
+        peer.wait_for(r"^epoch 2: ", 120)
+
+    snapshot = cli.run("monitor", "--run-id", "e2e_live", "--initial-peers", maddr, "--once",
+                       "--target-batch-size", "1024")
+    assert snapshot.returncode == 0, snapshot.stderr
+    epoch = int(re.search(r"^run e2e_live: epoch (\d+), peers 2 \(1 in client mode\)", snapshot.stdout,
+                          re.MULTILINE).group(1))
+    assert epoch >= 2, snapshot.stdout
+    assert len(re.findall(r"^  peer \w+  epoch \d+ .* samples/s  last seen [\d.]+ s ago", snapshot.stdout,
+                          re.MULTILINE)) == 2, snapshot.stdout
+    assert "/1024 samples" in snapshot.stdout
+
+    nobody = cli.run("monitor", "--run-id", "no_such_run", "--initial-peers", maddr, "--once", "--wait", "1")
+    assert nobody.returncode == 1 and nobody.stderr.count("\n") == 1, nobody.stderr
+    assert "no live peers found for run 'no_such_run'" in nobody.stderr
+
+    for process in peers + [watcher]:
+        process.interrupt()  # Ctrl-C mid-run
+    for rank, peer in enumerate(peers):
+        assert peer.wait(60) == 0, peer.describe()
+        assert "stopped by SIGINT" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
+        stopped_at = int(re.search(r"saved checkpoint .* \(epoch (\d+)\)", peer.stderr).group(1))
+        state = load_checkpoint(cli.workdir / f"ckpt{rank}")
+        assert state["optimizer"]["swarm_opt"]["epoch"] == stopped_at >= 2
+    assert watcher.wait(30) == 0, watcher.describe()
+    assert (cli.workdir / "progress.png").stat().st_size > 1000
+    assert re.search(r"^\[[\d:]+\] run e2e_live: epoch \d+", watcher.stdout, re.MULTILINE), watcher.describe()

@@ -30,8 +30,12 @@ class _DropHivemindAsyncioNoise(logging.Filter):
 
 
 def _full_text(record: logging.LogRecord) -> str:
+    """The message with its traceback: asyncio names the abandoned task's code only in the traceback."""
     try:
-        return record.getMessage() + repr(record.exc_info) + repr(getattr(record, "task", ""))
+        text = record.getMessage()
+        if record.exc_info:
+            text += logging.Formatter().formatException(record.exc_info)
+        return text
     except Exception:  # a broken record must not break logging
         return ""
 

@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What happened at this peer's last epoch change: a committed round, or a download that caught it up."""
+    """What happened at this peer's last epoch change: a committed round, or ``caught_up`` with the swarm without
+    averaging (by downloading its state, or, for local-update strategies, by going on from the local model)."""
 
     epoch: int
     group_size: int
@@ -204,12 +205,14 @@ class Optimizer(torch.optim.Optimizer):
 
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
+        self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
         while self._epoch < epoch:
             self._epoch += 1
             if self.scheduler is not None:
                 self.scheduler.step()
         self._samples = 0  # the strategy keeps its own round's weight: its local work is averaged in next round
         self._tracker.report(self._epoch, 0)
+        self._averager.set_priority(self._epoch)
 
     def _advance_epoch(self, group_size: int, progress: SwarmProgress) -> None:
         self._epoch += 1

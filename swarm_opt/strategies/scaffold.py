@@ -68,8 +68,10 @@ class Scaffold(LocalUpdates):
         for index, group in enumerate(self.inner.param_groups):
             lr = float(group["lr"])
             self._lr_sums[index] += lr
-            for p in self._groups[index]:
-                p.detach().sub_(self._d[p].to(p.dtype), alpha=lr)
+            params = [p.detach() for p in self._groups[index]]
+            controls = [self._d[p].to(p.dtype) for p in self._groups[index]]
+            if params:
+                torch._foreach_add_(params, controls, alpha=-lr)  # one fused call, not one per tensor
 
     def tensors_to_average(self) -> List[torch.Tensor]:
         i = 0

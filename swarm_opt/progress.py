@@ -89,7 +89,7 @@ class SwarmProgress:
 
 def aggregate_progress(
     records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
-    epoch_started: Optional[float] = None,
+    epoch_started: Optional[float] = None, max_extrapolation: float = 2.0,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
@@ -97,6 +97,8 @@ def aggregate_progress(
     stays tight between reads; only peers in the global (highest) epoch count toward it. Just after a round, the
     records of the peers that finished it with us still say the previous epoch: those peers are counted as if they
     had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
+    Peers publish whenever their samples change, so a record older than ``max_extrapolation`` seconds belongs to a
+    peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further.
     Without ``local`` (an observer such as the monitor), only the records count.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
@@ -110,9 +112,9 @@ def aggregate_progress(
         if record is local:
             samples += record.samples if record.epoch == epoch else 0
         elif record.epoch == epoch:
-            samples += record.samples + record.samples_per_second * max(0.0, now - record.time)
+            samples += record.samples + record.samples_per_second * min(max_extrapolation, max(0.0, now - record.time))
         elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
-            samples += record.samples_per_second * max(0.0, now - epoch_started)
+            samples += record.samples_per_second * min(max_extrapolation, max(0.0, now - epoch_started))
     throughput = sum(r.samples_per_second for r in peers)
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
@@ -234,7 +236,8 @@ class ProgressTracker:
     def progress(self) -> SwarmProgress:
         with self._lock:
             local, others, started = self._local_record(), self._others, self._epoch_started
-        return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started)
+        return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
+                                  max_extrapolation=2 * self.config.refresh_period)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""

@@ -114,19 +114,28 @@ def save(cfg: dict, result: dict) -> None:
 
 
 def run_lsq(cfg: dict, opt, model) -> None:
-    """Full-gradient steps on this rank's least-squares problem; records the controls and weights of every round."""
-    a, b = lsq_problem(cfg["rank"])
-    rounds, last = [], None
+    """Full-gradient steps on this rank's least-squares problem; records the controls and weights of every round.
+
+    With ``steps_per_round`` the peer runs in lockstep: after that many steps it only waits for the round, calling
+    ``step()`` with non-finite gradients, which swarm_opt skips (no inner step, no samples), so that every peer
+    completes exactly that many steps per round and the run is deterministic."""
+    a, b = lsq_problem(cfg.get("problem", cfg["rank"]))
+    rounds, last, steps_in_round = [], None, 0
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
         (0.5 * (a @ model.weight[0] - b).pow(2).sum()).backward()
+        if steps_in_round >= cfg.get("steps_per_round", float("inf")):
+            model.weight.grad.fill_(float("nan"))
+        else:
+            steps_in_round += 1
         opt.step()
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
             rounds.append(dict(last.__dict__, w=model.weight.detach().clone()[0],
                                d=None if controls is None else controls[0].clone()[0]))
+            steps_in_round = 0
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=model.weight.detach().clone()[0]))
 

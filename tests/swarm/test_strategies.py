@@ -8,8 +8,11 @@ import time
 from collections import defaultdict
 
 import pytest
+import torch
 
-from tests.swarm.peer import lsq_optimum
+from swarm_opt.simulation import average_in_process
+from swarm_opt.strategies import Scaffold
+from tests.swarm.peer import lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
@@ -39,6 +42,57 @@ def weighted_control_sums(results: list) -> list:
             # relative to the controls' size: hivemind's reducers accumulate in float32
             sums.append((total.abs() / scale.clamp_min(1e-12)).max().item())
     return sums
+
+
+def _lockstep(swarm, tmp_path, strategy: str, name: str, **config) -> list:
+    other = type(swarm)(tmp_path / name)
+    (tmp_path / name).mkdir()
+    try:
+        # matchmaking long enough for every peer to finish its 10 steps and join, even with skewed start times
+        return run_swarm(other, strategy, **dict(dict(steps_per_round=10, target_batch_size=4 * 16 * 10, epochs=8,
+                                                      step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0),
+                                                 **config))
+    finally:
+        other.kill_all()
+
+
+def _simulate(strategy_cls, problems: list, rounds: int, steps: int) -> torch.Tensor:
+    """The same strategy code, averaged in-process: what the swarm must compute."""
+    peers = []
+    for problem in problems:
+        w = torch.nn.Parameter(torch.zeros(1, 5, dtype=torch.float64))
+        inner = torch.optim.SGD([w], lr=0.05)
+        strategy = strategy_cls()
+        strategy.bind([w], inner)
+        peers.append((w, inner, strategy, lsq_problem(problem)))
+    for _ in range(rounds):
+        for w, inner, strategy, (a, b) in peers:
+            for _ in range(steps):
+                inner.zero_grad()
+                (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
+                strategy.local_step(16)
+        average_in_process([s for _, _, s, _ in peers])
+    return peers[0][0].detach()[0]
+
+
+def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp_path):
+    """Every peer completes 10 steps per round. Identical data: SCAFFOLD == FedAvg (its controls stay zero).
+    Heterogeneous data: the real SCAFFOLD swarm follows the in-process simulation of the same strategy code."""
+    same = dict(problem=0)
+    scaffold = _lockstep(swarm, tmp_path, "scaffold", "scaffold_same", **same)
+    fedavg = _lockstep(swarm, tmp_path, "local", "fedavg_same", **same)
+    for s, f in zip(scaffold, fedavg):
+        assert [r["group_size"] for r in s["rounds"]] == [4] * 8, s["rounds"]
+        torch.testing.assert_close(s["w"], f["w"], atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
+        assert s["rounds"][-1]["d"].abs().max() < 1e-6
+    moved = (scaffold[0]["w"] - torch.zeros(5)).norm()
+    assert moved > 1.0  # the runs trained
+
+    hetero = _lockstep(swarm, tmp_path, "scaffold", "scaffold_hetero", epochs=8)
+    expected = _simulate(Scaffold, range(4), rounds=8, steps=10)
+    for r in hetero:
+        assert [x["group_size"] for x in r["rounds"]] == [4] * 8, r["rounds"]
+        torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
 
 
 def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm, tmp_path):

@@ -65,6 +65,12 @@ def test_peers_that_finished_the_round_with_us_count_before_their_records_catch_
     assert aggregate_progress(stale, local, 100, now=100.0).samples_accumulated == 10  # without the start time
 
 
+def test_a_peer_that_stopped_reporting_is_not_extrapolated_forever():
+    local = record(b"me", 1, 0, 0.0, 100.0)
+    idle = record(b"a", 1, 40, 10.0, 90.0)  # its last record is 10 s old: it stopped adding samples
+    assert aggregate_progress([idle], local, 100, now=100.0, max_extrapolation=2.0).samples_accumulated == 60
+
+
 def test_aggregate_sees_a_swarm_ahead_and_readiness():
     local = record(b"me", 1, 0, 0.0, 50.0)
     p = aggregate_progress([record(b"a", 4, 7, 1.0, 50.0)], local, target_batch_size=10, now=50.0)

@@ -8,6 +8,7 @@ reports what matters itself, in one line, so hivemind's records are re-emitted a
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 _ASYNCIO_SHUTDOWN_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
                            "Task exception was never retrieved", "Exception in callback")
@@ -22,11 +23,20 @@ class _Downgrade(logging.Handler):
 
 
 class _DropHivemindAsyncioNoise(logging.Filter):
-    """asyncio reports tasks that hivemind's background processes abandon at shutdown; they are not the user's."""
+    """asyncio reports tasks that hivemind abandons (at shutdown, or fire-and-forget DHT stores that time out); they
+    are not the user's. Recognised by the traceback naming hivemind, or by being logged inside one of hivemind's
+    own processes (the DHT and averager processes are ``multiprocessing.Process`` subclasses from hivemind)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        return not (message.startswith(_ASYNCIO_SHUTDOWN_NOISE) and "hivemind" in _full_text(record))
+        if not message.startswith(_ASYNCIO_SHUTDOWN_NOISE):
+            return True
+        return not (_in_hivemind_process() or "hivemind" in _full_text(record))
+
+
+def _in_hivemind_process() -> bool:
+    process_type = type(multiprocessing.current_process())
+    return any(cls.__module__.startswith(("hivemind.", "swarm_opt.")) for cls in process_type.__mro__)
 
 
 def _full_text(record: logging.LogRecord) -> str:

@@ -1,0 +1,33 @@
+"""hivemind's chatter is kept out of the user's console; the user's own asyncio errors are not."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+from hivemind.averaging import DecentralizedAverager
+
+import swarm_opt  # noqa: F401  (importing tames hivemind's logging)
+
+
+def _asyncio_record(message: str) -> logging.LogRecord:
+    return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, message, None, None)
+
+
+def test_hivemind_warnings_become_debug_records_of_swarm_opt(caplog):
+    with caplog.at_level(logging.DEBUG, logger="swarm_opt.hivemind"):
+        logging.getLogger("hivemind.averaging.averager").warning("could not find a group")
+    records = [r for r in caplog.records if "could not find a group" in r.getMessage()]
+    assert records and all(r.levelno == logging.DEBUG for r in records)
+    assert {r.name for r in records} == {"swarm_opt.hivemind.averaging.averager"}
+
+
+def test_asyncio_noise_is_dropped_only_inside_hivemind_processes(monkeypatch):
+    asyncio_logger = logging.getLogger("asyncio")
+    noise = "Task was destroyed but it is pending!\ntask: <Task pending coro=<wait_for()>>"
+    assert asyncio_logger.filter(_asyncio_record(noise))  # the user's own process: shown
+    assert asyncio_logger.filter(_asyncio_record("some other asyncio error"))
+    averager_process = object.__new__(type("Averager", (DecentralizedAverager,), {}))
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: averager_process)
+    assert not asyncio_logger.filter(_asyncio_record(noise))  # inside hivemind's averager: hivemind's, dropped
+    assert asyncio_logger.filter(_asyncio_record("some other asyncio error"))

@@ -18,7 +18,7 @@ class _Downgrade(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         target = logging.getLogger("swarm_opt.hivemind." + record.name.removeprefix("hivemind."))
         if target.isEnabledFor(logging.DEBUG):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.levelno, record.levelname, record.name = logging.DEBUG, "DEBUG", target.name
             target.handle(record)
 
 

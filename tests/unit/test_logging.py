@@ -27,7 +27,8 @@ def test_asyncio_noise_is_dropped_only_inside_hivemind_processes(monkeypatch):
     noise = "Task was destroyed but it is pending!\ntask: <Task pending coro=<wait_for()>>"
     assert asyncio_logger.filter(_asyncio_record(noise))  # the user's own process: shown
     assert asyncio_logger.filter(_asyncio_record("some other asyncio error"))
-    averager_process = object.__new__(type("Averager", (DecentralizedAverager,), {}))
+    # stands for hivemind's averager process (a multiprocessing.Process subclass defined in hivemind)
+    averager_process = type("Averager", (), {"__module__": DecentralizedAverager.__module__})()
     monkeypatch.setattr(multiprocessing, "current_process", lambda: averager_process)
     assert not asyncio_logger.filter(_asyncio_record(noise))  # inside hivemind's averager: hivemind's, dropped
     assert asyncio_logger.filter(_asyncio_record("some other asyncio error"))

@@ -116,29 +116,40 @@ class Host:
 
 
 @pytest.mark.swarm
-@pytest.mark.timeout(300)
-def test_a_swarm_across_hosts_with_a_client_peer_survives_a_killed_peer(hosts, tmp_path):
+@pytest.mark.timeout(360)
+def test_a_swarm_across_hosts_survives_a_killed_peer_which_rejoins_with_its_identity(hosts, tmp_path):
     env = cli_env()
     node = Host(hosts, 0, "dht", ["dht", "--host-maddrs", f"/ip4/{hosts.address(0)}/tcp/31337"], tmp_path, env)
     bootstrap = node.wait_for(r"^/ip4/\S+/p2p/\S+$", 60).group(0)
     assert hosts.address(0) in bootstrap
-    peers = {}
-    for i in (1, 2, 3):
+    epochs = 16
+
+    def start(i: int, name: str, min_peers: int = 3) -> Host:
         args = ["train", "--run-id", "netns", "--initial-peers", bootstrap, "--task", "digits",
-                "--target-batch-size", "512", "--batch-size", "32", "--epochs", "7", "--min-peers", "3",
-                "--matchmaking-time", "2", "--averaging-timeout", "20"]
+                "--target-batch-size", "512", "--batch-size", "32", "--epochs", str(epochs),
+                "--min-peers", str(min_peers), "--matchmaking-time", "2", "--averaging-timeout", "20",
+                "--identity-path", f"peer{i}.id", "--checkpoint-dir", f"ckpt{i}", "--checkpoint-every", "1"]
         if i == 3:
             args.append("--client-mode")  # behind NAT: dials out only
         else:
             args += ["--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/0"]
-        peers[i] = Host(hosts, i, f"peer{i}", args, tmp_path, env)
+        return Host(hosts, i, name, args, tmp_path, env)
+
+    peers = {i: start(i, f"peer{i}") for i in (1, 2, 3)}
     for i in (1, 3):
         peers[i].wait_for(r"^epoch 3: .*averaged with 3 of 3 peer\(s\)", 180)  # the client averaged across hosts
+    identity = re.search(r"as peer (\S+)", peers[2].err.read_text()).group(1)
     os.killpg(peers[2].proc.pid, signal.SIGKILL)  # a host's peer dies mid-run
-    for i in (1, 3):
-        assert peers[i].proc.wait(150) == 0, peers[i].text()
-        text = peers[i].text()
-        assert re.search(r"^epoch 7: test accuracy", text, re.MULTILINE), text
+    peers[1].wait_for(r"^epoch 5: ", 60)  # the others went on without it
+
+    again = start(2, "peer2_again", min_peers=1)  # restarted on its host, same identity and checkpoint directory
+    again.wait_for(r"^epoch \d+: .*averaged with 3 of 3 peer\(s\)", 120)  # back in the swarm
+    for host in (peers[1], peers[3], again):
+        assert host.proc.wait(180) == 0, host.text()
+        text = host.text()
+        assert re.search(rf"^epoch {epochs}: test accuracy", text, re.MULTILINE), text
         assert "Traceback" not in text, text
+    assert f"as peer {identity}" in again.text()
+    assert "resumed from" in again.text()
     node.proc.send_signal(signal.SIGINT)
     assert node.proc.wait(30) == 0, node.text()

@@ -68,16 +68,24 @@ class TrackerConfig:
     :param record_ttl: a progress record expires this long after it was published; a peer that stopped reporting
         (crashed, disconnected) is forgotten after at most this many seconds.
     :param refresh_period: read the swarm's progress at least this often (more often near the end of an epoch).
+    :param max_extrapolation: between reads, each peer's samples are extrapolated at its throughput for at most this
+        many seconds past its last record, so that rounds start on time; 0 counts only reported samples (rounds
+        then never start before every counted sample was reported, a little later on average).
     """
 
     heartbeat_period: float = 1.0
     record_ttl: float = 6.0
     refresh_period: float = 1.0
+    max_extrapolation: float = 2.0
 
     def __post_init__(self) -> None:
         _positive_float("heartbeat_period", self.heartbeat_period)
         _positive_float("record_ttl", self.record_ttl)
         _positive_float("refresh_period", self.refresh_period)
+        extrapolation = self.max_extrapolation
+        if isinstance(extrapolation, bool) or not isinstance(extrapolation, (int, float)) \
+                or not 0 <= extrapolation < math.inf:
+            raise ConfigError(f"max_extrapolation must be a finite number of seconds >= 0, got {extrapolation!r}")
         if self.record_ttl <= 2 * self.heartbeat_period:
             raise ConfigError(
                 f"record_ttl ({self.record_ttl}) must exceed twice heartbeat_period ({self.heartbeat_period}), "

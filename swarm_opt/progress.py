@@ -237,7 +237,7 @@ class ProgressTracker:
         with self._lock:
             local, others, started = self._local_record(), self._others, self._epoch_started
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
-                                  max_extrapolation=2 * self.config.refresh_period)
+                                  max_extrapolation=self.config.max_extrapolation)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""

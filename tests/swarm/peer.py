@@ -90,6 +90,7 @@ def main(config_path: str) -> None:
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
         strategy=make_strategy(cfg.get("strategy", "grad")),
+        tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
     )

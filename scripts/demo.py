@@ -333,6 +333,7 @@ def train_swarm(args: argparse.Namespace, workdir: Path) -> dict:
         data = load_mnist()
         save_dataset(data, workdir / DATA_FILE)
         training_started: Optional[float] = None
+        monitor: Optional[subprocess.Popen] = None
         deadline = started + args.timeout
         while True:
             statuses = swarm.statuses()
@@ -345,6 +346,8 @@ def train_swarm(args: argparse.Namespace, workdir: Path) -> dict:
                                                                                for s in known):
                 training_started = time.monotonic()
             epoch = max((s["epoch"] for s in known), default=0)
+            if monitor is None and epoch >= 1:
+                monitor = _start_monitor(workdir)  # what a volunteer sees with `swarm-opt monitor`, mid-run
             bar.update(min(epoch, args.epochs) - bar.n)
             bar.set_postfix_str(_describe(known, args.peers), refresh=False)
             bar.refresh()
@@ -355,14 +358,38 @@ def train_swarm(args: argparse.Namespace, workdir: Path) -> dict:
         finished = time.monotonic()
         bar.update(args.epochs - bar.n)
         bar.set_postfix_str(_describe(known, args.peers))
+        snapshot = _finish_monitor(monitor, workdir)  # before the bootstrap node it dialled goes away
     finally:
         bar.close()
         stopping = time.monotonic()
         swarm.stop()
     states = [torch.load(workdir / f"peer{rank}.pt", weights_only=True) for rank in range(args.peers)]
-    return dict(statuses=swarm.statuses(), states=states, data=data, seconds=finished - started,
+    return dict(statuses=swarm.statuses(), states=states, data=data, seconds=finished - started, monitor=snapshot,
                 seconds_training=finished - (training_started or started),
                 seconds_shutdown=time.monotonic() - stopping)
+
+
+def _start_monitor(workdir: Path) -> Optional[subprocess.Popen]:
+    bootstrap = read_json(workdir / "bootstrap.json")
+    if bootstrap is None:
+        return None
+    with open(workdir / "monitor.out", "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", RUN_ID, "--once",
+                                 "--initial-peers", *bootstrap["maddrs"]], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _finish_monitor(monitor: Optional[subprocess.Popen], workdir: Path) -> str:
+    """The snapshot `swarm-opt monitor --once` printed mid-run (empty if it could not take one)."""
+    if monitor is None:
+        return ""
+    try:
+        monitor.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _kill_group(monitor.pid, signal.SIGKILL)
+    return (workdir / "monitor.out").read_text().strip() if monitor.returncode == 0 else ""
 
 
 def _describe(statuses: List[dict], expected: int) -> str:
@@ -417,6 +444,9 @@ def report(args: argparse.Namespace, swarm: dict, single: dict, data: tuple) -> 
     if samples_per_epoch:
         mean_samples = sum(samples_per_epoch.values()) / len(samples_per_epoch)
         print(f"  samples averaged per global epoch: {mean_samples:.0f} on average (target {args.target_batch_size})")
+    if swarm["monitor"]:
+        print("the run mid-way, as `swarm-opt monitor --once` showed it:")
+        print("\n".join("  " + line for line in swarm["monitor"].splitlines()))
     print(f"single process: {args.epochs} steps of {args.target_batch_size} samples, same init, "
           f"wall time {single['seconds']:.2f} s, test accuracy {single['accuracy']:6.2%}")
     passed = swarm_accuracy >= args.min_accuracy

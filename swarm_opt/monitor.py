@@ -80,7 +80,7 @@ def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float
                           target_batch_size: Optional[int] = None) -> RunSnapshot:
     if target_batch_size is None and records:  # the target the peers train with, if they agree on one
         target_batch_size = Counter(r.target_batch_size for r in records).most_common(1)[0][0]
-    swarm = aggregate_progress(records, None, target_batch_size or 1, now)
+    swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=0.0)  # as reported
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
                   r.model_schema) for r in records),

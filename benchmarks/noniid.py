@@ -49,6 +49,7 @@ import torch
 from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
     command_line,
+    join_loopback_swarm,
     kill_all,
     launch,
     leftovers,
@@ -448,7 +449,6 @@ def worker(args: argparse.Namespace) -> None:
     """One real peer: its own DHT, swarm_opt.Optimizer with the strategy, its shard, the simulation's batch order."""
     import logging
 
-    import hivemind
 
     logging.basicConfig(level=logging.WARNING, format=f"[peer {args.rank}] %(asctime)s %(levelname)s %(name)s: "
                                                       f"%(message)s")
@@ -458,15 +458,7 @@ def worker(args: argparse.Namespace) -> None:
     data = torch.load(tmp / "data.pt")
     x, y, xt, yt, shard = data["x"], data["y"], data["xt"], data["yt"], data["shards"][args.rank]
     model = make_model(args.seed)
-    maddrs_file = tmp / "maddrs.json"
-    if args.rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        (tmp / "maddrs.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
-        os.replace(tmp / "maddrs.tmp", maddrs_file)
-    else:
-        wait_for(maddrs_file, 120, "rank 0 did not publish its DHT address")
-        dht = hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           start=True)
+    dht = join_loopback_swarm(tmp, args.rank, timeout=120)
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=f"noniid_{args.strategy_name}", target_batch_size=args.peers * args.steps * args.batch_size,
         batch_size_per_step=args.batch_size, params=model.parameters(),
@@ -687,7 +679,8 @@ def run_real(args: argparse.Namespace) -> None:
         s = stats[n]
         print(f"{n}: last-{LAST} mean real {100 * s['final_real']:.2f} % vs sim {100 * s['final_sim']:.2f} % "
               f"({100 * (s['final_real'] - s['final_sim']):+.2f} pp); per-round |real - sim| mean "
-              f"{100 * (s['mean_abs_diff'] or 0):.2f} pp, max {100 * (s['max_abs_diff'] or 0):.2f} pp; steps/peer/round "
+              f"{100 * (s['mean_abs_diff'] or 0):.2f} pp, max {100 * (s['max_abs_diff'] or 0):.2f} pp; "
+              f"steps/peer/round "
               f"{s['steps_per_round']}; round {s['round_s_median']:.2f} s (median); committed per round "
               f"{s['committed_per_round']}; catch-ups {s['caught_up']}; max |param - peer 0| at the end "
               f"{s['max_param_diff_between_peers']:.1e}; payload {fmt_bytes(s['payload_bytes'])}/round/peer; "

@@ -30,6 +30,7 @@ import torch
 from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
     command_line,
+    join_loopback_swarm,
     kill_all,
     launch,
     leftovers,
@@ -97,8 +98,6 @@ def train_single(args: argparse.Namespace) -> dict:
 def worker(args: argparse.Namespace) -> None:
     import logging
 
-    import hivemind
-
     import swarm_opt
 
     logging.basicConfig(level=logging.WARNING, format=f"[peer {args.rank}] %(levelname)s %(name)s: %(message)s")
@@ -109,15 +108,7 @@ def worker(args: argparse.Namespace) -> None:
     x, y = x[shard], y[shard]
     model = make_model(args.seed)
 
-    maddrs_file = tmp / "maddrs.json"
-    if args.rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-        (tmp / "maddrs.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
-        os.replace(tmp / "maddrs.tmp", maddrs_file)
-    else:
-        wait_for(maddrs_file, 60, "rank 0 did not publish its DHT address")
-        dht = hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           start=True)
+    dht = join_loopback_swarm(tmp, args.rank, timeout=60)
     opt = swarm_opt.Optimizer(
         dht=dht, run_id="swarm_vs_single", target_batch_size=args.target_batch_size,
         batch_size_per_step=args.batch_size, params=model.parameters(), optimizer=make_inner,

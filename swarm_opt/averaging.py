@@ -83,7 +83,7 @@ class TensorAverager:
         state_provider: Optional[StateProvider] = None,
     ) -> None:
         self.timeouts = timeouts
-        # averaging runs in fp32 whatever the model's precision
+        # averaging runs in at least fp32, whatever the model's precision
         buffers = [torch.zeros_like(t, device="cpu", dtype=torch.promote_types(t.dtype, torch.float32)
                                     if t.is_floating_point() else t.dtype) for t in templates]
         self._engine = _Engine(

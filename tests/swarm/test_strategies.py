@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from swarm_opt.simulation import average_in_process
-from swarm_opt.strategies import Scaffold
+from swarm_opt.strategies import LocalUpdates, Scaffold
 from tests.swarm.peer import lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
-COMMON = dict(task="lsq", batch_size=16, target_batch_size=4 * 16 * 20, epochs=25, step_sleep=0.02,
+COMMON = dict(task="lsq", batch_size=16, target_batch_size=4 * 16 * 20, epochs=18, step_sleep=0.02,
               matchmaking_time=1.0, averaging_timeout=15.0)
 
 
@@ -77,19 +77,18 @@ def _simulate(strategy_cls, problems: list, rounds: int, steps: int) -> torch.Te
 
 
 def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp_path):
-    """Every peer completes 10 steps per round. Identical data: SCAFFOLD == FedAvg (its controls stay zero).
-    Heterogeneous data: the real SCAFFOLD swarm follows the in-process simulation of the same strategy code."""
-    same = dict(problem=0)
-    scaffold = _lockstep(swarm, tmp_path, "scaffold", "scaffold_same", **same)
-    fedavg = _lockstep(swarm, tmp_path, "local", "fedavg_same", **same)
-    for s, f in zip(scaffold, fedavg):
+    """Every peer completes 10 steps per round. Identical data: SCAFFOLD's controls stay zero, so it equals FedAvg
+    (the in-process LocalUpdates). Heterogeneous data: the real SCAFFOLD swarm follows the in-process simulation of
+    the same strategy code."""
+    scaffold = _lockstep(swarm, tmp_path, "scaffold", "scaffold_same", problem=0)
+    fedavg = _simulate(LocalUpdates, [0] * 4, rounds=8, steps=10)
+    for s in scaffold:
         assert [r["group_size"] for r in s["rounds"]] == [4] * 8, s["rounds"]
-        torch.testing.assert_close(s["w"], f["w"], atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
+        torch.testing.assert_close(s["w"], fedavg, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
         assert s["rounds"][-1]["d"].abs().max() < 1e-6
-    moved = (scaffold[0]["w"] - torch.zeros(5)).norm()
-    assert moved > 1.0  # the runs trained
+    assert fedavg.norm() > 1.0  # the runs trained
 
-    hetero = _lockstep(swarm, tmp_path, "scaffold", "scaffold_hetero", epochs=8)
+    hetero = _lockstep(swarm, tmp_path, "scaffold", "scaffold_hetero")
     expected = _simulate(Scaffold, range(4), rounds=8, steps=10)
     for r in hetero:
         assert [x["group_size"] for x in r["rounds"]] == [4] * 8, r["rounds"]
@@ -119,7 +118,7 @@ def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm
 
 def test_a_peer_killed_mid_run_leaves_the_survivors_controls_centred(swarm):
     for rank in range(4):
-        swarm.start(rank, strategy="scaffold", expect_peers=4, **dict(COMMON, epochs=22))
+        swarm.start(rank, strategy="scaffold", expect_peers=4, **dict(COMMON, epochs=18))
     deadline = time.monotonic() + 120
     while "epoch 6:" not in swarm.log(3) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -129,7 +128,7 @@ def test_a_peer_killed_mid_run_leaves_the_survivors_controls_centred(swarm):
     swarm.wait(timeout=240)
     survivors = [swarm.result(r) for r in range(3)]
     for r in survivors:
-        assert r["epoch"] == 22
+        assert r["epoch"] == 18
         assert all(rnd["group_size"] <= 3 for rnd in r["rounds"][-8:]), r["rounds"][-8:]
     late_sums = weighted_control_sums([dict(r, rounds=r["rounds"][-8:]) for r in survivors])
     assert late_sums and max(late_sums) < 1e-5, late_sums

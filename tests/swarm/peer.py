@@ -145,7 +145,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     x, y = make_data()
     rank, bs = cfg["rank"], cfg["batch_size"]
     g = torch.Generator().manual_seed(1000 + rank)
-    committed, pending, reports, lrs = {}, [], [], {}
+    committed, discarded, pending, reports, lrs = {}, {}, [], [], {}
     last_report = None
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
@@ -160,10 +160,12 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
             reports.append(last_report.__dict__)
             if not last_report.caught_up:
                 committed[last_report.epoch] = pending
+            else:  # our round failed here, but our groupmates may have completed it with our gradients in it
+                discarded[last_report.epoch] = pending
             pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, reports=reports, lrs=lrs,
+    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, reports=reports, lrs=lrs,
                    params=[p.detach().clone() for p in model.parameters()]))
 
 

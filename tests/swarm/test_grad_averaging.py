@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -12,14 +13,16 @@ from tests.swarm.peer import make_data, make_inner, make_model
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-def reference_params(results: list, inner: str, epochs: int, scheduler: bool = False) -> list:
-    """One process applying the inner optimizer to the union of the batches every peer committed to each epoch."""
+def reference_params(results: list, inner: str, epochs: int, scheduler: bool = False, extra=()) -> list:
+    """One process applying the inner optimizer to the union of the batches every peer committed to each epoch
+    (plus the ``extra`` (epoch, batches) pairs)."""
     x, y = make_data()
     model = make_model()
     opt = make_inner(inner)(model.parameters())
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
     for epoch in range(1, epochs + 1):
-        batches = [b for r in results for b in r["committed"].get(epoch, []) for b in [b]]
+        batches = [b for r in results for b in r["committed"].get(epoch, [])]
+        batches += [b for e, extra_batches in extra if e == epoch for b in extra_batches]
         assert batches, f"no peer committed batches to epoch {epoch}"
         idx = torch.tensor([i for b in batches for i in b])
         opt.zero_grad()
@@ -28,6 +31,20 @@ def reference_params(results: list, inner: str, epochs: int, scheduler: bool = F
         if sched:
             sched.step()
     return [p.detach() for p in model.parameters()]
+
+
+def possible_references(results: list, inner: str, epochs: int):
+    """A peer whose round failed on its side while its groupmates completed it (the last message of a round can
+    always be lost) cannot know whether its gradients made it into that epoch; it drops them and downloads the
+    result. So each such batch set was used once or not at all: yield the reference for every combination."""
+    ambiguous = [(epoch, batches) for r in results for epoch, batches in r["discarded"].items() if batches]
+    assert len(ambiguous) <= 6, ambiguous
+    for chosen in itertools.product([False, True], repeat=len(ambiguous)):
+        yield reference_params(results, inner, epochs, extra=[a for a, keep in zip(ambiguous, chosen) if keep])
+
+
+def _close(a: list, b: list, tol: float = 1e-5) -> bool:
+    return all(torch.allclose(x, y, atol=tol, rtol=tol) for x, y in zip(a, b))
 
 
 def assert_quiet(log: str) -> None:
@@ -53,10 +70,12 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
         assert_quiet(swarm.log(r["rank"]))
     if client_rank is not None:
         assert any(rep["group_size"] == 3 for rep in results[client_rank]["reports"]), "the client never averaged"
-    expected = reference_params(results, inner, epochs)
-    for r in results:
-        for got, want in zip(r["params"], expected):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)  # one model in the swarm
+    references = list(possible_references(results, inner, epochs))
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+    expected = references[0]
     # the test is only meaningful if training moved the parameters
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
 

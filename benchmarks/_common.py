@@ -135,6 +135,15 @@ def leftovers(procs: Sequence[subprocess.Popen]) -> List[str]:
     return found
 
 
+def wait_for(path: Path, timeout: float, message: str) -> None:
+    """Wait until ``path`` exists (a signal file between the orchestrator and its workers)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{message} within {timeout:.0f} s")
+        time.sleep(0.02)
+
+
 def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0):
     """Start this worker's hivemind DHT on loopback: rank 0 publishes its addresses in ``workdir/maddrs.json``
     (atomically), every other rank waits for that file and joins through them."""
@@ -146,10 +155,6 @@ def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0):
         (workdir / "maddrs.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         os.replace(workdir / "maddrs.tmp", maddrs_file)
         return dht
-    deadline = time.monotonic() + timeout
-    while not maddrs_file.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"rank 0 did not publish its DHT address within {timeout:.0f} s")
-        time.sleep(0.02)
+    wait_for(maddrs_file, timeout, "rank 0 did not publish its DHT address")
     return hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                         start=True)

@@ -56,6 +56,7 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     table,
     tail,
     wait_all,
+    wait_for,
     write_json,
 )
 
@@ -501,14 +502,6 @@ def worker(args: argparse.Namespace) -> None:
     finally:
         opt.shutdown()
         dht.shutdown()
-
-
-def wait_for(path: Path, timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{message} within {timeout:.0f} s")
-        time.sleep(0.05)
 
 
 def run_swarm(args: argparse.Namespace, name: str, tmp: Path) -> List[dict]:

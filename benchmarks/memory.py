@@ -116,8 +116,9 @@ def worker(args: argparse.Namespace) -> None:
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)  # before the model: it forks
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(784, 2800), torch.nn.ReLU(), torch.nn.Linear(2800, 2800),
-                                torch.nn.ReLU(), torch.nn.Linear(2800, 10))
+    h = args.hidden
+    model = torch.nn.Sequential(torch.nn.Linear(784, h), torch.nn.ReLU(), torch.nn.Linear(h, h),
+                                torch.nn.ReLU(), torch.nn.Linear(h, 10))
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     x, y = torch.randn(16, 784), torch.randint(0, 10, (16,))
@@ -199,6 +200,7 @@ def summarize(r: Dict[str, Any]) -> Dict[str, Any]:
         "averager_rss_x": ca["Rss"] / pb, "averager_uss_x": ca["USS"] / pb,
         "averager_anon_shm_pss_x": ca["anon_shm_PSS"] / pb,
         "averager_uss_after_init_x": r["averager_after_init"]["USS"] / pb,
+        "averager_uss_MB": ca["USS"] / MB,
         "process_extra_x": extra_process / pb,
         "process_extra_MB": extra_process / MB,
     }
@@ -210,6 +212,7 @@ def main() -> None:
     p.add_argument("--strategy", default="grad")
     p.add_argument("--out", default="")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2800, help="MLP 784-h-h-10; 2800 = 10.07M parameters")
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
     p.add_argument("--malloc-mmap-threshold", type=int, default=0,
                    help="set MALLOC_MMAP_THRESHOLD_ in the workers (e.g. 1048576): every large tensor is then mmapped "
@@ -231,7 +234,8 @@ def main() -> None:
         out, log = logdir / f"{name}{args.tag}.json", logdir / f"{name}{args.tag}.log"
         out.unlink(missing_ok=True)
         env = {"MALLOC_MMAP_THRESHOLD_": str(args.malloc_mmap_threshold)} if args.malloc_mmap_threshold else {}
-        proc = launch([__file__, "--worker", "--strategy", name, "--out", str(out), "--rounds", str(args.rounds)],
+        proc = launch([__file__, "--worker", "--strategy", name, "--out", str(out), "--rounds", str(args.rounds),
+                       "--hidden", str(args.hidden)],
                       log, env_extra=env)
         try:
             proc.wait(240)
@@ -263,7 +267,7 @@ def main() -> None:
         verdict = "ok" if worst <= s["goal_x"] + 0.05 else f"over by {worst - s['goal_x']:.2f}x"
         rows.append([s["strategy"], f"{s['goal_x']:.0f}x", f"{s['tensors_x']:.2f}x", owners,
                      f"{s['user_delta_rss_x']:.2f}x", f"{s['user_delta_uss_x']:.2f}x", f"{s['user_peak_x']:.2f}x",
-                     f"{s['averager_rss_x']:.2f}x", f"{s['averager_uss_x']:.2f}x",
+                     f"{s['averager_rss_x']:.2f}x", f"{s['averager_uss_x']:.2f}x ({s['averager_uss_MB']:.0f} MB)",
                      f"{s['process_extra_x']:.2f}x", verdict])
     headers = ["strategy", "goal", "swarm_opt tensors", "tensors by owner (x params)", "user dRSS", "user dUSS",
                "user peak", "averager RSS", "averager USS", "process extra (anon+shm PSS)", "vs goal"]

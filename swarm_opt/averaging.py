@@ -22,6 +22,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt._fork import without_tensor_memory
 from swarm_opt.config import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class TensorAverager:
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0,
         )
         self._engine.state_provider = state_provider
-        self._engine.run_in_background(await_ready=True, timeout=60)
+        with without_tensor_memory():  # the averager process never reads the model: it must not copy it
+            self._engine.run_in_background(await_ready=True, timeout=60)
         self._scheduled: Optional[StepControl] = None
         self._scheduled_round = -1
         self._lock = threading.Lock()

@@ -46,7 +46,11 @@ class DiLoCo(LocalUpdates):
     def apply_round(self, result: AveragingResult) -> None:
         super().apply_round(result)
         for x, p in zip(self._anchor, self.params):
-            x.grad = x - p.detach().to("cpu", x.dtype)
+            y = p.detach()
+            if (y.dtype, y.device) == (x.dtype, x.device):  # the pseudo-gradient x - ybar, computed in place in p
+                x.grad = torch.sub(x, y, out=y)  # (p is overwritten with the new x below): no model-sized temporary
+            else:
+                x.grad = x - y.to(x.device, x.dtype)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
         for x, p in zip(self._anchor, self.params):

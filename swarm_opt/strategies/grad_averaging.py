@@ -47,7 +47,8 @@ class GradientAveraging(Strategy):
 
     def apply_round(self, result: AveragingResult) -> None:
         for p, mean in zip(self.params, self._mean):
-            p.grad = mean.to(p.dtype, copy=True)
+            # the buffer itself when it fits (no round-time copy: reset() zeroes it right after the step)
+            p.grad = mean if (mean.dtype, mean.device) == (p.dtype, p.device) else mean.to(p.device, p.dtype)
         self.inner.step()
         for p in self.params:
             p.grad = None

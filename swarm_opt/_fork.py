@@ -1,0 +1,91 @@
+"""Start a forked helper process without a copy-on-write twin of the training memory.
+
+hivemind's averager is an ``mp.Process`` started with ``fork`` after the user built the model: the child maps every
+page of the parent, and each page the parent writes afterwards (parameters, gradients, optimizer state, our own
+buffers) is duplicated so that the child keeps the old version, which it never reads. Measured on a 10M-parameter
+MLP: 4.4-5.4x the parameter bytes held privately by the averager process after two rounds.
+
+``without_tensor_memory()`` marks the pages that lie entirely inside large private CPU tensor storages
+``MADV_DONTFORK`` for the duration of the fork, then restores them, so the child never maps them and the parent
+writes them in place. The child must not read those tensors (hivemind's averager only touches its shared-memory
+buffers, which are skipped). Only whole pages inside one storage are marked, so no other object loses memory in the
+child. On systems without ``madvise`` this does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import mmap
+import sys
+from typing import Iterator, List, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MIN_BYTES = 1 << 20  # smaller storages are not worth a separate memory mapping each
+_PAGE = mmap.PAGESIZE
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTFORK"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def _private_tensor_pages() -> List[Tuple[int, int]]:
+    """(start, length) of the whole pages inside every large, private, CPU tensor storage of this process."""
+    regions, seen = [], set()
+    for obj in _tensors():
+        if obj.device.type != "cpu" or obj.is_sparse:
+            continue
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage (e.g. functional wrappers)
+            continue
+        start, size = storage.data_ptr(), storage.nbytes()
+        if size < _MIN_BYTES or start in seen or storage.is_shared():
+            continue
+        seen.add(start)
+        first = -(-start // _PAGE) * _PAGE
+        last = (start + size) // _PAGE * _PAGE
+        if last > first:
+            regions.append((first, last - first))
+    return regions
+
+
+def _tensors() -> Iterator[torch.Tensor]:
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which some objects warn on
+            yield obj
+            if obj.is_leaf and obj.requires_grad and obj.grad is not None:  # autograd's grads may have no
+                yield obj.grad  # Python object of their own until accessed
+
+
+@contextlib.contextmanager
+def without_tensor_memory() -> Iterator[None]:
+    """Processes forked inside this block do not inherit the pages of large private CPU tensors."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        yield
+        return
+    marked = []
+    for start, length in _private_tensor_pages():
+        if madvise(start, length, mmap.MADV_DONTFORK) == 0:
+            marked.append((start, length))
+    try:
+        yield
+    finally:
+        for start, length in marked:  # later forks (DataLoader workers) must see these tensors again
+            if madvise(start, length, mmap.MADV_DOFORK) != 0:
+                logger.warning("Could not restore fork inheritance of a tensor (errno %d); processes forked "
+                               "later may not read it", ctypes.get_errno())

@@ -278,6 +278,7 @@ class Optimizer(torch.optim.Optimizer):
             tensors = [t.detach().to("cpu", copy=True) for t in tensors]
             metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
                         "skeleton": skeleton}
+        logger.info(f"Sending our state (epoch {metadata['epoch']}) to a peer that joins or catches up")
         return metadata, tensors
 
     def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], *, require_newer: bool) -> int:

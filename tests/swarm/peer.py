@@ -6,8 +6,10 @@ committed to each epoch, and its round reports. Every choice comes from the JSON
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -61,6 +63,56 @@ def make_strategy(name: str):
     }[name]()
 
 
+def die() -> None:
+    """SIGKILL this whole peer (user process, DHT, averager, p2pd: they share the process group)."""
+    os.killpg(0, signal.SIGKILL)
+
+
+def claim(path: str) -> bool:
+    """True for the first process that claims ``path`` (so that exactly one armed peer dies)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+
+def install_fault(cfg: dict) -> None:
+    """Fault injection at a precise phase (as torchft's EventInjector), patched into the classes before the
+    averager process forks, so that it acts inside hivemind's averager process.
+
+    * ``die_in_allreduce``: once ``OUT.arm`` exists, die as soon as the first averaged part of a round comes back
+      (this peer sent its tensors and its groupmates are still exchanging parts with it).
+    * ``die_while_serving``: die right after sending the first message of its state to a newcomer, if this peer is
+      the first to claim the file ``die_while_serving``."""
+    if cfg.get("die_in_allreduce"):
+        from hivemind.averaging.partition import TensorPartContainer
+
+        original_register = TensorPartContainer.register_processed_part
+        arm = cfg["out"] + ".arm"
+
+        @functools.wraps(original_register)
+        def register_processed_part(self, *args, **kwargs):
+            original_register(self, *args, **kwargs)
+            if os.path.exists(arm):
+                die()
+
+        TensorPartContainer.register_processed_part = register_processed_part
+    if cfg.get("die_while_serving"):
+        from swarm_opt.averaging import _Engine
+
+        original_download = _Engine.rpc_download_state
+
+        @functools.wraps(original_download)
+        async def rpc_download_state(self, _request, _context):
+            async for message in original_download(self, _request, _context):
+                yield message
+                if claim(cfg["die_while_serving"]):
+                    die()
+
+        _Engine.rpc_download_state = rpc_download_state
+
+
 def main(config_path: str) -> None:
     import logging
 
@@ -71,6 +123,7 @@ def main(config_path: str) -> None:
     import swarm_opt
 
     cfg = json.load(open(config_path))
+    install_fault(cfg)
     dht = hivemind.DHT(
         initial_peers=cfg.get("initial_peers", []), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         client_mode=cfg.get("client_mode", False), start=True,
@@ -94,6 +147,8 @@ def main(config_path: str) -> None:
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
     )
+    for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
+        opt.load_state_from_peers(timeout=30)
     wait_until = time.monotonic() + 30
     while opt.progress.num_peers < cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
         time.sleep(0.05)
@@ -147,9 +202,14 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     committed, discarded, pending, reports, lrs = {}, {}, [], [], {}
     last_report = None
+    journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
+        while opt.local_epoch >= cfg.get("hold_at_epoch", float("inf")) and os.path.exists(cfg["out"] + ".hold"):
+            time.sleep(0.05)  # the test holds the swarm at an epoch until it released this peer
         idx = torch.randint(0, len(x), (bs,), generator=g)
+        if journal is not None:  # before the step: a peer killed inside it may have sent this batch's gradients
+            journal.write(json.dumps({"batch": idx.tolist()}) + "\n")
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[idx].to(dtype)).float(), y[idx])
         loss.backward()
@@ -157,13 +217,17 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         pending.append(idx.tolist())
         if opt.last_round is not last_report:
             last_report = opt.last_round
-            reports.append(last_report.__dict__)
+            reports.append(dict(last_report.__dict__, time=time.time()))
             if not last_report.caught_up:
                 committed[last_report.epoch] = pending
             else:  # our round failed here, but our groupmates may have completed it with our gradients in it
                 discarded[last_report.epoch] = pending
             pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
+            if journal is not None:
+                journal.write(json.dumps({"epoch": last_report.epoch, "caught_up": last_report.caught_up}) + "\n")
+            if opt.local_epoch >= cfg.get("arm_at_epoch", float("inf")):
+                open(cfg["out"] + ".arm", "w").close()
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, reports=reports, lrs=lrs,
                    params=[p.detach().clone() for p in model.parameters()]))

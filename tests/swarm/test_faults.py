@@ -1,0 +1,147 @@
+"""Peers SIGKILLed at precise moments: inside the all-reduce, and while serving state to a newcomer.
+
+The killing happens from inside the victim (fault injection patched into hivemind's averager process by
+``tests/swarm/peer.py``), so the moment is exact rather than a lucky race. Killing during matchmaking and while
+computing is covered by ``test_grad_averaging.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.swarm.test_grad_averaging import _close, assert_quiet, possible_references
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+AVERAGING_TIMEOUT = 30.0  # waiting out a timeout for the dead peer would show as a gap of >= 10 s (next-chunk timeout)
+
+
+def killed_peer_batches(journal: Path, rank: int) -> dict:
+    """What a SIGKILLed peer committed to each epoch, from its journal; the batches of the round it died in may or
+    may not have reached its groupmates, so they count as discarded (used once or not at all)."""
+    committed, discarded, pending = {}, {}, []
+    for line in journal.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            continue
+        if "batch" in record:
+            pending.append(record["batch"])
+        else:
+            (discarded if record["caught_up"] else committed)[record["epoch"]] = pending
+            pending = []
+    last = max(list(committed) + list(discarded) + [0])
+    discarded[last + 1] = pending
+    return dict(rank=rank, committed=committed, discarded=discarded)
+
+
+def start_four(swarm, epochs: int, extra: dict) -> None:
+    """Four peers of gradient averaging; ``extra[rank]`` adds options (fault injection) to one peer's config."""
+    for rank in range(4):
+        swarm.start(rank, batch_size=16, target_batch_size=256, inner="sgd", epochs=epochs, expect_peers=4,
+                    step_sleep=0.03, averaging_timeout=AVERAGING_TIMEOUT, **extra.get(rank, {}))
+
+
+def assert_no_stall(reports: list) -> None:
+    times = [r["time"] for r in reports if not r["caught_up"]]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 8.0, gaps
+
+
+def test_a_peer_killed_inside_the_all_reduce_leaves_the_survivors_with_their_own_average(swarm):
+    """The victim dies after sending its tensors, with its groupmates still exchanging parts with it. The survivors
+    must not apply a partial average: they end with exactly one model, equal to one process applying SGD to the
+    batches the survivors (and the victim, in the rounds it completed) committed; the victim's last batches may have
+    reached nobody or everybody, never some peers only."""
+    epochs = 6
+    victim = 3
+    start_four(swarm, epochs, {victim: dict(die_in_allreduce=True, arm_at_epoch=2, journal=True)})
+    swarm.procs[victim].wait(120)
+    assert swarm.procs[victim].returncode == -signal.SIGKILL, swarm.log(victim)
+    swarm.procs.pop(victim)
+    swarm.wait(timeout=150)
+    survivors = [swarm.result(r) for r in range(3)]
+    dead = killed_peer_batches(swarm.tmp / f"peer{victim}.pt.journal", victim)
+    assert dead["committed"].keys() >= {1, 2}, dead  # it died in the round for epoch 3, not before
+    for r in survivors:
+        assert r["epoch"] == epochs
+        assert_quiet(swarm.log(r["rank"]))
+        assert all(torch.isfinite(p).all() for p in r["params"])
+        assert_no_stall(r["reports"])
+        assert [rep for rep in r["reports"] if not rep["caught_up"]][-1]["group_size"] == 3
+    for r in survivors[1:]:
+        assert _close(r["params"], survivors[0]["params"], 1e-6)
+    references = list(possible_references(survivors + [dead], "sgd", epochs))
+    assert any(_close(survivors[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(survivors[0]["params"], e)) for e in references]
+
+
+def test_a_donor_killed_while_sending_its_state_does_not_stop_the_newcomer(swarm, tmp_path):
+    """Every old peer is armed to die right after the first message of a state download (the first to be asked
+    dies). The old peers wait at epoch 3 until the newcomer joined (a peer needs seconds to start on a loaded
+    machine). The newcomer must fetch the state from another donor within its bounded retry, then train in step with
+    the swarm."""
+    token = tmp_path / "die_while_serving"
+    token.touch()  # disarmed while it exists: the old peers' own catch-up downloads must not trigger it
+    epochs = 8
+    for rank in range(4):
+        (swarm.tmp / f"peer{rank}.pt.hold").touch()
+    start_four(swarm, epochs, {rank: dict(die_while_serving=str(token), hold_at_epoch=3) for rank in range(4)})
+    deadline = time.monotonic() + 120
+    while not all("epoch 3:" in swarm.log(rank) for rank in range(4)):
+        assert time.monotonic() < deadline, [swarm.log(rank)[-2000:] for rank in range(4)]
+        time.sleep(0.1)
+    token.unlink()  # armed
+    swarm.start(4, batch_size=16, target_batch_size=256, inner="sgd", epochs=epochs, expect_peers=1, step_sleep=0.03,
+                averaging_timeout=AVERAGING_TIMEOUT)
+    deadline = time.monotonic() + 120
+    while "Loaded the swarm's state" not in swarm.log(4):
+        assert time.monotonic() < deadline, swarm.log(4)
+        time.sleep(0.1)
+    for rank in range(4):
+        (swarm.tmp / f"peer{rank}.pt.hold").unlink()
+    dead = [rank for rank, proc in swarm.procs.items() if proc.poll() is not None]
+    assert len(dead) == 1, "exactly the first donor asked dies"
+    victim = dead[0]
+    assert swarm.procs[victim].returncode == -signal.SIGKILL, swarm.log(victim)
+    assert "Sending our state" in swarm.log(victim)
+    swarm.procs.pop(victim)
+    swarm.wait(timeout=150)
+    live = [swarm.result(rank) for rank in swarm.procs]
+    newcomer = swarm.result(4)
+    assert newcomer["reports"][0]["caught_up"] and newcomer["reports"][0]["epoch"] == 3, newcomer["reports"]
+    assert any(rep["group_size"] == 4 for rep in newcomer["reports"]), "the newcomer never averaged with the swarm"
+    for r in live:
+        assert r["epoch"] == epochs
+        assert all(torch.isfinite(p).all() for p in r["params"])
+        assert _close(r["params"], live[0]["params"], 1e-6)
+        assert_quiet(swarm.log(r["rank"]))
+
+
+def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
+    """Three donors at the same epoch; two newcomers download the state ten times each. hivemind's newcomers all
+    hammered one donor (hivemind#169); ours draw among the donors of the highest epoch."""
+    for rank in range(3):
+        swarm.start(rank, batch_size=16, target_batch_size=128, inner="sgd", epochs=2, expect_peers=3,
+                    step_sleep=0.01)
+    deadline = time.monotonic() + 120
+    while not all((swarm.tmp / f"peer{rank}.pt").exists() for rank in range(3)):
+        assert time.monotonic() < deadline, [swarm.log(rank)[-2000:] for rank in range(3)]
+        time.sleep(0.1)
+    downloads = 10
+    for rank in (3, 4):
+        swarm.start(rank, batch_size=16, target_batch_size=128, inner="sgd", epochs=0, downloads=downloads)
+    swarm.wait(timeout=150)
+    served = {rank: len(re.findall("Sending our state", swarm.log(rank))) for rank in range(5)}
+    assert sum(served.values()) >= 2 * downloads, served  # (plus any catch-up download among the first three)
+    assert sum(count > 0 for count in served.values()) >= 3, served
+    assert max(served.values()) <= 0.7 * 2 * downloads, served
+    for rank in (3, 4):
+        assert swarm.result(rank)["epoch"] == 2

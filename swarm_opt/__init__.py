@@ -2,11 +2,13 @@
 
 from swarm_opt._logging import tame_hivemind_logging
 from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
+from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import (
     ConfigError,
     ConfigTypeError,
     IncompatibleStateError,
+    NonFiniteTensorError,
     StateDownloadError,
     SwarmOptError,
 )
@@ -29,6 +31,12 @@ __all__ = [
     "Scaffold",
     "DiLoCo",
     "Strategy",
+    "Codec",
+    "CODECS",
+    "NoCompression",
+    "Float16",
+    "Int8Blockwise",
+    "Uniform8Bit",
     "SwarmConfig",
     "Timeouts",
     "TrackerConfig",
@@ -38,6 +46,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "IncompatibleStateError",
+    "NonFiniteTensorError",
     "StateDownloadError",
     "__version__",
 ]

@@ -130,6 +130,12 @@ class TensorAverager:
     def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float, round_id: int) -> Optional[AveragingResult]:
         """Average ``tensors`` in place (weighted by ``weight``) with a group of peers in the same round;
         ``None`` (tensors untouched) if the round failed or mixed peers of different rounds."""
+        if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+            # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
+            # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
+            logger.warning("This peer's tensors hold NaN/inf values; it sits out the averaging round")
+            self.cancel_scheduled()
+            return None
         self.schedule(get_dht_time(), round_id)
         with self._lock:
             control, self._scheduled = self._scheduled, None

@@ -22,3 +22,7 @@ class StateDownloadError(SwarmOptError, RuntimeError):
 
 class IncompatibleStateError(SwarmOptError, ValueError):
     """A state (checkpoint or download) does not fit this model or optimizer."""
+
+
+class NonFiniteTensorError(SwarmOptError, ValueError):
+    """A tensor about to be sent to peers holds NaN or infinite values; sending it would poison their averages."""

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
-from hivemind.compression import CompressionBase, NoCompression
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from swarm_opt.averaging import AveragingResult, TensorAverager
+from swarm_opt.compression import Codec, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.progress import ProgressTracker, SwarmProgress
@@ -66,7 +66,8 @@ class Optimizer(torch.optim.Optimizer):
     :param strategy: the algorithm; default ``GradientAveraging()`` (synchronous large-batch training).
     :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``).
     :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``).
-    :param compression: a hivemind codec for the averaged tensors; default none.
+    :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
+        ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds).
     :param tracker: how often progress is published and read (``TrackerConfig``).
     """
 
@@ -83,7 +84,7 @@ class Optimizer(torch.optim.Optimizer):
         strategy: Optional[Strategy] = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
-        compression: Optional[CompressionBase] = None,
+        compression: Optional[Codec] = None,
         tracker: Optional[TrackerConfig] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
@@ -93,6 +94,7 @@ class Optimizer(torch.optim.Optimizer):
         strategy = GradientAveraging() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
+        compression = as_codec(compression)
 
         self.inner = _make_inner_optimizer(optimizer, params)
         self.scheduler = _make_scheduler(scheduler, self.inner,
@@ -116,7 +118,7 @@ class Optimizer(torch.optim.Optimizer):
         self._averager = TensorAverager(
             dht, prefix=f"{run_id}_{strategy.name}_{self.model_schema[:12]}",
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
-            compression=compression or NoCompression(), state_provider=self._shareable_state,
+            compression=compression, state_provider=self._shareable_state,
         )
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically

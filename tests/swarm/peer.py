@@ -146,6 +146,7 @@ def main(config_path: str) -> None:
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
+        compression=getattr(swarm_opt, cfg["compression"])() if cfg.get("compression") else None,  # e.g. "Float16"
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)

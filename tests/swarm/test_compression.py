@@ -1,0 +1,129 @@
+"""Codecs in real loopback swarms: three lockstep peers on heterogeneous least-squares problems (float64), with
+gradient averaging and with local updates, must end within a distance of the exact (uncompressed, in-process)
+trajectory that follows from the codec's stated error bound.
+
+Why a bound and not a tolerance picked by hand: in a round, peer i receives the exact weighted mean plus e_i with
+|e_i|∞ ≤ ε·M, where ε is the codec's ``nominal_error`` and M = max_k absmax(x_k) + max_k absmax(mean − x_k): the
+reducer decodes every sender's tensor x_k (each off by ≤ ε·absmax(x_k), so their mean too) and re-encodes the
+difference ``mean − x_i`` it sends back to peer i (off by ≤ ε·absmax(mean − x_i)). On least squares every step is
+affine with linear part I − ηH_k, whose 2-norm is ≤ 1 (checked below), so a deviation never grows through the
+steps and the injected errors add up:
+
+* local updates average parameters: D' ≤ D + √d·ε·M (D: the largest ‖w_i − w_ref‖₂ over peers).
+  All peers get the same mean, each off by its own e_i, so their spread S = max ‖w_i − w_j‖₂ ≤ 2√d·ε·M.
+* gradient averaging averages g_k = H_k w_k − c_k, and peers are never re-synchronised, so their spread grows:
+  D' ≤ D + S + η√d·ε·M and S' ≤ S + 2η√d·ε·M.
+
+M is taken from the exact trajectory and widened by what the run may deviate from it (3·L·D, L = 1 for
+parameters, max‖H_k‖ for gradients), so the bound holds for the compressed run itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt.simulation import average_in_process
+from tests.swarm.peer import LSQ_DIM, lsq_problem
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+PEERS, EPOCHS, STEPS, LR, BATCH = 3, 5, 10, 0.05, 16
+LOCKSTEP = dict(task="lsq", batch_size=BATCH, steps_per_round=STEPS, target_batch_size=PEERS * BATCH * STEPS,
+                epochs=EPOCHS, step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0, max_extrapolation=0.0)
+#: the codecs encode in float32; the peers' buffers and the reducers' sums are float64 here
+FP32_ULPS = 4 * torch.finfo(torch.float32).eps
+
+
+@dataclass
+class Reference:
+    w: torch.Tensor  # the exact weights after the last round
+    magnitudes: List[float]  # M of each round (see the module docstring), on the exact trajectory
+
+
+def reference_run(strategy_cls: type) -> Reference:
+    """The same strategy code, averaged in-process without compression, recording what each round averages."""
+    peers = []
+    for rank in range(PEERS):
+        w = torch.nn.Parameter(torch.zeros(1, LSQ_DIM, dtype=torch.float64))
+        inner = torch.optim.SGD([w], lr=LR)
+        strategy = strategy_cls()
+        strategy.bind([w], inner)
+        peers.append((w, inner, strategy, lsq_problem(rank)))
+    magnitudes = []
+    for _ in range(EPOCHS):
+        for w, inner, strategy, (a, b) in peers:
+            for _ in range(STEPS):
+                inner.zero_grad()
+                (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
+                strategy.local_step(BATCH)
+        sent = [torch.cat([t.detach().reshape(-1) for t in s.tensors_to_average()]) for _, _, s, _ in peers]
+        mean = sum(sent) / len(sent)
+        magnitudes.append(max(float(x.abs().max()) for x in sent) + max(float((mean - x).abs().max()) for x in sent))
+        average_in_process([s for _, _, s, _ in peers])
+    return Reference(w=peers[0][0].detach()[0].clone(), magnitudes=magnitudes)
+
+
+def derived_bounds(epsilon: float, magnitudes: List[float], gradients: bool) -> tuple:
+    """(D, S): the largest distance of a peer from the exact weights, and between two peers, after the last round."""
+    hessians = [a.T @ a for a, _ in (lsq_problem(r) for r in range(PEERS))]
+    for h in hessians:  # the steps do not amplify a deviation (the premise of the bound)
+        assert float(torch.linalg.matrix_norm(torch.eye(LSQ_DIM, dtype=h.dtype) - LR * h, ord=2)) <= 1.0
+    lipschitz = max(float(torch.linalg.matrix_norm(h, ord=2)) for h in hessians) if gradients else 1.0
+    distance = spread = 0.0
+    for m in magnitudes:
+        injected = math.sqrt(LSQ_DIM) * epsilon * (m + 3 * lipschitz * distance)
+        if gradients:
+            distance, spread = distance + spread + LR * injected, spread + 2 * LR * injected
+        else:
+            distance, spread = distance + injected, 2 * injected  # all peers got the same mean, off by e_i
+    return distance, spread
+
+
+def run_swarm(swarm, strategy: str, codec: str) -> list:
+    for rank in range(PEERS):
+        swarm.start(rank, strategy=strategy, compression=codec, expect_peers=PEERS, **LOCKSTEP)
+    swarm.wait(timeout=240)
+    return [swarm.result(r) for r in range(PEERS)]
+
+
+def check_rounds(results: list) -> None:
+    """Every round averaged all three; a peer whose side of a round failed after the others had used its tensors
+    downloaded the result (that cannot widen the bounds: it adopts a groupmate's weights)."""
+    downloads = 0
+    for r in results:
+        assert r["epoch"] == EPOCHS, r["rounds"]
+        for rnd in r["rounds"]:
+            downloads += rnd["caught_up"]
+            assert rnd["caught_up"] or rnd["group_size"] == PEERS, r["rounds"]
+            assert bool(torch.isfinite(rnd["w"]).all())
+    assert downloads <= 2, [r["rounds"] for r in results]
+
+
+@pytest.mark.parametrize("strategy, strategy_cls", [("grad", swarm_opt.GradientAveraging),
+                                                    ("local", swarm_opt.LocalUpdates)], ids=["grad", "local"])
+@pytest.mark.parametrize("codec", ["Float16", "Int8Blockwise"])
+def test_compressed_swarm_stays_within_the_codec_bound(swarm, codec, strategy, strategy_cls):
+    results = run_swarm(swarm, strategy, codec)
+    check_rounds(results)
+    reference = reference_run(strategy_cls)
+    epsilon = getattr(swarm_opt, codec)().nominal_error + FP32_ULPS
+    max_distance, max_spread = derived_bounds(epsilon, reference.magnitudes, gradients=strategy == "grad")
+    distance = max(float((r["w"] - reference.w).norm()) for r in results)
+    spread = max(float((a["w"] - b["w"]).norm()) for a in results for b in results)
+    by_epoch = [{rnd["epoch"]: rnd["w"] for rnd in r["rounds"]} for r in results]
+    per_round = [max(float((a[e] - b[e]).abs().max()) for a in by_epoch for b in by_epoch if e in a and e in b)
+                 for e in range(1, EPOCHS + 1)]
+    print(f"{codec}/{strategy}: distance to exact {distance:.3g} (bound {max_distance:.3g}), spread {spread:.3g} "
+          f"(bound {max_spread:.3g}), spread per round {[f'{s:.2g}' for s in per_round]}, |w| "
+          f"{float(reference.w.norm()):.3g}")
+    assert distance <= max_distance
+    assert spread <= max_spread
+    # the codec was on the wire: uncompressed swarms match the exact trajectory to float32 round-off (1e-6)
+    assert distance > 1e-6
+    assert float(reference.w.norm()) > 1.0  # and the run trained

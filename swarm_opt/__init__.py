@@ -12,6 +12,7 @@ from swarm_opt.errors import (
     StateDownloadError,
     SwarmOptError,
 )
+from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold, Strategy
@@ -31,6 +32,7 @@ __all__ = [
     "Scaffold",
     "DiLoCo",
     "Strategy",
+    "Offload",
     "Codec",
     "CODECS",
     "NoCompression",

@@ -25,6 +25,7 @@ from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Codec, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
+from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import Strategy
@@ -69,6 +70,8 @@ class Optimizer(torch.optim.Optimizer):
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds).
     :param tracker: how often progress is published and read (``TrackerConfig``).
+    :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
+        users); needs an optimizer factory.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Optimizer(torch.optim.Optimizer):
         averaging_timeout: float = 60.0,
         compression: Optional[Codec] = None,
         tracker: Optional[TrackerConfig] = None,
+        offload: Optional[Offload] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
@@ -96,6 +100,9 @@ class Optimizer(torch.optim.Optimizer):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
         compression = as_codec(compression)
 
+        self._offload = _make_offload(offload, optimizer, params)
+        if self._offload is not None:
+            params = self._offload.master_groups(list(self._offload.given))
         self.inner = _make_inner_optimizer(optimizer, params)
         self.scheduler = _make_scheduler(scheduler, self.inner,
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
@@ -151,7 +158,15 @@ class Optimizer(torch.optim.Optimizer):
         raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
+        if self._offload is not None:  # the host copies' gradients are overwritten at every step
+            self._offload.zero_grad(set_to_none)
+        else:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def _push_offloaded(self) -> None:
+        if self._offload is not None:
+            with torch.no_grad(), self._state_lock:
+                self._offload.push()
 
     def step(self, closure: Optional[Callable[[], Any]] = None, batch_size: Optional[int] = None) -> Any:  # type: ignore[override]
         """Consume this step's gradients; when the swarm reaches the global batch, average and update together."""
@@ -166,6 +181,8 @@ class Optimizer(torch.optim.Optimizer):
             self._loss_sum, self._loss_count = self._loss_sum + float(loss.detach()), self._loss_count + 1
 
         with torch.no_grad(), self._state_lock:
+            if self._offload is not None:
+                self._offload.pull()
             if self.strategy.local_step(batch_size):
                 self._samples += batch_size
             else:
@@ -179,6 +196,7 @@ class Optimizer(torch.optim.Optimizer):
             self._run_round(progress)
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
+        self._push_offloaded()
         return loss
 
     # --- rounds -----------------------------------------------------------------------------------------------------
@@ -318,6 +336,7 @@ class Optimizer(torch.optim.Optimizer):
             self.strategy.reset()
         self._tracker.report(self._epoch, 0)
         self._averager.set_priority(self._epoch)
+        self._push_offloaded()
         return epoch
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
@@ -405,6 +424,18 @@ def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> to
     if not any(group["params"] for group in inner.param_groups):
         raise ConfigError("the inner optimizer has no parameters to train")
     return inner
+
+
+def _make_offload(offload: Any, optimizer: Any, params: Optional[Iterable[Any]]) -> Optional[OffloadedParameters]:
+    if offload is None:
+        return None
+    if not isinstance(offload, Offload):
+        raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
+    if isinstance(optimizer, torch.optim.Optimizer) or params is None:
+        raise ConfigError("offload=Offload() builds the inner optimizer over host copies of the parameters: pass a "
+                          "factory and the parameters, optimizer=lambda p: torch.optim.AdamW(p, lr=...), "
+                          "params=model.parameters()")
+    return OffloadedParameters(list(params), offload)
 
 
 def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_is_factory: bool) -> Any:

@@ -156,3 +156,63 @@ def test_shutdown_leaves_no_processes_behind():
     while _descendants(os.getpid()) - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _descendants(os.getpid()) - before
+
+
+@pytest.mark.parametrize("strategy", ["grad", "local", "scaffold"])
+def test_offloaded_training_equals_training_in_place(dht, strategy):
+    """Offload() moves the optimizer onto host copies of the parameters; the arithmetic must not change."""
+    make_strategy = {"grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates,
+                     "scaffold": swarm_opt.Scaffold}[strategy]
+    finals = []
+    for offload in (None, swarm_opt.Offload()):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt, _ = make(dht, f"offload_{strategy}_{offload is not None}", model=model, batch_size_per_step=16,
+                      target=32, strategy=make_strategy(), offload=offload,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        data = torch.Generator().manual_seed(1)
+        with opt:
+            if offload is not None:
+                assert all(m is not p for m, p in zip(opt.param_groups[0]["params"], model.parameters()))
+            for _ in range(8):
+                opt.zero_grad()
+                model(torch.randn(16, 4, generator=data)).pow(2).mean().backward()
+                opt.step()
+            assert opt.local_epoch == 4
+        finals.append([p.detach().clone() for p in model.parameters()])
+    for offloaded, in_place in zip(*finals):
+        torch.testing.assert_close(offloaded, in_place, rtol=0, atol=0)
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).parameters()
+    assert any((p - q).abs().max() > 1e-3 for p, q in zip(finals[0], initial))  # training did move the model
+
+
+def test_offload_keeps_weights_and_state_the_user_loads(dht):
+    """hivemind's offloaded optimizer reverts weights loaded into the model after its creation (lr=0: 42 -> 0.36);
+    ours takes them up at the next step, for gradient averaging (params change at rounds) and local updates."""
+    for strategy in (swarm_opt.GradientAveraging(), swarm_opt.LocalUpdates()):
+        model = torch.nn.Linear(4, 2)
+        opt, _ = make(dht, f"offload_restore_{strategy.name}", model=model, batch_size_per_step=64,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.0), strategy=strategy, offload=swarm_opt.Offload())
+        with opt:
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()  # a round: masters and model agree
+            model.load_state_dict({"weight": torch.full((2, 4), 42.0), "bias": torch.zeros(2)})
+            opt.zero_grad()
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            assert opt.local_epoch == 2
+            assert torch.all(model.weight == 42.0)
+            assert torch.all(opt.param_groups[0]["params"][0] == 42.0)  # the host copy followed the model
+
+
+def test_offload_needs_an_optimizer_factory(dht):
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError, match="optimizer factory|pass a factory"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, offload=swarm_opt.Offload(),
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigTypeError, match="Offload"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, offload=True, params=model.parameters(),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(ConfigTypeError, match="pin_memory"):
+        swarm_opt.Offload(pin_memory="yes")

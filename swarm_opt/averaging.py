@@ -2,8 +2,10 @@
 
 ``TensorAverager`` owns a hivemind ``DecentralizedAverager`` process with shared-memory buffers shaped like the
 tensors it averages. A round is scheduled ahead of time (matchmaking runs while the peer still computes), then
-triggered with this peer's tensors and weight. The result says who took part; a round that failed or produced
-non-finite numbers returns ``None`` and leaves the caller's tensors untouched.
+triggered: the caller writes its values straight into the buffers and gets the group's average back as views of
+them (``AveragingResult.averaged``), so nothing is copied that the caller does not need. The result says who took
+part; a round that failed or produced non-finite numbers returns ``None`` and the caller's own tensors were never
+touched.
 """
 
 from __future__ import annotations
@@ -28,14 +30,24 @@ from swarm_opt.config import Timeouts
 logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
+BufferWriter = Callable[[Sequence[torch.Tensor]], None]
+
+
+def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """The averaging buffer of one tensor: on the CPU, in at least fp32 whatever the model's precision."""
+    dtype = torch.promote_types(tensor.dtype, torch.float32) if tensor.is_floating_point() else tensor.dtype
+    return torch.zeros_like(tensor, device="cpu", dtype=dtype)
 
 
 @dataclass(frozen=True)
 class AveragingResult:
-    """A finished round: the group it ran in and what each member sent along (``gather``)."""
+    """A finished round: the group it ran in, what each member sent along (``gather``), and the group's weighted
+    mean of every buffer (``averaged``: views of the averager's buffers, valid until the next round; ``None`` for a
+    round alone, where the mean is this peer's own values)."""
 
     peers: Tuple[PeerID, ...]
     gathered: dict
+    averaged: Optional[Sequence[torch.Tensor]] = None
 
     @property
     def group_size(self) -> int:
@@ -84,9 +96,7 @@ class TensorAverager:
         state_provider: Optional[StateProvider] = None,
     ) -> None:
         self.timeouts = timeouts
-        # averaging runs in at least fp32, whatever the model's precision
-        buffers = [torch.zeros_like(t, device="cpu", dtype=torch.promote_types(t.dtype, torch.float32)
-                                    if t.is_floating_point() else t.dtype) for t in templates]
+        buffers = [buffer_like(t) for t in templates]
         self._engine = _Engine(
             buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
@@ -127,10 +137,14 @@ class TensorAverager:
                 require_trigger=True, wait=False, gather={"round": round_id}, allow_retries=False,
             )
 
-    def all_reduce(self, tensors: Sequence[torch.Tensor], weight: float, round_id: int) -> Optional[AveragingResult]:
-        """Average ``tensors`` in place (weighted by ``weight``) with a group of peers in the same round;
-        ``None`` (tensors untouched) if the round failed or mixed peers of different rounds."""
-        if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+    def all_reduce(self, write: BufferWriter, weight: float, round_id: int) -> Optional[AveragingResult]:
+        """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
+        buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
+        different rounds."""
+        with self._engine.get_tensors() as buffers:
+            write(buffers)
+            finite = all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point())
+        if not finite:
             # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
             # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
             logger.warning("This peer's tensors hold NaN/inf values; it sits out the averaging round")
@@ -141,9 +155,6 @@ class TensorAverager:
             control, self._scheduled = self._scheduled, None
         assert control is not None
         try:
-            with self._engine.get_tensors() as buffers:
-                for buffer, tensor in zip(buffers, tensors):
-                    buffer.copy_(tensor.detach(), non_blocking=False)
             control.weight = float(weight)
             control.allow_allreduce()
             gathered = control.result(timeout=self.timeouts.averaging_timeout + self.timeouts.matchmaking_time)
@@ -162,9 +173,8 @@ class TensorAverager:
             if not all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point()):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")
                 return None
-            for buffer, tensor in zip(buffers, tensors):
-                tensor.copy_(buffer)
-        return AveragingResult(peers=tuple(gathered.keys()), gathered=dict(gathered))
+        # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
+        return AveragingResult(peers=tuple(gathered.keys()), gathered=dict(gathered), averaged=tuple(buffers))
 
     def cancel_scheduled(self) -> None:
         with self._lock:

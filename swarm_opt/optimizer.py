@@ -208,8 +208,8 @@ class Optimizer(torch.optim.Optimizer):
             result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
         else:
             with torch.no_grad():
-                tensors = self.strategy.tensors_to_average()
-                result = self._averager.all_reduce(tensors, self.strategy.averaging_weight(), self._epoch + 1)
+                result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
+                                                   self._epoch + 1)
             if result is None or not _is_majority(result.group_size, progress.num_peers):
                 logger.info(
                     f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "

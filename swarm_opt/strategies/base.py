@@ -1,8 +1,9 @@
 """The interface between the optimizer's fixed step loop and an algorithm.
 
 The loop calls ``local_step`` on every ``Optimizer.step()``; when the swarm has processed ``target_batch_size``
-samples it all-reduces ``tensors_to_average()`` (weighted by ``averaging_weight()``) and calls ``apply_round`` with
-who took part. A round that failed is never applied: the strategy keeps its local state and the loop retries.
+samples it lets the strategy write its values into the averaging buffers (``write_round``; by default a copy of
+``tensors_to_average()``), all-reduces them weighted by ``averaging_weight()`` and calls ``apply_round`` with the
+group's mean. A round that failed is never applied: the strategy keeps its local state and the loop retries.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ class Strategy(ABC):
 
     @abstractmethod
     def tensors_to_average(self) -> List[torch.Tensor]:
-        """Tensors that the round all-reduces in place. Same shapes and dtypes every round."""
+        """This peer's values for a round; their shapes and dtypes (the same every round) size the buffers."""
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Write this peer's values of the round into the averaging buffers (fp32 or wider, on the CPU). Override
+        to compute them straight into the buffers instead of through a tensor of one's own."""
+        for buffer, tensor in zip(buffers, self.tensors_to_average()):
+            buffer.copy_(tensor.detach())
 
     @abstractmethod
     def averaging_weight(self) -> float:
@@ -47,7 +54,8 @@ class Strategy(ABC):
 
     @abstractmethod
     def apply_round(self, result: AveragingResult) -> None:
-        """The tensors now hold the group's average (or this peer's own, for a round alone): finish the round."""
+        """Finish the round from the group's mean, ``result.averaged`` (in ``write_round``'s order; ``None`` for a
+        round alone, whose mean is this peer's own values)."""
 
     @abstractmethod
     def reset(self) -> None:

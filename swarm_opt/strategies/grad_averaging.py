@@ -46,8 +46,9 @@ class GradientAveraging(Strategy):
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
-        for p, mean in zip(self.params, self._mean):
-            # the buffer itself when it fits (no round-time copy: reset() zeroes it right after the step)
+        means = self._mean if result.averaged is None else result.averaged
+        for p, mean in zip(self.params, means):
+            # the averaged buffer itself when it fits: no copy (it is not touched again until the next round)
             p.grad = mean if (mean.dtype, mean.device) == (p.dtype, p.device) else mean.to(p.device, p.dtype)
         self.inner.step()
         for p in self.params:

@@ -71,7 +71,10 @@ class LocalUpdates(Strategy):
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
-        self._samples = 0  # parameters (and statistics) were averaged in place
+        if result.averaged is not None:
+            for tensor, mean in zip(LocalUpdates.tensors_to_average(self), result.averaged):
+                tensor.detach().copy_(mean)
+        self._samples = 0
 
     def reset(self) -> None:
         self._samples = 0

@@ -49,9 +49,8 @@ class Scaffold(LocalUpdates):
         trainable = [p for group in self._groups for p in group]
         self._d = {p: torch.zeros_like(p, dtype=state_dtype(p)) for p in trainable}
         self._anchor = {p: p.detach().to(state_dtype(p), copy=True) for p in trainable}
+        self._index = {p: i for i, p in enumerate(trainable)}
         self._lr_sums = [0.0 for _ in self._groups]
-        self._u_sent = [torch.zeros_like(d) for d in self._d.values()]
-        self._u_local = [torch.zeros_like(d) for d in self._d.values()]
 
     def averaging_weight(self) -> float:
         """Every peer that stepped counts once. SCAFFOLD's fixed point is the optimum of ``Σ w_i f_i`` only if each
@@ -74,24 +73,36 @@ class Scaffold(LocalUpdates):
                 torch._foreach_add_(params, controls, alpha=-lr)  # one fused call, not one per tensor
 
     def tensors_to_average(self) -> List[torch.Tensor]:
-        i = 0
+        """The parameters (and averaged optimizer statistics), then one ``u`` per control; ``u`` is written straight
+        into the averaging buffers by ``write_round``, so the controls here only give its shapes."""
+        return super().tensors_to_average() + self.controls
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        own = super().tensors_to_average()
+        for buffer, tensor in zip(buffers, own):
+            buffer.copy_(tensor.detach())
+        u_buffers = iter(buffers[len(own):])
         for group, lr_sum in zip(self._groups, self._lr_sums):
             for p in group:
-                u = self._u_local[i]
+                u = next(u_buffers)
                 if lr_sum > 0:
                     torch.sub(self._anchor[p], p.detach(), out=u).div_(lr_sum)  # z_i
                 else:
                     u.zero_()  # no completed step this round: the peer did not move
                 u.sub_(self._d[p])
-                self._u_sent[i].copy_(u)
-                i += 1
-        return super().tensors_to_average() + self._u_sent
 
     def apply_round(self, result: AveragingResult) -> None:
+        if result.group_size > 1 and result.averaged is not None:  # alone, d must stay as it is
+            # d <- mean(u) - u_i with u_i = z_i - d_i recomputed from the anchor and the parameters, which still hold
+            # this peer's y_i (the average is copied into them below): no tensor keeps u_i through the round
+            mean_u = result.averaged[len(result.averaged) - len(self._d):]
+            for group, lr_sum in zip(self._groups, self._lr_sums):
+                for p in group:
+                    d, mean = self._d[p], mean_u[self._index[p]]
+                    d.add_(mean.to(d.device, d.dtype))
+                    if lr_sum > 0:
+                        d.sub_(self._anchor[p], alpha=1.0 / lr_sum).add_(p.detach(), alpha=1.0 / lr_sum)
         super().apply_round(result)
-        if result.group_size > 1:  # alone, the group mean is our own value: d must stay as it is
-            for d, mean_u, u in zip(self._d.values(), self._u_sent, self._u_local):
-                torch.sub(mean_u, u, out=d)
         self._restart_round()
 
     def reset(self) -> None:

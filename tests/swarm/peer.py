@@ -118,7 +118,9 @@ def main(config_path: str) -> None:
 
     import hivemind
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages too (swarm_opt re-emits them at DEBUG)
+    logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import swarm_opt
 

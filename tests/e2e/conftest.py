@@ -92,10 +92,10 @@ class CliProcess:
             pass
 
 
-def processes_tagged(tag: str) -> Dict[int, str]:
+def processes_tagged(tag: str, variable: str = TAG_VARIABLE) -> Dict[int, str]:
     """pid -> command of every live process whose environment carries the tag (children inherit it, p2pd too)."""
     found = {}
-    needle = f"{TAG_VARIABLE}={tag}".encode()
+    needle = f"{variable}={tag}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue

@@ -10,32 +10,18 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Dict
 
 import pytest
+
+from tests.e2e.conftest import processes_tagged
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "scripts" / "demo.py"
 TAG_VARIABLE = "SWARM_OPT_DEMO_TEST_TAG"
 
 
-def processes_tagged(tag: str) -> Dict[int, str]:
-    """pid -> command of every live process whose environment carries the tag (children inherit it, p2pd too)."""
-    found = {}
-    needle = f"{TAG_VARIABLE}={tag}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
-
-
 def kill_tagged(tag: str) -> None:
-    for pid in processes_tagged(tag):
+    for pid in processes_tagged(tag, TAG_VARIABLE):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -76,7 +62,7 @@ def test_demo_trains_reports_and_cleans_up(tmp_path):
         # SIGKILLed processes take a moment to disappear; torch_shm_manager (torch's shared-memory daemon, started
         # by hivemind's averagers in a session of its own) exits by itself a few seconds after its last client
         deadline = time.monotonic() + 15
-        while (left := processes_tagged(tag)) and time.monotonic() < deadline:
+        while (left := processes_tagged(tag, TAG_VARIABLE)) and time.monotonic() < deadline:
             time.sleep(0.2)
         p2pd = {pid: cmd for pid, cmd in left.items() if "p2pd" in cmd}
         assert not p2pd, f"p2pd daemons survived the demo: {p2pd}"

@@ -14,6 +14,7 @@ from swarm_opt.errors import (
 )
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
+from swarm_opt.powersgd import PowerSGD
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold, Strategy
 
@@ -39,6 +40,7 @@ __all__ = [
     "Float16",
     "Int8Blockwise",
     "Uniform8Bit",
+    "PowerSGD",
     "SwarmConfig",
     "Timeouts",
     "TrackerConfig",

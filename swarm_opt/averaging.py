@@ -10,16 +10,19 @@ touched.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException
-from hivemind.averaging.control import StepControl
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
@@ -37,6 +40,20 @@ def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
     """The averaging buffer of one tensor: on the CPU, in at least fp32 whatever the model's precision."""
     dtype = torch.promote_types(tensor.dtype, torch.float32) if tensor.is_floating_point() else tensor.dtype
     return torch.zeros_like(tensor, device="cpu", dtype=dtype)
+
+
+def all_finite(buffers: Sequence[torch.Tensor]) -> bool:
+    """Whether every floating-point value in ``buffers`` is finite, in about one read of their memory: NaN and inf
+    survive a sum, so a finite sum proves it; only a sum that is not finite (NaN/inf, or finite values that overflow
+    it) pays for the exact min/max pass. ``torch.isfinite(b).all()`` allocates |b| and three masks and costs 15-30x
+    more (53 ms against 1.7 ms for 10M fp32 values on one core), twice per round on the all-reduce's critical path."""
+    for b in buffers:
+        if not b.is_floating_point() or b.numel() == 0 or bool(torch.isfinite(b.sum())):
+            continue
+        low, high = torch.aminmax(b)
+        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -64,7 +81,12 @@ class _Engine(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        runner_future = self._running_groups.get(group_info.group_id)
+        self._check_complete(group_info.group_id)
+        return gathered
+
+    def _check_complete(self, group_id: bytes) -> None:
+        """Fail the round if the all-reduce registered as ``group_id`` left any part not averaged by everyone."""
+        runner_future = self._running_groups.get(group_id)
         if runner_future is not None and runner_future.done() and not runner_future.exception():
             runner = runner_future.result()
             if runner.banned_senders or runner.tensor_part_container.failed_size:
@@ -72,7 +94,9 @@ class _Engine(DecentralizedAverager):
                     f"partial all-reduce: {len(runner.banned_senders)} sender(s) timed out, "
                     f"{runner.tensor_part_container.failed_size} values not averaged"
                 )
-        return gathered
+
+    def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
+        """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""
 
     def get_current_state(self):  # runs in the host process, in hivemind's state-fetching thread
         provider = self.state_provider
@@ -80,6 +104,22 @@ class _Engine(DecentralizedAverager):
             return None, [], None
         metadata, tensors = provider()
         return metadata, list(tensors), None
+
+
+def _start_child(engine: _Engine) -> None:
+    """Fork the averager process: without the model's memory (it never reads it), and ignoring Ctrl-C (the user's
+    process shuts it down). hivemind's ``run_in_background`` ignores SIGINT in the *calling* process as well, which
+    would leave a training script that created an Optimizer deaf to Ctrl-C; here the caller's handler is restored."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
+    try:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
+        with without_tensor_memory():
+            engine.start()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
 
 
 class TensorAverager:
@@ -92,20 +132,23 @@ class TensorAverager:
         prefix: str,
         templates: Sequence[torch.Tensor],
         timeouts: Timeouts,
-        compression: CompressionBase = NoCompression(),
+        compression: Any = NoCompression(),
         state_provider: Optional[StateProvider] = None,
     ) -> None:
         self.timeouts = timeouts
         buffers = [buffer_like(t) for t in templates]
-        self._engine = _Engine(
+        # an elementwise codec travels inside hivemind's all-reduce; one with a protocol of its own (PowerSGD) names
+        # the engine that runs it, and gets itself as ``compression``
+        engine_type = getattr(compression, "averaging_engine", _Engine)
+        self._engine: _Engine = engine_type(
             buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
             next_chunk_timeout=timeouts.averaging_timeout / 3, compression=compression,
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0,
         )
         self._engine.state_provider = state_provider
-        with without_tensor_memory():  # the averager process never reads the model: it must not copy it
-            self._engine.run_in_background(await_ready=True, timeout=60)
+        _start_child(self._engine)
+        self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None
         self._scheduled_round = -1
         self._lock = threading.Lock()
@@ -131,19 +174,24 @@ class TensorAverager:
                     return
                 self._scheduled.cancel()
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            # peers of different rounds look for groups under different keys: a straggler still finishing round r
+            # never joins (and spoils) a group of round r+1; it finds nobody, fails fast and catches up instead
+            self._engine.set_group_bits(format(round_id % 256, "08b"))
             self._scheduled_round = round_id
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, gather={"round": round_id}, allow_retries=False,
             )
 
-    def all_reduce(self, write: BufferWriter, weight: float, round_id: int) -> Optional[AveragingResult]:
+    def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
+                   round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
         buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
-        different rounds."""
+        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()``
+        (the swarm completed it without us: nobody is left to average with under this round's key)."""
         with self._engine.get_tensors() as buffers:
             write(buffers)
-            finite = all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point())
+            finite = all_finite(buffers)
         if not finite:
             # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
             # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
@@ -157,7 +205,16 @@ class TensorAverager:
         try:
             control.weight = float(weight)
             control.allow_allreduce()
-            gathered = control.result(timeout=self.timeouts.averaging_timeout + self.timeouts.matchmaking_time)
+            deadline = time.monotonic() + self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
+            while True:
+                try:
+                    gathered = control.result(timeout=0.2)
+                    break
+                except concurrent.futures.TimeoutError:
+                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
+                        raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
+                    if time.monotonic() > deadline:
+                        raise
         except Exception as e:  # matchmaking or all-reduce failed: the caller keeps its local state
             logger.debug("Averaging round failed: %r", e)
             control.cancel()
@@ -170,11 +227,17 @@ class TensorAverager:
             logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
             return None
         with self._engine.get_tensors() as buffers:
-            if not all(bool(torch.isfinite(b).all()) for b in buffers if b.is_floating_point()):
+            if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")
                 return None
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(gathered.keys()), gathered=dict(gathered), averaged=tuple(buffers))
+
+    def commit(self, result: AveragingResult, round_id: int) -> None:
+        """The caller applied ``result`` as round ``round_id`` (an averaged round or a round alone). Engines that keep
+        state between rounds (PowerSGD's error feedback) make that round's state permanent; a round never committed
+        leaves it as it was."""
+        self._engine.commit(result, round_id)
 
     def cancel_scheduled(self) -> None:
         with self._lock:

@@ -12,6 +12,9 @@ codec                  bytes per value  error of one value ``x`` after a round t
 ``Uniform8Bit()``      1                ≤ (max − min)(tensor) / 510
 =====================  ===============  =====================================================================
 
+``PowerSGD(rank)`` (``swarm_opt.powersgd``) is not elementwise: it sends low-rank factors of each gradient matrix
+with error feedback, through an averaging protocol of its own, and only with gradient averaging.
+
 Every codec refuses NaN and infinite values with ``NonFiniteTensorError`` where it encodes them. A peer never gets
 there with its own tensors (``TensorAverager.all_reduce`` sits a round out when they are not finite); inside an
 all-reduce the refusal is the last line of defence against poison. Integer tensors are sent uncompressed.
@@ -44,7 +47,7 @@ from __future__ import annotations
 import math
 import struct
 from abc import abstractmethod
-from typing import ClassVar, Dict, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -54,6 +57,9 @@ from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
 from swarm_opt.errors import ConfigError, ConfigTypeError, NonFiniteTensorError
+
+if TYPE_CHECKING:
+    from swarm_opt.powersgd import PowerSGD
 
 __all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "CODECS", "as_codec"]
 
@@ -355,19 +361,27 @@ class Uniform8Bit(_SlotCodec):
         return levels.mul_((high - low) / 255).add_(low).float()
 
 
-#: every codec, once; the conformance tests and ``as_codec``'s error message iterate over it
+#: what ``compression=`` accepts: an elementwise codec, or PowerSGD (low-rank factors, its own averaging protocol)
+Compression = Union[Codec, "PowerSGD"]
+#: every elementwise codec, once; the conformance tests and ``as_codec``'s error message iterate over it
 CODECS: Tuple[Type[Codec], ...] = (NoCompression, Float16, Int8Blockwise, Uniform8Bit)
 _CODEC_BY_TAG: Dict[int, Type[_SlotCodec]] = {c.tag: c for c in CODECS if issubclass(c, _SlotCodec)}
 assert len(_CODEC_BY_TAG) == sum(issubclass(c, _SlotCodec) for c in CODECS), "two codecs share a tag"
 
 
-def as_codec(compression: Optional[Codec]) -> Codec:
-    """The codec to use for ``compression=`` (None means ``NoCompression()``); anything else is refused."""
+def as_codec(compression: Optional[Compression], strategy: Any) -> Compression:
+    """The codec to use for ``compression=`` with ``strategy`` (None means ``NoCompression()``); anything else, or
+    PowerSGD with a strategy that does not average gradients, is refused."""
+    from swarm_opt.powersgd import PowerSGD  # not at the top: powersgd builds on this module
+
     if compression is None:
         return NoCompression()
     if isinstance(compression, Codec):
         return compression
-    choices = ", ".join(f"swarm_opt.{c.__name__}()" for c in CODECS)
+    if isinstance(compression, PowerSGD):
+        compression.check_strategy(strategy)
+        return compression
+    choices = ", ".join([*(f"swarm_opt.{c.__name__}()" for c in CODECS), "swarm_opt.PowerSGD(rank=4)"])
     hint = f" (pass an instance: {compression.__name__}())" if isinstance(compression, type) else ""
     raise ConfigTypeError(f"compression must be one of {choices}; got {compression!r}{hint}")
 

@@ -22,7 +22,7 @@ from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
 from swarm_opt.averaging import AveragingResult, TensorAverager
-from swarm_opt.compression import Codec, as_codec
+from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.offload import Offload, OffloadedParameters
@@ -68,7 +68,8 @@ class Optimizer(torch.optim.Optimizer):
     :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``).
     :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``).
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
-        ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds).
+        ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
+        gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
@@ -87,7 +88,7 @@ class Optimizer(torch.optim.Optimizer):
         strategy: Optional[Strategy] = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
-        compression: Optional[Codec] = None,
+        compression: Optional[Compression] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
@@ -98,7 +99,7 @@ class Optimizer(torch.optim.Optimizer):
         strategy = GradientAveraging() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
-        compression = as_codec(compression)
+        compression = as_codec(compression, strategy)
 
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None:
@@ -208,8 +209,9 @@ class Optimizer(torch.optim.Optimizer):
             result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
         else:
             with torch.no_grad():
+                round_id = self._epoch + 1
                 result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
-                                                   self._epoch + 1)
+                                                   round_id, lambda: self._tracker.progress.epoch >= round_id)
             if result is None or not _is_majority(result.group_size, progress.num_peers):
                 logger.info(
                     f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "
@@ -219,6 +221,7 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             weight = self.strategy.averaging_weight()
             self.strategy.apply_round(result)
+            self._averager.commit(result, self._epoch + 1)
             self.last_round = RoundReport(self._epoch + 1, result.group_size, progress.num_peers, self._samples,
                                           weight, time.monotonic() - started, caught_up=False)
             self._advance_epoch(result.group_size, progress)

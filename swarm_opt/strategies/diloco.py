@@ -23,6 +23,10 @@ class DiLoCo(LocalUpdates):
         ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``.
 
     A peer that missed a round downloads the swarm's state: the anchor and outer optimizer must be the swarm's.
+
+    Memory: the anchor (1x the parameters, fp32), the outer optimizer's state and hivemind's averaging buffer; the
+    pseudo-gradient is computed in place. torch's multi-tensor ("foreach") SGD allocates a parameter-sized temporary
+    for Nesterov momentum at each outer step; ``torch.optim.SGD(..., foreach=False)`` keeps it to one tensor.
     """
 
     name = "diloco"

@@ -39,11 +39,15 @@ def make_inner(name: str):
 LSQ_DIM = 5
 
 
-def lsq_problem(rank: int):
-    """Peer ``rank``'s least-squares problem ½‖A w − b‖² (heterogeneous across ranks), as in the unit tests."""
+def lsq_problem(rank: int, outputs: int = 1):
+    """Peer ``rank``'s least-squares problem ½‖A Wᵀ − B‖² (heterogeneous across ranks), as in the unit tests; B has
+    ``outputs`` columns (a vector for one output, W then a row)."""
     g = torch.Generator().manual_seed(500 + rank)
     a = torch.randn(16, LSQ_DIM, generator=g, dtype=torch.float64) / 4 * (1 + 0.5 * (rank % 4))
     b = torch.randn(16, generator=g, dtype=torch.float64) * 3 + rank
+    if outputs > 1:
+        extra = [torch.randn(16, generator=g, dtype=torch.float64) * 3 + rank for _ in range(outputs - 1)]
+        b = torch.stack([b, *extra], dim=1)
     return a, b
 
 
@@ -135,9 +139,9 @@ def main(config_path: str) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
     task = cfg.get("task", "mlp")
     if task == "lsq":
-        model = torch.nn.Linear(LSQ_DIM, 1, bias=False).to(torch.float64)
+        model = torch.nn.Linear(LSQ_DIM, cfg.get("lsq_outputs", 1), bias=False).to(torch.float64)
         torch.nn.init.zeros_(model.weight)
-        inner = lambda p: torch.optim.SGD(p, lr=0.05)  # noqa: E731
+        inner = lambda p: torch.optim.SGD(p, lr=cfg.get("lsq_lr", 0.05))  # noqa: E731
     else:
         model = make_model(dtype)
         inner = make_inner(cfg["inner"])
@@ -148,7 +152,8 @@ def main(config_path: str) -> None:
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
-        compression=getattr(swarm_opt, cfg["compression"])() if cfg.get("compression") else None,  # e.g. "Float16"
+        compression=(getattr(swarm_opt, cfg["compression"])(**cfg.get("compression_args", {}))  # e.g. "Float16"
+                     if cfg.get("compression") else None),
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)
@@ -178,12 +183,14 @@ def run_lsq(cfg: dict, opt, model) -> None:
     With ``steps_per_round`` the peer runs in lockstep: after that many steps it only waits for the round, calling
     ``step()`` with non-finite gradients, which swarm_opt skips (no inner step, no samples), so that every peer
     completes exactly that many steps per round and the run is deterministic."""
-    a, b = lsq_problem(cfg.get("problem", cfg["rank"]))
+    outputs = cfg.get("lsq_outputs", 1)
+    a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
+    weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
     rounds, last, steps_in_round = [], None, 0
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
-        (0.5 * (a @ model.weight[0] - b).pow(2).sum()).backward()
+        (0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()).backward()
         if steps_in_round >= cfg.get("steps_per_round", float("inf")):
             model.weight.grad.fill_(float("nan"))
         else:
@@ -192,11 +199,11 @@ def run_lsq(cfg: dict, opt, model) -> None:
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
-            rounds.append(dict(last.__dict__, w=model.weight.detach().clone()[0],
+            rounds.append(dict(last.__dict__, w=weights(),
                                d=None if controls is None else controls[0].clone()[0]))
             steps_in_round = 0
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=model.weight.detach().clone()[0]))
+    save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights()))
 
 
 def run_mlp(cfg: dict, opt, model, dtype) -> None:

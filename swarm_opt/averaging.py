@@ -174,9 +174,6 @@ class TensorAverager:
                     return
                 self._scheduled.cancel()
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
-            # peers of different rounds look for groups under different keys: a straggler still finishing round r
-            # never joins (and spoils) a group of round r+1; it finds nobody, fails fast and catches up instead
-            self._engine.set_group_bits(format(round_id % 256, "08b"))
             self._scheduled_round = round_id
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
@@ -188,7 +185,7 @@ class TensorAverager:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
         buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
         different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()``
-        (the swarm completed it without us: nobody is left to average with under this round's key)."""
+        (the swarm completed it without us: waiting on would only find the swarm's next round)."""
         with self._engine.get_tensors() as buffers:
             write(buffers)
             finite = all_finite(buffers)

@@ -45,7 +45,6 @@ class OffloadedParameters:
 
     def __init__(self, params: List[Any], config: Offload) -> None:
         pin = config.pin_memory and torch.cuda.is_available()
-        self.given = params  # tensors or param-group dicts, as the user passed them
         self.model: List[torch.Tensor] = []
         self._masters: Dict[int, torch.Tensor] = {}
         for p in _flat(params):
@@ -56,11 +55,12 @@ class OffloadedParameters:
             self._masters[id(p)] = master
             self.model.append(p)
         self.masters = [self._masters[id(p)] for p in self.model]
+        #: ``params`` as the user passed them (tensors or param-group dicts), each parameter replaced by its host copy
+        self.groups = self._master_groups(params)
         self._versions = [(-1, -1)] * len(self.model)
         self._record_all()
 
-    def master_groups(self, params: List[Any]) -> List[Any]:
-        """``params`` (tensors or param-group dicts) with each model parameter replaced by its host copy."""
+    def _master_groups(self, params: List[Any]) -> List[Any]:
         if params and isinstance(params[0], dict):
             return [dict(group, params=[self._masters[id(p)] for p in _as_list(group["params"])]) for group in params]
         return [self._masters[id(p)] for p in params]

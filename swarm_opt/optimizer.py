@@ -103,7 +103,7 @@ class Optimizer(torch.optim.Optimizer):
 
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None:
-            params = self._offload.master_groups(list(self._offload.given))
+            params = self._offload.groups
         self.inner = _make_inner_optimizer(optimizer, params)
         self.scheduler = _make_scheduler(scheduler, self.inner,
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
@@ -204,25 +204,24 @@ class Optimizer(torch.optim.Optimizer):
     def _run_round(self, progress: SwarmProgress) -> None:
         if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
             return
-        started = time.monotonic()
+        started, round_id = time.monotonic(), self._epoch + 1
         if progress.num_peers <= 1:
             result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
         else:
             with torch.no_grad():
-                round_id = self._epoch + 1
                 result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
                                                    round_id, lambda: self._tracker.progress.epoch >= round_id)
             if result is None or not _is_majority(result.group_size, progress.num_peers):
                 logger.info(
-                    f"Round for epoch {self._epoch + 1} did not reach a majority of {progress.num_peers} peers "
+                    f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
                     f"({'failed' if result is None else f'group of {result.group_size}'}); keeping local progress"
                 )
                 return
         with torch.no_grad(), self._state_lock:
             weight = self.strategy.averaging_weight()
             self.strategy.apply_round(result)
-            self._averager.commit(result, self._epoch + 1)
-            self.last_round = RoundReport(self._epoch + 1, result.group_size, progress.num_peers, self._samples,
+            self._averager.commit(result, round_id)
+            self.last_round = RoundReport(round_id, result.group_size, progress.num_peers, self._samples,
                                           weight, time.monotonic() - started, caught_up=False)
             self._advance_epoch(result.group_size, progress)
 

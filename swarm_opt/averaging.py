@@ -10,13 +10,15 @@ touched.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
+import math
 import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -26,7 +28,9 @@ from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
+from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import without_tensor_memory
 from swarm_opt.config import Timeouts
 
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
+_FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
 
 
 def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,22 +83,68 @@ class _Engine(DecentralizedAverager):
     from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
+    sender_start_timeout: float = math.inf
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure. A round that lost
+        a member fails as a whole anyway (``_check_complete``); waiting on would cost a sender timeout whenever the
+        dead member had not yet opened its stream to some reducer. Leaving at once breaks this peer's streams, so
+        that its groupmates, who may not have seen the failure themselves, leave at once too."""
+        aggregation = asyncio.ensure_future(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
+        watchdog = asyncio.ensure_future(self._first_failure(group_info.group_id))
+        try:
+            await asyncio.wait({aggregation, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            if not aggregation.done():
+                raise AllreduceException(watchdog.result())
+            gathered = aggregation.result()
+        finally:
+            for task in (watchdog, aggregation):
+                task.cancel()
+            await asyncio.gather(watchdog, aggregation, return_exceptions=True)
         self._check_complete(group_info.group_id)
         return gathered
 
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
+                                      group_id: Optional[bytes] = None, **kwargs: Any) -> None:
+        """hivemind's, with all-or-nothing reducers (``swarm_opt._allreduce``): the buffers receive, part by part,
+        the group's mean minus this peer's values."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update)
+
+    def _runners(self, group_id: bytes) -> Iterator[Any]:
+        """The all-reduce runners of a group started so far (several for engines that run phases, see powersgd)."""
+        for key, future in list(self._running_groups.items()):
+            if key.startswith(group_id) and future.done() and not future.cancelled() and not future.exception():
+                yield future.result()
+
+    async def _first_failure(self, group_id: bytes) -> str:
+        """Why the group's round can no longer succeed, as soon as it is known: a member failed, or a member never
+        started sending to this peer's share (it died before it could, or gave the round up: hivemind would wait
+        out ``next_chunk_timeout`` for it, since there is no stream of its whose breaking could tell)."""
+        first_seen: Dict[int, float] = {}
+        while True:
+            for runner in self._runners(group_id):
+                failure = _partial_failure(runner)
+                if failure:
+                    return failure
+                waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
+                if waited > self.sender_start_timeout and _awaits_senders(runner):
+                    missing = len(set(runner.sender_peer_ids) - runner.active_senders)
+                    return f"{missing} member(s) did not start sending within {self.sender_start_timeout:.1f} s"
+            await asyncio.sleep(_FAILURE_POLL_PERIOD)
+
     def _check_complete(self, group_id: bytes) -> None:
         """Fail the round if the all-reduce registered as ``group_id`` left any part not averaged by everyone."""
-        runner_future = self._running_groups.get(group_id)
-        if runner_future is not None and runner_future.done() and not runner_future.exception():
-            runner = runner_future.result()
-            if runner.banned_senders or runner.tensor_part_container.failed_size:
-                raise AllreduceException(
-                    f"partial all-reduce: {len(runner.banned_senders)} sender(s) timed out, "
-                    f"{runner.tensor_part_container.failed_size} values not averaged"
-                )
+        future = self._running_groups.get(group_id)
+        if future is not None and future.done() and not future.cancelled() and not future.exception():
+            failure = _partial_failure(future.result())
+            if failure:
+                raise AllreduceException(failure)
 
     def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
         """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""
@@ -104,6 +155,20 @@ class _Engine(DecentralizedAverager):
             return None, [], None
         metadata, tensors = provider()
         return metadata, list(tensors), None
+
+
+def _partial_failure(runner: Any) -> str:
+    """Why an all-reduce runner can no longer average every part with everyone ('' while it still can)."""
+    banned, failed = len(runner.banned_senders), runner.tensor_part_container.failed_size
+    if banned or failed:
+        return f"partial all-reduce: {banned} sender(s) failed, {failed} values not averaged"
+    return ""
+
+
+def _awaits_senders(runner: Any) -> bool:
+    """Whether an all-reduce runner reduces a share of the tensors and some member has not started sending to it."""
+    own_parts = runner.tensor_part_container.num_parts_by_peer[runner.ordered_peer_ids.index(runner.peer_id)]
+    return own_parts > 0 and not runner.all_senders_started.is_set()
 
 
 def _start_child(engine: _Engine) -> None:
@@ -143,10 +208,15 @@ class TensorAverager:
         self._engine: _Engine = engine_type(
             buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
-            next_chunk_timeout=timeouts.averaging_timeout / 3, compression=compression,
+            next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0,
+            # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
+            # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); at least 16 parts in all, so that each
+            # member of a group of up to 8 still reduces a share of a small model
+            part_size_bytes=min(2**21, max(2**19, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
+        self._engine.sender_start_timeout = timeouts.sender_start_timeout
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None

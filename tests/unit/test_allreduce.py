@@ -1,0 +1,52 @@
+"""The all-or-nothing reducer: once a sender failed, nobody receives a part averaged without it (hivemind's reducer
+returns such parts as if they were complete, and groupmates of a failed round would commit a mixture)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.partition import TensorPartReducer
+
+from swarm_opt._allreduce import AllOrNothingReducer
+
+
+async def _sender_fails_mid_part(reducer_type: type) -> object:
+    """Two senders, two parts: sender 0 sends part 0, then sender 1 fails before sending it. What does sender 0
+    get back for part 0?"""
+    reducer = reducer_type([torch.Size([3]), torch.Size([3])], num_senders=2)
+    waiting = asyncio.ensure_future(reducer.accumulate_part(0, 0, torch.ones(3), weight=1.0))
+    await asyncio.sleep(0)
+    reducer.on_sender_failed(1)
+    try:
+        return await asyncio.wait_for(waiting, timeout=5)
+    except (AllreduceException, asyncio.CancelledError) as e:
+        return e
+
+
+def test_hivemind_reducer_returns_a_part_averaged_without_the_failed_sender():
+    result = asyncio.run(_sender_fails_mid_part(TensorPartReducer))
+    assert isinstance(result, torch.Tensor) and torch.equal(result, torch.ones(3))  # sender 0's values alone
+
+
+def test_all_or_nothing_reducer_returns_no_partial_average():
+    result = asyncio.run(_sender_fails_mid_part(AllOrNothingReducer))
+    assert not isinstance(result, torch.Tensor), result
+
+
+async def _complete_part_then_failure() -> tuple:
+    reducer = AllOrNothingReducer([torch.Size([2]), torch.Size([2])], num_senders=2)
+    first = await asyncio.gather(reducer.accumulate_part(0, 0, torch.zeros(2), weight=1.0),
+                                 reducer.accumulate_part(1, 0, torch.full((2,), 4.0), weight=3.0))
+    reducer.on_sender_failed(1)
+    with pytest.raises(AllreduceException):  # a later part of the surviving sender: refused at once
+        await reducer.accumulate_part(0, 1, torch.zeros(2), weight=1.0)
+    return first
+
+
+def test_parts_completed_before_a_failure_are_complete_averages():
+    first = asyncio.run(_complete_part_then_failure())
+    for part in first:
+        assert torch.equal(part, torch.full((2,), 3.0))  # (0 * 1 + 4 * 3) / 4

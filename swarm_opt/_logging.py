@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import warnings
 
 _ASYNCIO_SHUTDOWN_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
-                           "Task exception was never retrieved", "Exception in callback")
+                           "Task exception was never retrieved", "Future exception was never retrieved",
+                           "Exception in callback")
 
 
 class _Downgrade(logging.Handler):
@@ -59,6 +61,10 @@ def tame_hivemind_logging() -> None:
     if not any(isinstance(h, _Downgrade) for h in hivemind_logger.handlers):
         hivemind_logger.addHandler(_Downgrade())
     hivemind_logger.propagate = False
+    # the DHT process closes its event loop with lookups still pending when it is shut down mid-request; Python then
+    # warns (to stderr, not through logging) that their coroutines were never awaited. Inherited by forked processes.
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning,
+                            module=r"hivemind\.")
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _DropHivemindAsyncioNoise) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_DropHivemindAsyncioNoise())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
+import warnings
 
 from hivemind.averaging import DecentralizedAverager
 
-import swarm_opt  # noqa: F401  (importing tames hivemind's logging)
+import swarm_opt  # importing tames hivemind's logging
 
 
 def _asyncio_record(message: str) -> logging.LogRecord:
@@ -32,3 +34,20 @@ def test_asyncio_noise_is_dropped_only_inside_hivemind_processes(monkeypatch):
     monkeypatch.setattr(multiprocessing, "current_process", lambda: averager_process)
     assert not asyncio_logger.filter(_asyncio_record(noise))  # inside hivemind's averager: hivemind's, dropped
     assert asyncio_logger.filter(_asyncio_record("some other asyncio error"))
+
+
+def _drop_unawaited_coroutine(module: str) -> list:
+    """Create and drop a coroutine object in a frame of ``module``; return the warnings it raised."""
+    namespace = {"__name__": module}
+    exec("async def traverse_dht():\n    pass\n\ndef drop():\n    coroutine = traverse_dht()\n    del coroutine\n",
+         namespace)
+    with warnings.catch_warnings(record=True) as caught:
+        swarm_opt.tame_hivemind_logging()  # pytest resets warning filters around collection, where we were imported
+        namespace["drop"]()
+        gc.collect()
+    return [w for w in caught if "was never awaited" in str(w.message)]
+
+
+def test_coroutines_hivemind_abandons_at_shutdown_are_not_reported_but_the_users_are():
+    assert _drop_unawaited_coroutine("hivemind.dht.dht") == []
+    assert len(_drop_unawaited_coroutine("my_training_script")) == 1

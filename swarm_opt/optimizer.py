@@ -221,9 +221,11 @@ class Optimizer(torch.optim.Optimizer):
             weight = self.strategy.averaging_weight()
             self.strategy.apply_round(result)
             self._averager.commit(result, round_id)
-            self.last_round = RoundReport(round_id, result.group_size, progress.num_peers, self._samples,
+            # a peer that joined after our last read of the swarm may be in the group: count it among the peers
+            num_peers = max(result.group_size, progress.num_peers)
+            self.last_round = RoundReport(round_id, result.group_size, num_peers, self._samples,
                                           weight, time.monotonic() - started, caught_up=False)
-            self._advance_epoch(result.group_size, progress)
+            self._advance_epoch(self.last_round, progress.samples_per_second)
 
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
@@ -236,7 +238,7 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, 0)
         self._averager.set_priority(self._epoch)
 
-    def _advance_epoch(self, group_size: int, progress: SwarmProgress) -> None:
+    def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
         self._epoch += 1
         self._samples = 0
         self._synced = True
@@ -246,8 +248,8 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.set_priority(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
-        logger.info(f"epoch {self._epoch}: averaged with {group_size} of {progress.num_peers} peer(s), "
-                    f"{progress.samples_per_second:.0f} samples/s{loss}")
+        logger.info(f"epoch {self._epoch}: averaged with {report.group_size} of {report.num_peers} peer(s), "
+                    f"{samples_per_second:.0f} samples/s{loss}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
     def _catch_up(self, global_epoch: int) -> None:

@@ -16,7 +16,7 @@ from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.powersgd import PowerSGD
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold, Strategy
+from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "BestMetric",
     "load_checkpoint",
     "GradientAveraging",
+    "Overlap",
     "LocalUpdates",
     "FedProx",
     "Scaffold",

@@ -221,6 +221,7 @@ class TensorAverager:
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None
         self._scheduled_round = -1
+        self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
         self._lock = threading.Lock()
 
     @property
@@ -268,6 +269,7 @@ class TensorAverager:
         self.schedule(get_dht_time(), round_id)
         with self._lock:
             control, self._scheduled = self._scheduled, None
+            self._running = control
         assert control is not None
         try:
             control.weight = float(weight)
@@ -286,6 +288,9 @@ class TensorAverager:
             logger.debug("Averaging round failed: %r", e)
             control.cancel()
             return None
+        finally:
+            with self._lock:
+                self._running = None
         if not gathered:
             return None
         rounds = {info.get("round") if isinstance(info, dict) else None for info in gathered.values()}
@@ -322,6 +327,10 @@ class TensorAverager:
 
     def shutdown(self) -> None:
         self.cancel_scheduled()
+        with self._lock:
+            running = self._running
+        if running is not None and not running.done():
+            running.cancel()  # an all_reduce() in another thread returns None at once
         self._engine.state_provider = None
         if self._engine.is_alive():
             self._engine.shutdown()

@@ -28,7 +28,7 @@ from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateErro
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.serialization import flatten, unflatten
-from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.base import HeldRound, Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,33 @@ class RoundReport:
     weight: float
     seconds: float
     caught_up: bool
+
+
+class _BackgroundRound:
+    """A round averaging in a thread of its own while the training loop goes on (``Overlap()``); the loop concludes
+    it at its first ``step()`` after the thread ended."""
+
+    def __init__(self, run: Callable[[], Optional[AveragingResult]], values: HeldRound, progress: SwarmProgress,
+                 round_id: int, samples: int, started: float) -> None:
+        self.values, self.progress, self.round_id, self.samples, self.started = (values, progress, round_id, samples,
+                                                                                 started)
+        self._result: Optional[AveragingResult] = None
+        self._thread = threading.Thread(target=self._run, args=(run,), name="swarm_opt.BackgroundRound", daemon=True)
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Optional[AveragingResult]]) -> None:
+        try:
+            with torch.no_grad():
+                self._result = run()
+        except Exception as e:  # a bug, not a network failure (all_reduce returns None for those): say so
+            logger.error(f"A background averaging round failed unexpectedly: {e!r}")
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self, timeout: Optional[float] = None) -> Optional[AveragingResult]:
+        self._thread.join(timeout)
+        return self._result
 
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -117,6 +144,7 @@ class Optimizer(torch.optim.Optimizer):
         self._state_lock = threading.RLock()
         self._next_catch_up = 0.0
         self._synced = False  # True once this peer's state is the swarm's (a committed round or a download)
+        self._background: Optional[_BackgroundRound] = None  # a round averaging while training goes on
         self._closed = False
         self.last_round: Optional[RoundReport] = None
         self.model_schema = _model_schema(self._params, strategy.name)
@@ -191,7 +219,10 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, self._samples)
 
         progress = self._tracker.progress
-        if progress.epoch > self._epoch:
+        if self._background is not None:  # a round in flight: nothing else starts until it is applied
+            if self._background.done():
+                self._finish_background_round()
+        elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
         elif progress.ready:
             self._run_round(progress)
@@ -205,25 +236,59 @@ class Optimizer(torch.optim.Optimizer):
         if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
             return
         started, round_id = time.monotonic(), self._epoch + 1
-        if progress.num_peers <= 1:
-            result: Optional[AveragingResult] = AveragingResult(peers=(self._averager.peer_id,), gathered={})
-        else:
-            with torch.no_grad():
-                result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
-                                                   round_id, lambda: self._tracker.progress.epoch >= round_id)
-            if result is None or not _is_majority(result.group_size, progress.num_peers):
-                logger.info(
-                    f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
-                    f"({'failed' if result is None else f'group of {result.group_size}'}); keeping local progress"
-                )
-                return
+        if progress.num_peers <= 1:  # a round alone: its mean is our own values
+            self._conclude_round(AveragingResult(peers=(self._averager.peer_id,), gathered={}), progress, round_id,
+                                 started, held=None)
+            return
+        def round_is_over() -> bool:  # the swarm completed this round without us
+            return self._tracker.progress.epoch >= round_id
+        if self.strategy.runs_rounds_in_background:
+            with torch.no_grad(), self._state_lock:
+                held = self.strategy.hold_round()
+            self._background = _BackgroundRound(
+                lambda: self._averager.all_reduce(held.write, held.weight, round_id, round_is_over),
+                held, progress, round_id, self._samples, started)
+            return
+        with torch.no_grad():
+            result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
+                                               round_id, round_is_over)
+        self._conclude_round(result, progress, round_id, started, held=None)
+
+    def _finish_background_round(self) -> None:
+        background, self._background = self._background, None
+        assert background is not None
+        self._conclude_round(background.result(), background.progress, background.round_id, background.started,
+                             held=background)
+
+    def _settle_background_round(self) -> None:
+        """Wait for a round in flight and conclude it, before anything replaces the state it would update."""
+        if self._background is not None:
+            self._finish_background_round()
+
+    def _conclude_round(self, result: Optional[AveragingResult], progress: SwarmProgress, round_id: int,
+                        started: float, held: Optional[_BackgroundRound]) -> None:
+        """Commit a round that averaged a majority of the live peers (or everyone); otherwise keep its values for
+        the next round (a held round gives them back)."""
+        if result is None or not _is_majority(result.group_size, progress.num_peers):
+            logger.info(
+                f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
+                f"({'failed' if result is None else f'group of {result.group_size}'}); keeping local progress"
+            )
+            if held is not None:
+                with torch.no_grad(), self._state_lock:
+                    held.values.give_back()
+            return
         with torch.no_grad(), self._state_lock:
-            weight = self.strategy.averaging_weight()
-            self.strategy.apply_round(result)
+            if held is None:
+                weight, samples = self.strategy.averaging_weight(), self._samples
+                self.strategy.apply_round(result)
+            else:
+                weight, samples = held.values.weight, held.samples
+                held.values.apply(result)
             self._averager.commit(result, round_id)
             # a peer that joined after our last read of the swarm may be in the group: count it among the peers
             num_peers = max(result.group_size, progress.num_peers)
-            self.last_round = RoundReport(round_id, result.group_size, num_peers, self._samples,
+            self.last_round = RoundReport(round_id, result.group_size, num_peers, samples,
                                           weight, time.monotonic() - started, caught_up=False)
             self._advance_epoch(self.last_round, progress.samples_per_second)
 
@@ -240,11 +305,11 @@ class Optimizer(torch.optim.Optimizer):
 
     def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
         self._epoch += 1
-        self._samples = 0
+        self._samples -= report.samples  # what remains was computed while a background round was in flight
         self._synced = True
         if self.scheduler is not None:
             self.scheduler.step()
-        self._tracker.report(self._epoch, 0)
+        self._tracker.report(self._epoch, self._samples)
         self._averager.set_priority(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
@@ -274,6 +339,7 @@ class Optimizer(torch.optim.Optimizer):
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
         ``StateDownloadError``."""
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
+        self._settle_background_round()
         deadline, delay, reason = time.monotonic() + timeout, 0.5, "no peer offered its state"
         while True:
             remaining = deadline - time.monotonic()
@@ -357,6 +423,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
         extra = state_dict.get("swarm_opt", {})
+        self._settle_background_round()
         with self._state_lock:
             self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
             if self.scheduler is not None and extra.get("scheduler") is not None:
@@ -376,7 +443,9 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._closed = True
         self._tracker.shutdown()
-        self._averager.shutdown()
+        self._averager.shutdown()  # a round in flight returns at once
+        if self._background is not None:
+            self._background.result(timeout=10.0)
 
     def __enter__(self) -> Optimizer:
         return self

@@ -61,6 +61,16 @@ class Strategy(ABC):
     def reset(self) -> None:
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""
 
+    @property
+    def runs_rounds_in_background(self) -> bool:
+        """Whether rounds run while local steps go on (``hold_round``), instead of blocking ``step()``."""
+        return False
+
+    def hold_round(self) -> HeldRound:
+        """Set this round's values aside for averaging in the background; later local steps start the next round.
+        Only called if ``runs_rounds_in_background``."""
+        raise NotImplementedError(f"{type(self).__name__} does not average in the background")
+
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from
         its local state (it will be averaged back in next round); False if the peer must download the swarm's
@@ -73,6 +83,30 @@ class Strategy(ABC):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state:
             raise ValueError(f"{type(self).__name__} has no state, but got keys {sorted(state)}")
+
+
+class HeldRound(ABC):
+    """A round's values set aside by ``Strategy.hold_round`` while they are averaged in the background. Used from
+    two threads: ``write`` (and ``weight``) from the round's, ``apply`` or ``give_back`` from the training loop's,
+    after the round ended; the strategy never touches held values in between."""
+
+    @property
+    @abstractmethod
+    def weight(self) -> float:
+        """This peer's weight in the round's weighted mean."""
+
+    @abstractmethod
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Write the held values into the averaging buffers."""
+
+    @abstractmethod
+    def apply(self, result: AveragingResult) -> None:
+        """The round succeeded: apply the group's mean (as ``Strategy.apply_round``), keeping the next round's
+        progress."""
+
+    @abstractmethod
+    def give_back(self) -> None:
+        """The round failed: fold the held values back into the round in progress, to be averaged next time."""
 
 
 def state_dtype(tensor: torch.Tensor) -> torch.dtype:

@@ -1,13 +1,35 @@
-"""Synchronous large-batch training: accumulate toward the global batch, average gradients, step together."""
+"""Synchronous large-batch training: accumulate toward the global batch, average gradients, step together; or, with
+``Overlap()``, average each round's gradients in the background while the next round's are computed."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
+from swarm_opt.errors import ConfigTypeError
+from swarm_opt.strategies.base import HeldRound, Strategy, grads_are_finite, state_dtype
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Average a round's gradients in the background while the peer computes the next round's (delayed updates):
+    ``GradientAveraging(overlap=Overlap())``.
+
+    When the swarm reaches the global batch, the peer sets its accumulated gradients aside for the round and goes on
+    computing; the round's update is applied at the first ``step()`` after the all-reduce finished. **Staleness:**
+    gradients computed while a round is in flight use parameters one update behind, so a round that takes a fraction
+    ``f`` of an epoch's compute leaves about ``f`` of the next epoch's gradients one step stale (all of them when
+    averaging is slower than computing: then this is one-step-delayed SGD, as hivemind's ``delay_optimizer_step``).
+    Never more than one step: a round starts only after the previous one was applied. A round that fails gives its
+    gradients back to the next round, as without overlap.
+
+    Costs one more fp32 buffer per parameter (the round set aside while the next one accumulates). Worth it when
+    the all-reduce takes a noticeable share of an epoch (large models, slow links); it does not change the maths of
+    a round, so every peer still applies the same update.
+    """
 
 
 class GradientAveraging(Strategy):
@@ -15,16 +37,30 @@ class GradientAveraging(Strategy):
     means weighted by samples and every peer applies the inner optimizer to the same average. Without failures and
     compression this equals one process training on the union of all peers' batches.
 
-    Extra memory: one fp32 buffer per parameter (the running mean) plus hivemind's averaging buffer.
+    :param overlap: ``Overlap()`` averages in the background while the next round's gradients are computed (see
+        ``Overlap`` for the staleness this implies). Default: rounds block ``step()`` until they are applied.
+
+    Extra memory: one fp32 buffer per parameter (the running mean) plus hivemind's averaging buffer; one more with
+    ``Overlap()``.
     """
 
     name = "grad"
 
+    def __init__(self, *, overlap: Optional[Overlap] = None) -> None:
+        if overlap is not None and not isinstance(overlap, Overlap):
+            raise ConfigTypeError(f"overlap must be swarm_opt.Overlap() or None, got {overlap!r}")
+        self.overlap = overlap
+
+    @property
+    def runs_rounds_in_background(self) -> bool:
+        return self.overlap is not None
+
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self._mean = [torch.zeros_like(p, dtype=state_dtype(p))
-                      for p in self.params]
+        self._mean = [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params]
         self._samples = 0
+        self._spare: Optional[List[torch.Tensor]] = None  # a zeroed mean to accumulate into while a round is held
+        self._held: Optional[_HeldGradients] = None
 
     def local_step(self, batch_size: int) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -46,20 +82,66 @@ class GradientAveraging(Strategy):
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
-        means = self._mean if result.averaged is None else result.averaged
+        self._step_with(self._mean if result.averaged is None else result.averaged)
+        self.reset()
+
+    def _step_with(self, means: Sequence[torch.Tensor]) -> None:
         for p, mean in zip(self.params, means):
             # the averaged buffer itself when it fits: no copy (it is not touched again until the next round)
             p.grad = mean if (mean.dtype, mean.device) == (p.dtype, p.device) else mean.to(p.device, p.dtype)
         self.inner.step()
         for p in self.params:
             p.grad = None
-        self.reset()
+
+    def hold_round(self) -> HeldRound:
+        assert self._held is None, "one round at a time"
+        spare = self._spare if self._spare is not None else [torch.zeros_like(m) for m in self._mean]
+        self._held = _HeldGradients(self, self._mean, self._samples)
+        self._mean, self._spare, self._samples = spare, None, 0
+        return self._held
+
+    def _release(self, held: _HeldGradients) -> None:
+        for mean in held.means:
+            mean.zero_()
+        self._spare, self._held = held.means, None
 
     def reset(self) -> None:
         for mean in self._mean:
             mean.zero_()
         self._samples = 0
+        if self._held is not None:
+            self._release(self._held)
 
     def state_dict(self) -> Dict[str, Any]:
         # a round's partial accumulation is local and transient: a resumed or newly joined peer starts a fresh one
         return {}
+
+
+class _HeldGradients(HeldRound):
+    """The mean gradient of a round set aside while it is averaged in the background."""
+
+    def __init__(self, owner: GradientAveraging, means: List[torch.Tensor], samples: int) -> None:
+        self.owner, self.means, self.samples = owner, means, samples
+
+    @property
+    def weight(self) -> float:
+        return float(self.samples)
+
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        for buffer, mean in zip(buffers, self.means):
+            buffer.copy_(mean)
+
+    def apply(self, result: AveragingResult) -> None:
+        if self.owner._held is self:  # not dropped by a reset meanwhile
+            self.owner._step_with(self.means if result.averaged is None else result.averaged)
+            self.owner._release(self)
+
+    def give_back(self) -> None:
+        if self.owner._held is not self:
+            return
+        owner, total = self.owner, self.samples + self.owner._samples
+        if total > 0:  # the pooled mean: what one accumulation over both would hold
+            for mean, held in zip(owner._mean, self.means):
+                mean.lerp_(held, self.samples / total)
+        owner._samples = total
+        owner._release(self)

@@ -26,6 +26,9 @@ def _outer(p):
 
 STRATEGIES = {
     "GradientAveraging": StrategyInfo(swarm_opt.GradientAveraging),
+    "GradientAveraging+Overlap": StrategyInfo(
+        lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
+        bad_arguments=((lambda: swarm_opt.GradientAveraging(overlap=True), TypeError, "Overlap"),)),
     "LocalUpdates": StrategyInfo(
         lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.LocalUpdates(average_optimizer_state="exp_avg"), TypeError, "sequence"),)),

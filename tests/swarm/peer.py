@@ -60,7 +60,9 @@ def make_strategy(name: str):
     import swarm_opt
 
     return {
-        "grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold,
+        "grad": swarm_opt.GradientAveraging,
+        "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
+        "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
@@ -210,7 +212,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     x, y = make_data()
     rank, bs = cfg["rank"], cfg["batch_size"]
     g = torch.Generator().manual_seed(1000 + rank)
-    committed, discarded, pending, reports, lrs = {}, {}, [], [], {}
+    # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
+    committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
     last_report = None
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
@@ -221,26 +224,33 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         if journal is not None:  # before the step: a peer killed inside it may have sent this batch's gradients
             journal.write(json.dumps({"batch": idx.tolist()}) + "\n")
         opt.zero_grad()
+        version = opt.local_epoch
         loss = torch.nn.functional.cross_entropy(model(x[idx].to(dtype)).float(), y[idx])
         loss.backward()
         opt.step()
-        pending.append(idx.tolist())
+        pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round
             reports.append(dict(last_report.__dict__, time=time.time()))
             if not last_report.caught_up:
-                committed[last_report.epoch] = pending
+                # the round's batches come first: later ones were computed while it averaged in the background
+                used = last_report.samples // bs
+                committed[last_report.epoch] = [b for b, _ in pending[:used]]
+                versions[last_report.epoch] = [v for _, v in pending[:used]]
+                pending = pending[used:]
             else:  # our round failed here, but our groupmates may have completed it with our gradients in it
-                discarded[last_report.epoch] = pending
-            pending = []
+                discarded[last_report.epoch] = [b for b, _ in pending]
+                discarded_versions[last_report.epoch] = [v for _, v in pending]
+                pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
             if journal is not None:
                 journal.write(json.dumps({"epoch": last_report.epoch, "caught_up": last_report.caught_up}) + "\n")
             if opt.local_epoch >= cfg.get("arm_at_epoch", float("inf")):
                 open(cfg["out"] + ".arm", "w").close()
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, reports=reports, lrs=lrs,
-                   params=[p.detach().clone() for p in model.parameters()]))
+    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
+                   discarded_versions=discarded_versions,
+                   reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()]))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import swarm_opt
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies import GradientAveraging
@@ -83,3 +84,50 @@ def test_state_codec_round_trips_optimizer_state_without_pickle():
 def test_state_codec_rejects_what_it_did_not_produce(skeleton):
     with pytest.raises(ValueError):
         unflatten(skeleton, [torch.zeros(1)])
+
+
+def _overlapping(params):
+    strategy = GradientAveraging(overlap=swarm_opt.Overlap())
+    strategy.bind(params, torch.optim.SGD(params, lr=1.0))
+    return strategy
+
+
+def _steps(strategy, w, grads_and_batches):
+    for grad, batch in grads_and_batches:
+        w.grad = torch.tensor(grad)
+        assert strategy.local_step(batch)
+
+
+def test_a_held_round_that_fails_is_pooled_with_the_next_one_by_samples():
+    w = torch.nn.Parameter(torch.zeros(2))
+    strategy = _overlapping([w])
+    _steps(strategy, w, [([1.0, 0.0], 2), ([3.0, 0.0], 2)])
+    held = strategy.hold_round()
+    assert held.weight == 4.0
+    buffers = [torch.zeros(2)]
+    held.write(buffers)
+    torch.testing.assert_close(buffers[0], torch.tensor([2.0, 0.0]))
+    _steps(strategy, w, [([0.0, 8.0], 4)])  # the next round accumulates apart
+    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([0.0, 8.0]))
+    held.give_back()
+    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([1.0, 4.0]))  # mean over 8 samples
+    assert strategy.averaging_weight() == 8.0 and torch.equal(w.detach(), torch.zeros(2))
+
+
+def test_a_held_round_that_succeeds_steps_on_the_group_mean_and_keeps_the_next_round():
+    w = torch.nn.Parameter(torch.zeros(2))
+    strategy = _overlapping([w])
+    _steps(strategy, w, [([1.0, 1.0], 2)])
+    held = strategy.hold_round()
+    _steps(strategy, w, [([5.0, 5.0], 3)])
+    held.apply(AveragingResult(peers=(), gathered={}, averaged=[torch.tensor([0.5, -1.0])]))
+    torch.testing.assert_close(w.detach(), torch.tensor([-0.5, 1.0]))  # SGD lr 1 on the group's mean
+    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([5.0, 5.0]))
+    assert strategy.averaging_weight() == 3.0
+    again = strategy.hold_round()  # the released buffer is reused, zeroed
+    assert again.weight == 3.0 and torch.equal(strategy.tensors_to_average()[0], torch.zeros(2))
+
+
+def test_overlap_is_an_option_object():
+    with pytest.raises(TypeError, match="swarm_opt.Overlap"):
+        GradientAveraging(overlap=True)

@@ -1,0 +1,77 @@
+"""Gradient averaging with ``Overlap()``: rounds average in the background while the peers compute on.
+
+The exact claim: every epoch's update is the sample-weighted mean of the gradients of the batches the swarm
+committed to it, each gradient taken at the parameters it was computed at (the epoch before, or, for a batch computed
+while the previous round was still in flight, the epoch before that: never older).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+
+import pytest
+import torch
+
+from tests.swarm.peer import make_data, make_inner, make_model
+from tests.swarm.test_grad_averaging import _close, assert_quiet
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+
+def delayed_reference(results: list, epochs: int, extra=()) -> list:
+    """One process applying SGD, each epoch, to the mean gradient of the committed batches (plus ``extra`` (epoch,
+    batches, versions) triples), every batch's gradient taken at the parameters of its version."""
+    x, y = make_data()
+    model = make_model()
+    opt = make_inner("sgd")(model.parameters())
+    trajectory = {0: copy.deepcopy(model)}
+    for epoch in range(1, epochs + 1):
+        batches = [(b, v) for r in results for b, v in zip(r["committed"].get(epoch, []), r["versions"].get(epoch, []))]
+        batches += [(b, v) for e, bs, vs in extra if e == epoch for b, v in zip(bs, vs)]
+        assert batches, f"no peer committed batches to epoch {epoch}"
+        assert all(epoch - 2 <= v <= epoch - 1 for _, v in batches), f"a batch more than one update stale: {epoch}"
+        total = sum(len(b) for b, _ in batches)
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for batch, version in batches:
+            at = trajectory[version]
+            at.zero_grad()
+            idx = torch.tensor(batch)
+            (torch.nn.functional.cross_entropy(at(x[idx]), y[idx]) * len(batch) / total).backward()
+            for g, p in zip(grads, at.parameters()):
+                g.add_(p.grad)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        opt.step()
+        trajectory[epoch] = copy.deepcopy(model)
+    return [p.detach() for p in model.parameters()]
+
+
+def test_overlapped_rounds_apply_each_epochs_gradients_at_the_parameters_they_were_computed_at(swarm):
+    epochs = 6
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="sgd", epochs=epochs, expect_peers=3,
+                    step_sleep=0.03, strategy="grad_overlap")
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert sum(rep["group_size"] == 3 for rep in r["reports"]) >= epochs // 2, r["reports"]
+        assert_quiet(swarm.log(r["rank"]))
+    stale = sum(v == e - 2 for r in results for e, vs in r["versions"].items() for v in vs)
+    assert stale > 0, "no gradient was computed while a round was in flight: nothing overlapped"
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)  # one model in the swarm
+    # a peer that caught up by downloading may or may not have had a prefix of its discarded batches averaged in
+    ambiguous = [(e, r["discarded"][e], r["discarded_versions"][e]) for r in results for e in r["discarded"]]
+    assert math.prod(len(b) + 1 for _, b, _ in ambiguous) <= 2_000, ambiguous
+    references = [delayed_reference(results, epochs, [(e, b[:k], v[:k]) for (e, b, v), k in zip(ambiguous, prefix)])
+                  for prefix in itertools.product(*(range(len(b) + 1) for _, b, _ in ambiguous))]
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+    # and the staleness mattered: applying every epoch's gradients at the latest parameters gives another model
+    fresh = copy.deepcopy(results)
+    for r in fresh:
+        r["versions"] = {e: [e - 1] * len(vs) for e, vs in r["versions"].items()}
+    assert not _close(results[0]["params"], delayed_reference(fresh, epochs), 1e-5)

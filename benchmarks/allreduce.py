@@ -3,23 +3,43 @@
 For every peer count the script starts that many worker processes (this script with ``--worker``, each in its own
 session so that its p2pd daemon and averager process can be killed as a group). The workers join one hivemind DHT
 and one gloo process group; the gloo group also serves as the barrier that lines the peers up before each timed call.
-For each tensor size they time, in this order:
+For each tensor size they time, taking turns within each repetition:
 
 * gloo: ``dist.all_reduce(t); t.div_(world)`` (the average, in place);
 * swarm_opt: matchmaking is started ahead (``TensorAverager.schedule``) and timed separately until the group is
-  formed; then ``TensorAverager.all_reduce([t], weight=1)`` is timed (copy into hivemind's buffer, butterfly
-  all-reduce through p2pd, copy back).
+  formed; then ``TensorAverager.all_reduce(write, weight=1)`` is timed: ``write`` copies ``t`` into the averager's
+  shared buffer (as a strategy's ``write_round`` does), then the finiteness checks and the butterfly all-reduce
+  through p2pd; the mean is read as a view of the buffer (``result.averaged``), with no copy back. The codec is
+  ``swarm_opt.NoCompression()``, the optimizer's default.
 
 A call's time is the slowest peer's. Throughput is the tensor's size divided by that time (MB = 10^6 bytes). The
-averaged values are checked against the exact mean once per size.
+averaged values are checked against the exact mean once per size and variant. "MB/s ratio" is swarm_opt's median
+throughput over gloo's; "paired ratio" is the median over repetitions of gloo's time over swarm_opt's in the same
+repetition (the two agree when the machine's load is steady).
 
     python benchmarks/allreduce.py                               # 1M, 10M, 50M float32 among 2 and 4 peers
     python benchmarks/allreduce.py --sizes 1e6 1e7 --peers 2 --reps 5
+
+Tuning experiments (none of this is needed to reproduce the table):
+
+* ``--engine-opt KEY=VALUE`` overrides an argument of hivemind's ``DecentralizedAverager`` as ``TensorAverager``
+  builds it (``part_size_bytes``, ``next_chunk_timeout``, ``min_vector_size``...; ``prefetch`` goes to the
+  all-reduce's ``TensorPartContainer``; ``mmap_threshold=N`` calls glibc's ``mallopt`` in the averager process so
+  that buffers up to N bytes come from the heap rather than from a fresh mmap each);
+* ``--variant NAME:KEY=VALUE,...`` (repeatable) runs one averager per variant in the same workers; gloo and every
+  variant take turns within each repetition, so that a change in the machine's load hits them alike, and the table
+  adds each variant's time relative to the first one, per repetition;
+* ``--no-tls`` starts p2pd without TLS (libp2p's Noise still encrypts);
+* ``--trace`` adds each timed round's wall-clock window to the JSON (``benchmarks/profile_allreduce.py`` uses it).
+
+    python benchmarks/allreduce.py --sizes 1e7 5e7 --variant default --variant p2m:part_size_bytes=2097152
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import json
 import os
 import socket
@@ -27,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from _common import (  # also puts the repo on sys.path for swarm_opt
@@ -43,6 +63,63 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
 )
 
 BYTES_PER_PARAM = 4
+ALLREDUCE_ONLY_OPTS = ("prefetch",)  # options of the all-reduce, not of the averager's constructor
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def parse_engine_opts(items: List[str]) -> Dict[str, Any]:
+    """``["part_size_bytes=4194304", "sender_timeout=None"]`` -> ``{"part_size_bytes": 4194304, ...}``."""
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-opt expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
+def parse_variant(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """``"p2m:part_size_bytes=2097152,prefetch=2"`` -> ``("p2m", {"part_size_bytes": 2097152, "prefetch": 2})``."""
+    name, _, options = spec.partition(":")
+    return name, parse_engine_opts([item for item in options.split(",") if item])
+
+
+@contextlib.contextmanager
+def engine_options(options: Dict[str, Any]) -> Iterator[None]:
+    """While active, ``TensorAverager`` builds its hivemind averager with ``options`` (benchmark experiments only)."""
+    from swarm_opt import averaging
+
+    if not options:
+        yield
+        return
+    options = dict(options)
+    mmap_threshold = options.pop("mmap_threshold", None)
+    constructor_opts = {k: v for k, v in options.items() if k not in ALLREDUCE_ONLY_OPTS}
+    allreduce_opts = {k: v for k, v in options.items() if k in ALLREDUCE_ONLY_OPTS}
+    base = averaging._Engine
+
+    class TunedEngine(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, **constructor_opts})
+            self.allreduce_kwargs.update(allreduce_opts)
+
+        def run(self) -> None:  # in the averager process
+            if mmap_threshold:  # serve big buffers from the heap, not from fresh (page-faulting) mmaps each time
+                import ctypes
+
+                libc = ctypes.CDLL("libc.so.6")
+                libc.mallopt(M_MMAP_THRESHOLD, int(mmap_threshold))
+                libc.mallopt(M_TRIM_THRESHOLD, 8 * int(mmap_threshold))
+            super().run()
+
+    averaging._Engine = TunedEngine
+    try:
+        yield
+    finally:
+        averaging._Engine = base
 
 
 # --- worker ---------------------------------------------------------------------------------------------------------
@@ -59,9 +136,12 @@ def worker(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     rank, world = args.rank, args.world
+    engine_opts = parse_engine_opts(args.engine_opt)
+    variants = [parse_variant(v) for v in args.variant] or [("default", {})]
+    dht_opts = {"tls": False} if args.no_tls else {}
     maddrs_file = Path(args.tmp) / "maddrs.json"
     if rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **dht_opts)
         tmp_file = maddrs_file.with_suffix(".tmp")
         tmp_file.write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         os.replace(tmp_file, maddrs_file)
@@ -72,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
                 raise RuntimeError("rank 0 did not publish its DHT address within 60 s")
             time.sleep(0.05)
         dht = hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                           start=True)
+                           start=True, **dht_opts)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
 
     def slowest(seconds: float) -> float:
@@ -86,68 +166,107 @@ def worker(args: argparse.Namespace) -> None:
         return bool(t.item())
 
     timeouts = swarm_opt.Timeouts(matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout)
-    results = []
-    try:
-        for size in args.sizes:
-            base = torch.randn(size, generator=torch.Generator().manual_seed(0))
-            original = base + rank  # peers differ by a constant: the exact mean is base + (world - 1) / 2
-            expected_shift = (world - 1) / 2
-            tensor = original.clone()
-            entry = {"size": size, "mb": size * BYTES_PER_PARAM / 1e6, "world": world}
 
-            gloo_times = []
+    def measure(size: int) -> List[dict]:
+        """Time gloo and every variant on a tensor of ``size`` float32 values; one entry per variant."""
+        results: List[dict] = []
+        base = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        original = base + rank  # peers differ by a constant: the exact mean is base + (world - 1) / 2
+        expected_shift = (world - 1) / 2
+        tensor = original.clone()
+        entry = {"size": size, "mb": size * BYTES_PER_PARAM / 1e6, "world": world}
+
+        def write(buffers: List[torch.Tensor]) -> None:  # what a strategy's write_round does
+            buffers[0].copy_(original)
+
+        def gloo_round() -> float:
+            tensor.copy_(original)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(tensor)
+            tensor.div_(world)
+            return slowest(time.perf_counter() - start)
+
+        def swarm_round(averager: Any, i: int) -> Tuple[float, float, Any, Tuple[float, float]]:
+            dist.barrier()
+            start = time.perf_counter()
+            averager.schedule(get_dht_time(), round_id=i)
+            control = averager._scheduled  # benchmark-only peek: is the group formed yet?
+            while control is not None and control.stage in (AveragingStage.IDLE,
+                                                            AveragingStage.LOOKING_FOR_GROUP):
+                time.sleep(0.002)
+            matchmaking = slowest(time.perf_counter() - start)
+            wall_start, start = time.time(), time.perf_counter()
+            result = averager.all_reduce(write, 1.0, round_id=i)
+            elapsed = slowest(time.perf_counter() - start)
+            return matchmaking, elapsed, result, (wall_start, wall_start + elapsed)
+
+        averagers: Dict[str, Any] = {}
+        stats = {name: {"mm": [], "ar": [], "groups": [], "failures": 0, "windows": [], "paired": {}}
+                 for name, _ in variants}
+        gloo_times = []
+        try:
+            for name, options in variants:
+                with engine_options({**engine_opts, **options}):
+                    averagers[name] = TensorAverager(
+                        dht, prefix=f"bench_allreduce_w{world}_n{size}_{name}", templates=[tensor],
+                        timeouts=timeouts, compression=swarm_opt.NoCompression())
+            dist.barrier()  # every averager process is up before the first matchmaking
+            names = list(averagers)
             for i in range(args.warmup + args.reps):
-                tensor.copy_(original)
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(tensor)
-                tensor.div_(world)
-                elapsed = slowest(time.perf_counter() - start)
+                # gloo and each variant run back to back in every repetition (variants in rotating order), so
+                # that a change in the machine's load hits them alike; ratios are also taken per repetition
+                elapsed = gloo_round()
                 if i == 0:
                     entry["gloo_max_error"] = float((tensor - base - expected_shift).abs().max())
                 if i >= args.warmup:
                     gloo_times.append(elapsed)
-            entry["gloo_s"] = quantiles(gloo_times)
-
-            averager = TensorAverager(dht, prefix=f"bench_allreduce_w{world}_n{size}", templates=[tensor],
-                                      timeouts=timeouts)
-            mm_times, ar_times, group_sizes, failures = [], [], [], 0
-            try:
-                dist.barrier()  # every averager process is up before the first matchmaking
-                for i in range(args.warmup + args.reps):
-                    tensor.copy_(original)
-                    dist.barrier()
-                    start = time.perf_counter()
-                    averager.schedule(get_dht_time(), round_id=i)
-                    control = averager._scheduled  # benchmark-only peek: is the group formed yet?
-                    while control is not None and control.stage in (AveragingStage.IDLE,
-                                                                    AveragingStage.LOOKING_FOR_GROUP):
-                        time.sleep(0.002)
-                    matchmaking = slowest(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    result = averager.all_reduce([tensor], 1.0, round_id=i)
-                    elapsed = slowest(time.perf_counter() - start)
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    st = stats[name]
+                    matchmaking, elapsed, result, window = swarm_round(averagers[name], i)
                     size_ok = all_true(result is not None and result.group_size == world)
-                    if i == 0 and size_ok:
-                        entry["swarm_max_error"] = float((tensor - base - expected_shift).abs().max())
+                    if size_ok and "max_error" not in st:  # the first round of the full group
+                        st["max_error"] = float((result.averaged[0] - base - expected_shift).abs().max())
                     if i >= args.warmup:
+                        st["windows"].append(window)
                         if size_ok:
-                            mm_times.append(matchmaking)
-                            ar_times.append(elapsed)
+                            st["mm"].append(matchmaking)
+                            st["ar"].append(elapsed)
+                            st["paired"][i] = elapsed
                         else:
-                            failures += 1
-                        group_sizes.append(0 if result is None else result.group_size)
-            finally:
+                            st["failures"] += 1
+                        st["groups"].append(0 if result is None else result.group_size)
+        finally:
+            for averager in averagers.values():
                 averager.shutdown()
-            entry["swarm_matchmaking_s"] = quantiles(mm_times) if mm_times else None
-            entry["swarm_allreduce_s"] = quantiles(ar_times) if ar_times else None
-            entry["swarm_group_sizes"] = group_sizes
-            entry["swarm_failed_rounds"] = failures
-            results.append(entry)
+        first = stats[variants[0][0]]["paired"]
+        gloo_by_rep = dict(zip(range(args.warmup, args.warmup + args.reps), gloo_times))
+        for name, options in variants:
+            st = stats[name]
+            e = dict(entry, variant=name, engine_opts={**engine_opts, **options}, gloo_s=quantiles(gloo_times))
+            e["swarm_matchmaking_s"] = quantiles(st["mm"]) if st["mm"] else None
+            e["swarm_allreduce_s"] = quantiles(st["ar"]) if st["ar"] else None
+            e["swarm_group_sizes"] = st["groups"]
+            e["swarm_failed_rounds"] = st["failures"]
+            if "max_error" in st:
+                e["swarm_max_error"] = st["max_error"]
+            # per repetition: gloo time / this variant's time, and this variant's time / the first variant's
+            ratios = [gloo_by_rep[i] / t for i, t in st["paired"].items()]
+            e["paired_ratio_to_gloo"] = quantiles(ratios) if ratios else None
+            vs_first = [t / first[i] for i, t in st["paired"].items() if i in first]
+            e["paired_time_vs_first"] = quantiles(vs_first) if vs_first else None
+            if args.trace:
+                e["swarm_windows"] = st["windows"]
+            results.append(e)
             if rank == 0:
-                print(f"size {size}: gloo {entry['gloo_s']['median']:.3f} s, swarm_opt "
-                      f"{entry['swarm_allreduce_s']['median'] if ar_times else float('nan'):.3f} s", flush=True)
-            del base, original, tensor
+                print(f"size {size} {name}: gloo {e['gloo_s']['median']:.3f} s, swarm_opt "
+                      f"{e['swarm_allreduce_s']['median'] if st['ar'] else float('nan'):.3f} s", flush=True)
+        return results
+
+    results = []
+    try:
+        for size in args.sizes:
+            results.extend(measure(size))
         if rank == 0:
             Path(args.result).write_text(json.dumps(results))
         dist.barrier()
@@ -176,7 +295,10 @@ def run_world(args: argparse.Namespace, world: int, tmp: Path) -> List[dict]:
                            "--tmp", str(run_dir), "--result", str(result_file), "--sizes", *map(str, args.sizes),
                            "--reps", str(args.reps), "--warmup", str(args.warmup),
                            "--matchmaking-time", str(args.matchmaking_time),
-                           "--averaging-timeout", str(args.averaging_timeout)]
+                           "--averaging-timeout", str(args.averaging_timeout),
+                           *(["--trace"] if args.trace else []), *(["--no-tls"] if args.no_tls else []),
+                           *[a for opt in args.engine_opt for a in ("--engine-opt", opt)],
+                           *[a for variant in args.variant for a in ("--variant", variant)]]
             procs.append(launch(worker_args, log, env_extra={"OMP_NUM_THREADS": str(args.threads)}))
             logs.append(log)
         wait_all(procs, timeout=args.timeout, logs=logs)
@@ -199,6 +321,13 @@ def main() -> None:
     parser.add_argument("--averaging-timeout", type=float, default=120.0)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each worker")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per peer count")
+    parser.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
+                        help="override an argument of hivemind's averager (experiments), e.g. part_size_bytes=4194304")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+                        help="an averager with these --engine-opt settings; all variants and gloo take turns in "
+                             "every repetition (experiments; default: one averager as swarm_opt builds it)")
+    parser.add_argument("--no-tls", action="store_true", help="start p2pd without TLS (experiments)")
+    parser.add_argument("--trace", action="store_true", help="record each timed round's wall-clock window")
     parser.add_argument("--out", default="allreduce.json")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -219,23 +348,37 @@ def main() -> None:
             entries = run_world(args, world, Path(tmp))
             print(f"  {world} peers done in {time.monotonic() - started:.0f} s", flush=True)
             all_results.extend(entries)
+    variants = [parse_variant(v)[0] for v in args.variant]
+    nan = float("nan")
     for e in all_results:
         gloo = e["gloo_s"]["median"]
         ar = e["swarm_allreduce_s"]
-        swarm = ar["median"] if ar else float("nan")
-        mm = e["swarm_matchmaking_s"]["median"] if e["swarm_matchmaking_s"] else float("nan")
+        swarm = ar["median"] if ar else nan
+        mm = e["swarm_matchmaking_s"]["median"] if e["swarm_matchmaking_s"] else nan
         e["gloo_mb_s"] = e["mb"] / gloo
         e["swarm_mb_s"] = e["mb"] / swarm
         e["throughput_ratio_to_gloo"] = e["swarm_mb_s"] / e["gloo_mb_s"]
-        rows.append([e["world"], f"{e['size'] / 1e6:g}M", f"{e['mb']:.0f}", f"{gloo:.3f}", f"{e['gloo_mb_s']:.0f}",
-                     f"{swarm:.3f}", f"{ar['iqr'] if ar else float('nan'):.3f}", f"{e['swarm_mb_s']:.0f}",
-                     f"{e['throughput_ratio_to_gloo']:.3f}", f"{swarm / gloo:.1f}x", f"{mm:.2f}",
-                     e["swarm_failed_rounds"], f"{e.get('swarm_max_error', float('nan')):.1e}"])
+        paired = e["paired_ratio_to_gloo"]["median"] if e["paired_ratio_to_gloo"] else nan
+        vs_first = e["paired_time_vs_first"]["median"] if e["paired_time_vs_first"] else nan
+        rows.append([e["world"], f"{e['size'] / 1e6:g}M", f"{e['mb']:.0f}",
+                     *([e["variant"]] if len(variants) > 1 else []), f"{gloo:.3f}", f"{e['gloo_mb_s']:.0f}",
+                     f"{swarm:.3f}", f"{ar['iqr'] if ar else nan:.3f}", f"{e['swarm_mb_s']:.0f}",
+                     f"{e['throughput_ratio_to_gloo']:.3f}", f"{paired:.3f}",
+                     *([f"{vs_first:.2f}"] if len(variants) > 1 else []), f"{swarm / gloo:.1f}x", f"{mm:.2f}",
+                     e["swarm_failed_rounds"], f"{e.get('swarm_max_error', nan):.1e}"])
     print()
-    print(table(["peers", "params", "MB", "gloo s", "gloo MB/s", "swarm_opt s", "IQR s", "swarm_opt MB/s",
-                 "MB/s ratio", "slowdown", "matchmaking s", "failed", "max err"], rows))
+    # MB/s ratio: ratio of the medians; paired ratio: median over repetitions of gloo's time / swarm_opt's time in
+    # the same repetition (robust to load that changes during the run); time vs first: the same against the first
+    # variant
+    print(table(["peers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
+                 "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio",
+                 *([f"time vs {variants[0]}"] if len(variants) > 1 else []), "slowdown", "matchmaking s", "failed",
+                 "max err"], rows))
     path = write_json(args.out, {"benchmark": "allreduce", "reps": args.reps, "warmup": args.warmup,
                                  "matchmaking_time": args.matchmaking_time, "worker_threads": args.threads,
+                                 "engine_opts": parse_engine_opts(args.engine_opt), "tls": not args.no_tls,
+                                 "variants": [{"name": n, "engine_opts": o}
+                                              for n, o in map(parse_variant, args.variant)],
                                  "results": all_results})
     print(f"\nwrote {path}")
     if not args.no_plot:
@@ -251,11 +394,16 @@ def plot(results: List[dict], name: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    variants = list(dict.fromkeys(e["variant"] for e in results))
     for world in sorted({e["world"] for e in results}):
-        es = sorted((e for e in results if e["world"] == world), key=lambda e: e["size"])
-        xs = [e["size"] / 1e6 for e in es]
-        ax.plot(xs, [e["gloo_mb_s"] for e in es], "o--", label=f"gloo, {world} peers")
-        ax.plot(xs, [e["swarm_mb_s"] for e in es], "s-", label=f"swarm_opt, {world} peers")
+        for index, variant in enumerate(variants):
+            es = sorted((e for e in results if e["world"] == world and e["variant"] == variant),
+                        key=lambda e: e["size"])
+            xs = [e["size"] / 1e6 for e in es]
+            if index == 0:
+                ax.plot(xs, [e["gloo_mb_s"] for e in es], "o--", label=f"gloo, {world} peers")
+            label = f"swarm_opt{'' if len(variants) == 1 else ' ' + variant}, {world} peers"
+            ax.plot(xs, [e["swarm_mb_s"] for e in es], "s-", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("float32 parameters (millions)")

@@ -76,12 +76,14 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
 
 
-def launch(args: List[str], log_path: Path, env_extra: Dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a worker in its own session, so that its whole process group (p2pd, averagers) can be killed."""
+def launch(args: List[str], log_path: Path, env_extra: Dict[str, str] | None = None,
+           prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """Start a worker in its own session, so that its whole process group (p2pd, averagers) can be killed;
+    ``prefix`` runs it through another command (``ip netns exec HOST``)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env, cwd=str(REPO))
+    return subprocess.Popen([*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env=env, cwd=str(REPO))
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float, logs: Sequence[Path]) -> None:
@@ -144,17 +146,71 @@ def wait_for(path: Path, timeout: float, message: str) -> None:
         time.sleep(0.02)
 
 
-def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0):
-    """Start this worker's hivemind DHT on loopback: rank 0 publishes its addresses in ``workdir/maddrs.json``
-    (atomically), every other rank waits for that file and joins through them."""
+def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0, host: str = "127.0.0.1"):
+    """Start this worker's hivemind DHT on loopback (or on ``host``, e.g. a test host's address): rank 0 publishes
+    its addresses in ``workdir/maddrs.json`` (atomically), every other rank waits for that file and joins through
+    them."""
     import hivemind
 
     maddrs_file = workdir / "maddrs.json"
     if rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
         (workdir / "maddrs.tmp").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         os.replace(workdir / "maddrs.tmp", maddrs_file)
         return dht
     wait_for(maddrs_file, timeout, "rank 0 did not publish its DHT address")
-    return hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    return hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=[f"/ip4/{host}/tcp/0"],
                         start=True)
+
+
+def processes_in_groups(procs: Sequence[subprocess.Popen], name: str) -> List[int]:
+    """Pids of the live processes called ``name`` (e.g. "p2pd") in the process groups of our workers."""
+    groups = {proc.pid for proc in procs}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) in groups and (entry / "comm").read_text().strip() == name:
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def tcp_bytes_sent(pids: Iterable[int]) -> Dict[str, int]:
+    """``bytes_sent`` (the kernel's count of TCP payload bytes sent, retransmissions included) of every open TCP
+    socket owned by one of ``pids``, keyed by "local address -> peer address". Read with ``ss -tinp``; a socket
+    closed between two readings loses its count, so compare the keys of two readings. Empty if ``ss`` is missing."""
+    import re
+
+    wanted = set(pids)
+    try:
+        out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    sockets: Dict[str, int] = {}
+    key = None
+    for line in out.splitlines():
+        if line and not line[0].isspace():  # a socket: state, queues, local, peer, users:(("name",pid=N,fd=M))
+            fields = line.split()
+            owners = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+            key = f"{fields[3]} -> {fields[4]}" if len(fields) >= 5 and owners & wanted else None
+        elif key is not None:  # its tcp_info line
+            match = re.search(r"\bbytes_sent:(\d+)", line)
+            sockets[key] = int(match.group(1)) if match else 0
+            key = None
+    return sockets
+
+
+def source_fingerprint() -> str:
+    """A hash of swarm_opt's source files, taken at the start and end of a run: other work edits swarm_opt while
+    benchmarks run, and ``code_version`` only says that the tree was dirty, not whether it changed mid-run."""
+    import hashlib
+
+    root = REPO / "swarm_opt"
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]

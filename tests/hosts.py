@@ -1,0 +1,71 @@
+"""Test hosts on one machine: network namespaces on a bridge, with bandwidth-limited links (``tc tbf``).
+
+Used by the multi-host test (``tests/e2e/test_netns.py``) and the utilization benchmark. Needs root and iproute2;
+traffic stays between these namespaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+
+SUBNET = "10.213.{}.{}"
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, timeout=30)
+
+
+class Hosts:
+    """``n`` hosts (namespaces) plugged into one bridge that lives in a switch namespace of its own; each host's
+    outgoing link is limited to ``rate`` (``tc tbf``). ``close()`` kills what runs in them and removes them."""
+
+    def __init__(self, n: int, rate: str = "50mbit", burst: str = "32kbit") -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.switch, self.names = f"so{tag}sw", [f"so{tag}h{i}" for i in range(n)]
+        self.third_octet = int(tag[:2], 16)
+        _sh("ip", "netns", "add", self.switch)
+        self._in(self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        self._in(self.switch, "ip", "link", "set", "br0", "up")
+        for i, name in enumerate(self.names):
+            _sh("ip", "netns", "add", name)
+            _sh("ip", "link", "add", f"v{tag}{i}", "netns", self.switch, "type", "veth", "peer", "name", "eth0",
+                "netns", name)
+            self._in(self.switch, "ip", "link", "set", f"v{tag}{i}", "master", "br0", "up")
+            self._in(name, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            self._in(name, "ip", "link", "set", "eth0", "up")
+            self._in(name, "ip", "link", "set", "lo", "up")
+            self._in(name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
+                     "latency", "400ms")
+
+    def address(self, i: int) -> str:
+        return SUBNET.format(self.third_octet, i + 1)
+
+    @staticmethod
+    def _in(namespace: str, *args: str) -> None:
+        _sh("ip", "netns", "exec", namespace, *args)
+
+    def close(self) -> None:
+        for name in self.names + [self.switch]:
+            pids = _sh("ip", "netns", "pids", name, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _sh("ip", "netns", "del", name, check=False)
+
+
+def namespaces_unavailable() -> str:
+    """Why test hosts cannot be made here ('' if they can)."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not (shutil.which("ip") and shutil.which("tc")):
+        return "needs iproute2 (ip, tc)"
+    probe = f"so{uuid.uuid4().hex[:6]}probe"
+    made = _sh("ip", "netns", "add", probe, check=False)
+    _sh("ip", "netns", "del", probe, check=False)
+    return "" if made.returncode == 0 else f"cannot create network namespaces: {made.stderr.strip()}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
+import multiprocessing as mp
 import signal
 import threading
 import time
@@ -22,11 +22,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
 _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
+_GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
+_START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
+_MAX_STEP_PERIOD = 600.0
 
 
 def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,13 +67,14 @@ def all_finite(buffers: Sequence[torch.Tensor]) -> bool:
 
 @dataclass(frozen=True)
 class AveragingResult:
-    """A finished round: the group it ran in, what each member sent along (``gather``), and the group's weighted
-    mean of every buffer (``averaged``: views of the averager's buffers, valid until the next round; ``None`` for a
-    round alone, where the mean is this peer's own values)."""
+    """A finished round: the members that contributed, what each member sent along (``gather``), and the group's
+    weighted mean of every buffer (``averaged``: views of the averager's buffers, valid until the next round;
+    ``None`` for a round alone, where the mean is this peer's own values)."""
 
     peers: Tuple[PeerID, ...]
     gathered: dict
     averaged: Optional[Sequence[torch.Tensor]] = None
+    helpers: Tuple[PeerID, ...] = ()  # auxiliary members: they reduced parts and contributed nothing
 
     @property
     def group_size(self) -> int:
@@ -83,36 +88,46 @@ class _Engine(DecentralizedAverager):
     from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
-    sender_start_timeout: float = math.inf
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
-        """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure. A round that lost
-        a member fails as a whole anyway (``_check_complete``); waiting on would cost a sender timeout whenever the
-        dead member had not yet opened its stream to some reducer. Leaving at once breaks this peer's streams, so
-        that its groupmates, who may not have seen the failure themselves, leave at once too."""
+        """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost
+        a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
+        so that none of them waits out a timeout for streams that will never come."""
         aggregation = asyncio.ensure_future(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
-        watchdog = asyncio.ensure_future(self._first_failure(group_info.group_id))
+        watchdog = asyncio.ensure_future(self._first_failure(group_info))
         try:
             await asyncio.wait({aggregation, watchdog}, return_when=asyncio.FIRST_COMPLETED)
             if not aggregation.done():
                 raise AllreduceException(watchdog.result())
             gathered = aggregation.result()
+            self._check_complete(group_info.group_id)
+            return gathered
+        except BaseException:
+            self._say_goodbye(group_info)
+            raise
         finally:
             for task in (watchdog, aggregation):
                 task.cancel()
             await asyncio.gather(watchdog, aggregation, return_exceptions=True)
-        self._check_complete(group_info.group_id)
-        return gathered
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                       group_id: Optional[bytes] = None, **kwargs: Any) -> None:
         """hivemind's, with all-or-nothing reducers (``swarm_opt._allreduce``): the buffers receive, part by part,
         the group's mean minus this peer's values."""
         group_id = group_info.group_id if group_id is None else group_id
+        # the members' modes: hivemind computes them and forgets to pass them on (its PR #432), so its auxiliary
+        # peers act as senders of zero-weight tensors; ours only reduce
+        modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes, **kwargs)
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
+        if self.mode == AveragingMode.AUX:
+            async for _ in runner:
+                raise AllreduceException("an auxiliary peer received averaged values it never sent")
+            with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
+                self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)
+            return
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)
 
@@ -122,21 +137,54 @@ class _Engine(DecentralizedAverager):
             if key.startswith(group_id) and future.done() and not future.cancelled() and not future.exception():
                 yield future.result()
 
-    async def _first_failure(self, group_id: bytes) -> str:
-        """Why the group's round can no longer succeed, as soon as it is known: a member failed, or a member never
-        started sending to this peer's share (it died before it could, or gave the round up: hivemind would wait
-        out ``next_chunk_timeout`` for it, since there is no stream of its whose breaking could tell)."""
+    async def _first_failure(self, group_info: Any) -> str:
+        """Why the round can no longer succeed, as soon as that is known: a part failed, or a member has not started
+        sending to this peer's share long after it should have. A member starts sending when its training loop
+        hands it its values, at most one of its steps (it announces their duration) after the group formed; one
+        that is later than that is dead or stuck, and hivemind would wait out ``next_chunk_timeout`` for it."""
+        periods = {peer: _member_info(self.serializer, data).get("step_period", 0.0)
+                   for peer, data in zip(group_info.peer_ids, group_info.gathered)}
         first_seen: Dict[int, float] = {}
         while True:
-            for runner in self._runners(group_id):
+            for runner in self._runners(group_info.group_id):
                 failure = _partial_failure(runner)
                 if failure:
                     return failure
-                waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
-                if waited > self.sender_start_timeout and _awaits_senders(runner):
-                    missing = len(set(runner.sender_peer_ids) - runner.active_senders)
-                    return f"{missing} member(s) did not start sending within {self.sender_start_timeout:.1f} s"
+                missing = _missing_senders(runner)
+                if missing:
+                    waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
+                    allowed = _START_TIMEOUT + 2 * max(_seconds(periods.get(peer)) for peer in missing)
+                    if waited > allowed:
+                        return f"{len(missing)} member(s) did not start sending within {allowed:.1f} s"
             await asyncio.sleep(_FAILURE_POLL_PERIOD)
+
+    def _say_goodbye(self, group_info: Any) -> None:
+        """Tell every groupmate that this peer left the group's all-reduces: each of them fails the round at once
+        (a sender that sends a CANCELLED message is banned, and an all-or-nothing reducer then stops), instead of
+        waiting for parts that this peer will not send. In the background: the failure is this peer's to report
+        now; the goodbyes take a round trip."""
+        group_ids = [key for key in list(self._running_groups) if key.startswith(group_info.group_id)]
+        others = [peer for peer in group_info.peer_ids if peer != self.peer_id]
+        if group_ids and others:
+            task = asyncio.ensure_future(self._send_goodbyes(group_ids, others))
+            self._goodbyes.add(task)
+            task.add_done_callback(self._goodbyes.discard)
+
+    async def _send_goodbyes(self, group_ids: List[bytes], peers: Sequence[PeerID]) -> None:
+        async def goodbye(peer: PeerID, group_id: bytes) -> None:
+            message = averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED, group_id=group_id)
+            stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
+            stream = await stub.rpc_aggregate_part(as_aiter(message))
+            async for _ in stream:  # the reply (an error code) says it was heard
+                break
+
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(goodbye(peer, group_id) for peer in peers for group_id in group_ids),
+                               return_exceptions=True),
+                timeout=_GOODBYE_TIMEOUT)
+        except asyncio.TimeoutError:
+            logger.debug("Some groupmates did not acknowledge that this peer left the round")
 
     def _check_complete(self, group_id: bytes) -> None:
         """Fail the round if the all-reduce registered as ``group_id`` left any part not averaged by everyone."""
@@ -165,10 +213,28 @@ def _partial_failure(runner: Any) -> str:
     return ""
 
 
-def _awaits_senders(runner: Any) -> bool:
-    """Whether an all-reduce runner reduces a share of the tensors and some member has not started sending to it."""
+def _member_info(serializer: Any, data: bytes) -> dict:
+    """What a member sent along in the matchmaking gather ({} if it is not a dict: a peer we do not trust)."""
+    try:
+        info = serializer.loads(serializer.loads(data)[2])
+    except Exception:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _seconds(value: Any) -> float:
+    """A member's announced step period, bounded: a lie can delay the detection of a dead member, never forever."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return 0.0
+    return min(float(value), _MAX_STEP_PERIOD)
+
+
+def _missing_senders(runner: Any) -> set:
+    """The members that have not started sending to the share this peer reduces (empty if it reduces none)."""
     own_parts = runner.tensor_part_container.num_parts_by_peer[runner.ordered_peer_ids.index(runner.peer_id)]
-    return own_parts > 0 and not runner.all_senders_started.is_set()
+    if own_parts == 0 or runner.all_senders_started.is_set():
+        return set()
+    return set(runner.sender_peer_ids) - runner.active_senders
 
 
 def _start_child(engine: _Engine) -> None:
@@ -199,8 +265,12 @@ class TensorAverager:
         timeouts: Timeouts,
         compression: Any = NoCompression(),
         state_provider: Optional[StateProvider] = None,
+        auxiliary: bool = False,
     ) -> None:
         self.timeouts = timeouts
+        self.auxiliary = auxiliary
+        #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
+        self.step_period = 0.0
         buffers = [buffer_like(t) for t in templates]
         # an elementwise codec travels inside hivemind's all-reduce; one with a protocol of its own (PowerSGD) names
         # the engine that runs it, and gets itself as ``compression``
@@ -209,14 +279,15 @@ class TensorAverager:
             buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
             next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
-            declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0,
+            declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0, auxiliary=auxiliary,
             # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
             # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); at least 16 parts in all, so that each
             # member of a group of up to 8 still reduces a share of a small model
             part_size_bytes=min(2**21, max(2**19, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
-        self._engine.sender_start_timeout = timeouts.sender_start_timeout
+        self._engine._goodbyes = set()  # goodbye tasks in flight (the averager process keeps them referenced)
+        self._engine._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None
@@ -227,6 +298,11 @@ class TensorAverager:
     @property
     def client_mode(self) -> bool:
         return self._engine.client_mode
+
+    @property
+    def values_reduced(self) -> int:
+        """How many values this (auxiliary) peer has reduced for the others in all its rounds."""
+        return int(self._engine._values_reduced.value)
 
     @property
     def peer_id(self) -> PeerID:
@@ -248,7 +324,8 @@ class TensorAverager:
             self._scheduled_round = round_id
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
-                require_trigger=True, wait=False, gather={"round": round_id}, allow_retries=False,
+                require_trigger=True, wait=False, allow_retries=False,
+                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
@@ -293,17 +370,24 @@ class TensorAverager:
                 self._running = None
         if not gathered:
             return None
-        rounds = {info.get("round") if isinstance(info, dict) else None for info in gathered.values()}
-        if rounds != {round_id}:
+        # auxiliary members only reduced: they count in no majority, and the round they think it is does not matter
+        contributors = {peer: info for peer, info in gathered.items()
+                        if not (isinstance(info, dict) and info.get("aux"))}
+        helpers = tuple(peer for peer in gathered if peer not in contributors)
+        rounds = {info.get("round") if isinstance(info, dict) else None for info in contributors.values()}
+        if not self.auxiliary and rounds != {round_id}:
             # a peer that fell behind joined the swarm's next round: nobody may apply this mixture
             logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
+            return None
+        if not contributors:
             return None
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")
                 return None
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
-        return AveragingResult(peers=tuple(gathered.keys()), gathered=dict(gathered), averaged=tuple(buffers))
+        return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
+                               helpers=helpers)
 
     def commit(self, result: AveragingResult, round_id: int) -> None:
         """The caller applied ``result`` as round ``round_id`` (an averaged round or a round alone). Engines that keep

@@ -203,6 +203,8 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--run-id", "peers with the same run id train together", type=run_id, required=True),
         *_NETWORK,
         _Option("--client-mode", "only dial out (behind NAT or a firewall); still averages", is_switch=True),
+        _Option("--auxiliary", "help the run average without training: reduce a share of every round (a machine "
+                "with bandwidth but no accelerator; accepts connections, so not with --client-mode)", is_switch=True),
         _Option("--task", "what to train: digits, mnist, MODULE:FUNCTION or FILE.py:FUNCTION", default="digits"),
         _Option("--seed", "seed of the initial model: every peer that starts a run must use the same one",
                 type=integer, default=0),

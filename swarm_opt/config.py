@@ -64,12 +64,6 @@ class Timeouts:
         """A member of an all-reduce that sends nothing for this long is dropped (and the round fails)."""
         return self.averaging_timeout / 3
 
-    @property
-    def sender_start_timeout(self) -> float:
-        """Members open their streams the moment the group is formed; one that has not started sending after this
-        long is dead (or gave the round up) and the round fails, instead of waiting out ``next_chunk_timeout``."""
-        return min(self.next_chunk_timeout, max(3.0, self.matchmaking_time))
-
 
 @dataclass(frozen=True)
 class TrackerConfig:

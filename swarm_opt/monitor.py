@@ -90,10 +90,13 @@ def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float
 
 
 class RunMonitor:
-    """Reads a run's progress records through ``dht`` (typically a client-mode node) and keeps their history."""
+    """Reads a run's progress records through ``dht`` (typically a client-mode node) and keeps their history;
+    with ``model_schema``, only the records of the peers that train that model (``Optimizer.model_schema``)."""
 
-    def __init__(self, dht: DHT, run_id: str, *, target_batch_size: Optional[int] = None) -> None:
+    def __init__(self, dht: DHT, run_id: str, *, target_batch_size: Optional[int] = None,
+                 model_schema: Optional[str] = None) -> None:
         self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
+        self.model_schema = model_schema  # only the peers of this model (default: every peer of the run)
         self.key = progress_key(run_id)
         dht.add_validators(progress_validators(run_id))
         self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
@@ -104,7 +107,7 @@ class RunMonitor:
         except TimeoutError:  # an unreachable DHT looks like a run with no live peers; the caller says so
             raw = None
         now = get_dht_time()
-        records, _ = parse_records(raw, model_schema=None, now=now)
+        records, _ = parse_records(raw, model_schema=self.model_schema, now=now)
         snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size)
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))

@@ -45,6 +45,7 @@ class RoundReport:
     weight: float
     seconds: float
     caught_up: bool
+    helpers: int = 0  # auxiliary peers that reduced parts of the round (they count in no majority)
 
 
 class _BackgroundRound:
@@ -145,14 +146,15 @@ class Optimizer(torch.optim.Optimizer):
         self._next_catch_up = 0.0
         self._synced = False  # True once this peer's state is the swarm's (a committed round or a download)
         self._background: Optional[_BackgroundRound] = None  # a round averaging while training goes on
+        self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
         self.last_round: Optional[RoundReport] = None
-        self.model_schema = _model_schema(self._params, strategy.name)
+        self.model_schema = model_schema(self._params, strategy.name)
 
         self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema,
                                         config=tracker or TrackerConfig())
         self._averager = TensorAverager(
-            dht, prefix=f"{run_id}_{strategy.name}_{self.model_schema[:12]}",
+            dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
             compression=compression, state_provider=self._shareable_state,
         )
@@ -201,6 +203,7 @@ class Optimizer(torch.optim.Optimizer):
         """Consume this step's gradients; when the swarm reaches the global batch, average and update together."""
         if self._closed:
             raise RuntimeError("this swarm_opt.Optimizer was shut down; create a new one to keep training")
+        self._note_step_period()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -229,7 +232,16 @@ class Optimizer(torch.optim.Optimizer):
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
         self._push_offloaded()
+        self._step_returned = time.monotonic()
         return loss
+
+    def _note_step_period(self) -> None:
+        """How long the training loop computes between two steps (a moving average): groupmates wait about twice
+        that for this peer to start sending, since it joins an all-reduce only at its next step."""
+        if self._step_returned is not None:
+            computed = time.monotonic() - self._step_returned
+            self._averager.step_period = computed if self._averager.step_period == 0 else \
+                0.7 * self._averager.step_period + 0.3 * computed
 
     # --- rounds -----------------------------------------------------------------------------------------------------
     def _run_round(self, progress: SwarmProgress) -> None:
@@ -288,8 +300,8 @@ class Optimizer(torch.optim.Optimizer):
             self._averager.commit(result, round_id)
             # a peer that joined after our last read of the swarm may be in the group: count it among the peers
             num_peers = max(result.group_size, progress.num_peers)
-            self.last_round = RoundReport(round_id, result.group_size, num_peers, samples,
-                                          weight, time.monotonic() - started, caught_up=False)
+            self.last_round = RoundReport(round_id, result.group_size, num_peers, samples, weight,
+                                          time.monotonic() - started, caught_up=False, helpers=len(result.helpers))
             self._advance_epoch(self.last_round, progress.samples_per_second)
 
     def _skip_to_epoch(self, epoch: int) -> None:
@@ -532,9 +544,15 @@ def _is_majority(group_size: int, num_peers: int) -> bool:
     return 2 * group_size > num_peers or group_size >= num_peers
 
 
-def _model_schema(params: List[torch.Tensor], strategy_name: str) -> str:
+def model_schema(params: List[torch.Tensor], strategy_name: str) -> str:
+    """What peers must share to average together: the strategy and every parameter's shape and dtype."""
     description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
     return hashlib.sha256(description.encode()).hexdigest()[:32]
+
+
+def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:
+    """The DHT prefix under which a run's peers of one model look for averaging groups."""
+    return f"{run_id}_{strategy_name}_{schema[:12]}"
 
 
 def _check_tensors_fit(received: List[Any], local: List[torch.Tensor]) -> None:

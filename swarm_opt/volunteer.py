@@ -134,10 +134,15 @@ def run_train(args: argparse.Namespace) -> int:
     strategy = make_strategy(args)
     data_seed = args.data_seed if args.data_seed is not None else int.from_bytes(os.urandom(4), "little")
 
+    if args.auxiliary and args.client_mode:
+        raise ConfigError("--auxiliary peers reduce what trainers send them, so they must accept connections: "
+                          "drop --client-mode")
     stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path)
+    if args.auxiliary:
+        return _run_auxiliary(args, task, strategy, dht, stop)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
     ckpt: Optional[swarm_opt.Checkpointer] = None
@@ -192,6 +197,36 @@ def run_train(args: argparse.Namespace) -> int:
         _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
     else:
         _say(f"reached epoch {opt.local_epoch}; done")
+    return 0
+
+
+def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any, stop: StopRequest) -> int:
+    """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
+    import signal
+
+    import swarm_opt
+
+    helper: Optional[swarm_opt.AuxiliaryPeer] = None
+    try:
+        with children_ignore_sigint():
+            helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=task.model.parameters(),
+                                             strategy=strategy, matchmaking_time=args.matchmaking_time,
+                                             averaging_timeout=args.averaging_timeout)
+        stop.install()
+        _say(f"helping run '{args.run_id}' as auxiliary peer {dht.peer_id}: reduces a share of every round, "
+             f"trains nothing")
+        helper.run(epochs=args.epochs, stop=stop.event)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if helper is not None:
+                helper.shutdown()
+        finally:
+            dht.shutdown()
+    helped = helper.rounds_helped if helper is not None else 0
+    _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")
     return 0
 
 

@@ -42,6 +42,7 @@ def assert_one_line_error(result, *fragments: str, status: int = 2) -> None:
     (["train", "--run-id", "r", "--matchmaking-time", "10", "--averaging-timeout", "5"],
      ["averaging_timeout (5.0) must exceed matchmaking_time"]),
     (["monitor", "--run-id", "r"], ["--initial-peers is required"]),
+    (["train", "--run-id", "r", "--auxiliary", "--client-mode"], ["--auxiliary peers", "drop --client-mode"]),
     (["train", "--run-id", "r", "--config", "missing.yaml"], ["cannot read config file 'missing.yaml'"]),
 ])
 def test_bad_input_is_one_line(args, fragments, capsys, tmp_path, monkeypatch):

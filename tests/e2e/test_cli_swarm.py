@@ -44,13 +44,17 @@ def test_dht_prints_its_address_stops_on_ctrl_c_and_keeps_its_identity(cli):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(150)
-def test_two_peers_train_three_epochs_and_checkpoint(cli):
+def test_two_peers_and_a_helper_train_three_epochs_and_checkpoint(cli):
     _, maddr = cli.dht()
     common = train_args("e2e_digits", maddr, "--target-batch-size", "256", "--epochs", "3", "--min-peers", "2")
     peers = [cli.start("peer0", *common, "--checkpoint-dir", "ckpt0"),
              cli.start("peer1", *common, "--checkpoint-dir", "ckpt1", "--data-seed", "1")]
-    for peer in peers:
+    helper = cli.start("helper", *common, "--auxiliary")  # reduces a share of the rounds, trains nothing
+    for peer in peers + [helper]:
         assert peer.wait(120) == 0, peer.describe()
+    helped = re.search(r"helped (\d+) round\(s\), reduced ([\d,]+) values; done", helper.stderr)
+    assert helped and int(helped.group(1)) >= 1, helper.describe()
+    assert "Traceback" not in helper.stderr and "epoch" not in helper.stdout, helper.describe()
     for rank, peer in enumerate(peers):
         epochs = re.findall(r"^epoch (\d+): test accuracy [\d.]+%", peer.stdout, re.MULTILINE)
         assert epochs and epochs[-1] == "3", peer.describe()

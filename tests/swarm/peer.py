@@ -147,6 +147,17 @@ def main(config_path: str) -> None:
     else:
         model = make_model(dtype)
         inner = make_inner(cfg["inner"])
+    if cfg.get("auxiliary"):  # a helper: reduces parts of every round, trains nothing
+        helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=cfg.get("run_id", "test_run"),
+                                         params=make_model().parameters(),
+                                         strategy=make_strategy(cfg.get("strategy", "grad")),
+                                         matchmaking_time=cfg.get("matchmaking_time", 1.0),
+                                         averaging_timeout=cfg.get("averaging_timeout", 15.0))
+        helper.run(epochs=cfg["epochs"])
+        save(cfg, dict(rank=cfg["rank"], rounds_helped=helper.rounds_helped, values_reduced=helper.values_reduced))
+        helper.shutdown()
+        dht.shutdown()
+        return
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,

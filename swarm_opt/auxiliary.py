@@ -1,0 +1,154 @@
+"""Auxiliary peers: machines with bandwidth but no accelerator that help a swarm average.
+
+An auxiliary peer trains nothing and sends nothing of its own. It joins each round of a run as a reducer: it
+receives its share of every trainer's values, averages them and returns the mean, so the trainers' links carry
+less (in a butterfly all-reduce each member reduces ``1/group size`` of the values). It counts in no majority, is
+never a state donor and publishes no progress, so a run behaves the same with or without helpers.
+
+hivemind's auxiliary mode is broken since its PR #432 (the averager stopped passing the members' modes to the
+all-reduce, so an auxiliary peer sends zero-weight copies of its tensors like a trainer and has them overwritten by
+the average); swarm_opt's engine passes the modes, so a helper only reduces.
+
+    helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id="mnist_run42", params=model.parameters(),
+                                     strategy=swarm_opt.GradientAveraging())
+    helper.run()            # until Ctrl-C; run(epochs=100) returns once the run reached epoch 100
+
+The parameters only give the shapes of what the trainers average (the helper never reads their values); the
+strategy, its arguments and the codec must be the trainers'.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from hivemind.dht import DHT
+
+from swarm_opt.averaging import TensorAverager
+from swarm_opt.compression import Compression, as_codec
+from swarm_opt.config import SwarmConfig, Timeouts
+from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.monitor import RunMonitor, RunSnapshot
+from swarm_opt.optimizer import averaging_prefix, model_schema
+from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.grad_averaging import GradientAveraging
+
+logger = logging.getLogger(__name__)
+
+_REFRESH_PERIOD = 1.0  # seconds between reads of the swarm's progress while no round is near
+
+
+def _nothing_to_send(buffers: Sequence[torch.Tensor]) -> None:
+    """An auxiliary peer's values: none (its buffers only size its share of the all-reduce)."""
+
+
+class AuxiliaryPeer:
+    """Help the trainers of ``run_id`` average: reduce a share of every round without contributing to it.
+
+    :param dht: a started ``hivemind.DHT`` that accepts connections (not ``client_mode``: reducers are dialled).
+    :param run_id: the run to help.
+    :param params: the trainers' parameters (or tensors of the same shapes and dtypes), in the same order.
+    :param strategy: the trainers' strategy (a fresh instance with the same arguments); default
+        ``GradientAveraging()``.
+    :param compression: the trainers' codec; PowerSGD runs a protocol of its own, which helpers cannot join.
+    :param matchmaking_time: and ``averaging_timeout``: the trainers' values (see ``Timeouts``).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        run_id: str,
+        params: Iterable[torch.Tensor],
+        strategy: Optional[Strategy] = None,
+        compression: Optional[Compression] = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+    ) -> None:
+        SwarmConfig(run_id, target_batch_size=1)  # validates the run id
+        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        if not isinstance(dht, DHT):
+            raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+        if dht.client_mode:
+            raise ConfigError("an auxiliary peer reduces parts that the trainers send to it, so it must accept "
+                              "connections: start its DHT without client_mode")
+        strategy = GradientAveraging() if strategy is None else strategy
+        if not isinstance(strategy, Strategy):
+            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
+        codec = as_codec(compression, strategy)
+        if getattr(codec, "averaging_engine", None) is not None:
+            raise ConfigError(f"{codec!r} averages through a protocol of its own that auxiliary peers cannot join; "
+                              f"help runs that use an elementwise codec (Float16(), Int8Blockwise(), ...)")
+        params = [p for p in params]
+        if not params:
+            raise ConfigError("params is empty: pass the parameters of the model the trainers train")
+        # the strategy says what a round averages (its shapes); a zero-lr optimizer binds it without training
+        strategy.bind(params, torch.optim.SGD(params, lr=0.0))
+        self.run_id = run_id
+        self.model_schema = model_schema(params, strategy.name)
+        self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema)
+        self._averager = TensorAverager(
+            dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
+            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, auxiliary=True)
+        self._snapshot: Optional[RunSnapshot] = None
+        self._snapshot_time = -float("inf")
+        self.rounds_helped = 0
+        self._reported = 0
+        self._values_per_round = sum(t.numel() for t in strategy.tensors_to_average())
+        self._closed = False
+
+    def _read(self, max_age: float) -> RunSnapshot:
+        if self._snapshot is None or time.monotonic() - self._snapshot_time > max_age:
+            self._snapshot, self._snapshot_time = self._monitor.read(), time.monotonic()
+        return self._snapshot
+
+    def run(self, *, epochs: Optional[int] = None, stop: Optional[threading.Event] = None) -> None:
+        """Help every round until the run reaches global epoch ``epochs`` (default: until ``stop`` is set or the
+        process is interrupted)."""
+        stop = stop or threading.Event()
+        last_helped = 0  # trainers may leave as soon as they commit the last round: count it as reached
+        while not stop.is_set() and not self._closed:
+            snapshot = self._read(max_age=0.0)
+            if epochs is not None and max(snapshot.epoch, last_helped) >= epochs:
+                return
+            eta = snapshot.eta_seconds
+            if not snapshot.peers or eta is None or eta > self.timeouts.matchmaking_time:
+                wait = _REFRESH_PERIOD if eta is None else min(_REFRESH_PERIOD, eta - self.timeouts.matchmaking_time)
+                stop.wait(max(0.05, wait))
+                continue
+            round_id = snapshot.epoch + 1
+            result = self._averager.all_reduce(_nothing_to_send, 0.0, round_id, self._round_is_over(round_id))
+            if result is None:
+                logger.debug(f"Could not help round {round_id}")
+                continue
+            self.rounds_helped += 1
+            last_helped = round_id
+            reduced, self._reported = self._averager.values_reduced - self._reported, self._averager.values_reduced
+            logger.info(f"Helped round {round_id}: reduced {reduced:,} of {self._values_per_round:,} values for "
+                        f"{result.group_size} trainer(s)")
+            deadline = time.monotonic() + self.timeouts.matchmaking_time  # the trainers publish their new epoch
+            while not stop.is_set() and self._read(max_age=0.0).epoch < round_id and time.monotonic() < deadline:
+                stop.wait(0.1)
+
+    def _round_is_over(self, round_id: int) -> Callable[[], bool]:
+        return lambda: self._read(max_age=_REFRESH_PERIOD).epoch >= round_id
+
+    @property
+    def values_reduced(self) -> int:
+        """Values this helper has reduced for the trainers so far (each sent to it once and returned averaged)."""
+        return self._averager.values_reduced
+
+    def shutdown(self) -> None:
+        """Leave the swarm; safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self._averager.shutdown()
+
+    def __enter__(self) -> AuxiliaryPeer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

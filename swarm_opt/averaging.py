@@ -32,7 +32,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm_opt._allreduce import AllOrNothingRunner
-from swarm_opt._fork import without_tensor_memory
+from swarm_opt._fork import die_with_parent, without_tensor_memory
 from swarm_opt.config import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,12 @@ class _Engine(DecentralizedAverager):
     from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
+    dies_with_parent = False  # set before the fork by a host that forks from its main thread
+
+    def run(self) -> None:  # the averager process
+        if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
+            die_with_parent(signal.SIGKILL, self._parent_pid)
+        super().run()
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost
@@ -194,6 +200,22 @@ class _Engine(DecentralizedAverager):
             if failure:
                 raise AllreduceException(failure)
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:  # runs in the averager process
+        """hivemind's, made safe to run late: the p2p daemon may already be gone (its handlers with it; hivemind
+        raised FileNotFoundError from a background thread, a traceback at the end of a clean Ctrl-C), and a group
+        still registered is a future of a runner (hivemind calls ``finalize`` on the future and gathers what that
+        returns, None)."""
+        if not self.client_mode:
+            try:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            except (OSError, ConnectionError) as e:
+                logger.debug("Averager handlers not removed, the p2p daemon is gone: %r", e)
+        for future in list(self._running_groups.values()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().finalize(cancel=True)  # the runner tells its groupmates
+            else:
+                future.cancel()
+
     def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
         """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""
 
@@ -246,6 +268,7 @@ def _start_child(engine: _Engine) -> None:
     try:
         if in_main_thread:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
+            engine.dies_with_parent = True  # with the main thread, i.e. the process (not a thread that may end)
         with without_tensor_memory():
             engine.start()
     finally:

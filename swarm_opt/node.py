@@ -4,9 +4,10 @@ Everything a user types (multiaddrs, ports, identity files) is checked here befo
 mistake is reported in one line (``ConfigError``) instead of a traceback from a background process.
 
 Signals: a terminal's Ctrl-C reaches every process of the foreground group, including hivemind's DHT and averager
-processes and the Go ``p2pd`` daemon, which would die before this peer could leave the swarm cleanly. Processes
-started inside ``children_ignore_sigint()`` inherit SIGINT as ignored (across fork and exec), so only the main
-process reacts and shuts them down in order.
+processes and the Go ``p2pd`` daemon, which would die before this peer could leave the swarm cleanly. Python
+processes started inside ``children_ignore_sigint()`` inherit SIGINT as ignored, so only the main process reacts and
+shuts them down in order. The daemon does not inherit it (hivemind spawns it through libuv, which resets every
+signal), so the DHT process and its daemon live in a process group of their own (``swarm_opt._dht_process``).
 """
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def start_dht(
     client_mode: bool = False,
     identity_path: Optional[str] = None,
 ):
-    """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start."""
+    """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start. Started from
+    the main thread, the DHT and its p2p daemon run in a process group of their own (``swarm_opt._dht_process``)."""
     import hivemind
+
+    from swarm_opt._dht_process import OwnGroupDHT
 
     initial_peers = parse_maddrs(initial_peers, option="--initial-peers", need_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, option="--host-maddrs")
@@ -137,7 +141,8 @@ def start_dht(
         kwargs.update(identity_path=str(Path(identity_path).expanduser()))
     try:
         with children_ignore_sigint():
-            return hivemind.DHT(**kwargs)
+            in_main_thread = threading.current_thread() is threading.main_thread()
+            return (OwnGroupDHT if in_main_thread else hivemind.DHT)(**kwargs)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = ("; check that --initial-peers are reachable and up" if initial_peers else "")

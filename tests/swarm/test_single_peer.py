@@ -142,6 +142,14 @@ def _descendants(pid: int) -> set:
     return found
 
 
+def _command(pid: int) -> bytes:
+    """The command line of a live process; b"" once it is gone (a zombie has none either)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_shutdown_leaves_no_processes_behind():
     before = _descendants(os.getpid())
     node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -152,15 +160,9 @@ def test_shutdown_leaves_no_processes_behind():
     node.shutdown()
     import time
 
-    def command(pid: int) -> bytes:
-        try:
-            return Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:  # gone meanwhile
-            return b""
-
     def ours() -> set:  # torch's shared-memory manager serves the whole process, started by the first shared tensor
         return {pid for pid in _descendants(os.getpid()) - before
-                if not command(pid).startswith(b"torch_shm_manager")}
+                if not _command(pid).startswith(b"torch_shm_manager")}
 
     deadline = time.monotonic() + 10
     while ours() and time.monotonic() < deadline:
@@ -226,6 +228,100 @@ def test_offload_needs_an_optimizer_factory(dht):
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ConfigTypeError, match="pin_memory"):
         swarm_opt.Offload(pin_memory="yes")
+
+
+_LEAVE_AFTER_THE_DHT = """
+import hivemind, torch, swarm_opt
+node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+model = torch.nn.Linear(4, 2)
+opt = swarm_opt.Optimizer(dht=node, run_id="dht_first", target_batch_size=16, batch_size_per_step=4,
+                          params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+node.shutdown()
+opt.shutdown()
+print(opt._averager._engine.exitcode)
+"""
+
+
+def test_leaving_after_the_dht_is_gone_is_quiet():
+    """The averager process removes its handlers from the DHT's p2p daemon when it stops; if the daemon went first
+    (the DHT was shut down, or its process died), hivemind printed a FileNotFoundError traceback from a thread.
+    In a fresh interpreter: pytest's own threading.excepthook would swallow the traceback in the forked child."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _LEAVE_AFTER_THE_DHT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "0", (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr
+
+
+_PEER_UNTIL_CTRL_C = """
+import signal, sys, threading, time
+import torch, swarm_opt
+from hivemind.utils import get_dht_time
+from swarm_opt.node import start_dht
+
+interrupted = threading.Event()
+signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+model = torch.nn.Linear(4, 2)
+opt = swarm_opt.Optimizer(dht=dht, run_id="ctrl_c", target_batch_size=16, batch_size_per_step=4,
+                          params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+print("ready", flush=True)
+if not interrupted.wait(60):
+    sys.exit("no Ctrl-C came")
+time.sleep(0.5)  # whatever Ctrl-C kills dies meanwhile
+dht.store("after_ctrl_c", "still here", expiration_time=get_dht_time() + 60)
+print("dht", dht.get("after_ctrl_c", latest=True).value, flush=True)
+opt.shutdown()
+dht.shutdown()
+"""
+
+
+def _start_script(source: str):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=30)
+    return proc
+
+
+def test_ctrl_c_in_a_terminal_leaves_the_network_up_until_the_peer_has_left():
+    """A terminal sends Ctrl-C to the whole foreground process group. The user's process must decide when to leave:
+    hivemind's p2p daemon (spawned through libuv, which resets ignored signals) died at once, under a peer still
+    finishing its step. start_dht() runs the DHT and its daemon in a process group of their own."""
+    import signal
+
+    proc = _start_script(_PEER_UNTIL_CTRL_C)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and "dht still here" in out, (out, err)
+    assert "Traceback" not in err, err
+
+
+def test_a_peer_killed_alone_leaves_no_processes_behind():
+    """SIGKILL to the user's process only (not its group): the averager process, the DHT process (in a group of its
+    own) and its p2p daemon end with it instead of living on as orphans."""
+    import signal
+    import time
+
+    proc = _start_script(_PEER_UNTIL_CTRL_C)
+    helpers = {pid for pid in _descendants(proc.pid) if not _command(pid).startswith(b"torch_shm_manager")}
+    assert len(helpers) >= 3, helpers  # DHT, p2pd, averager
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while {pid for pid in helpers if _command(pid)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {pid: _command(pid) for pid in helpers if _command(pid)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, left
 
 
 def test_ctrl_c_still_reaches_the_training_loop_after_creating_an_optimizer(dht):

@@ -1,0 +1,38 @@
+"""A hivemind DHT process in a process group of its own, so that a terminal's Ctrl-C reaches the user's process only.
+
+hivemind starts its Go ``p2pd`` daemon from the DHT process through uvloop, and libuv's spawn resets every signal to
+its default in the new process: a SIGINT ignored by the DHT process is not ignored by the daemon. A Ctrl-C in a
+terminal (SIGINT to the whole foreground process group) killed the daemon while the peer was still finishing its
+step: the round in flight failed for its groupmates, the progress record was never withdrawn, and the averager
+process died with a traceback when it could not unregister its handlers.
+
+So the DHT process moves to a group of its own before it starts the daemon. Nothing would then kill it together
+with the user's process group (``kill -9 -PGID``, a closed terminal), so it asks the kernel for SIGTERM when its
+parent dies (``PR_SET_PDEATHSIG``), and answers SIGTERM by killing its own group, itself and the daemon, at once
+(hivemind sends SIGTERM only to a DHT that did not shut down in time). Where ``prctl`` is missing (not Linux) the
+DHT stays in the caller's group, as plain hivemind does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import hivemind
+
+from swarm_opt._fork import can_die_with_parent, die_with_parent
+
+
+def _kill_own_group(signum: int, frame: object) -> None:
+    os.killpg(0, signal.SIGKILL)
+
+
+class OwnGroupDHT(hivemind.DHT):
+    """``hivemind.DHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent."""
+
+    def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
+        if can_die_with_parent():
+            os.setpgid(0, 0)  # first: the handler below kills the group it is in
+            signal.signal(signal.SIGTERM, _kill_own_group)
+            die_with_parent(signal.SIGTERM, self._parent_pid)
+        super().run()

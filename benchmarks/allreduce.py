@@ -19,6 +19,13 @@ repetition (the two agree when the machine's load is steady).
 
     python benchmarks/allreduce.py                               # 1M, 10M, 50M float32 among 2 and 4 peers
     python benchmarks/allreduce.py --sizes 1e6 1e7 --peers 2 --reps 5
+    python benchmarks/allreduce.py --sizes 1e7 5e7 --peers 2 4 --helpers 0 1 --codecs none fp16 powersgd4
+
+Tensors are ``(size / 1000) x 1000`` matrices. ``--codecs`` runs one averager per codec (``CODECS``) in the same
+workers, taking turns with gloo in every repetition; a lossy codec's "max err" is its error against the exact mean.
+``--helpers 0 1`` runs every peer count twice: without and with one auxiliary peer (``TensorAverager(auxiliary=
+True)``, as ``swarm_opt.AuxiliaryPeer`` builds it: a helper process on the same machine that reduces a share of
+every round and contributes nothing); the time is still the slowest trainer's.
 
 Tuning experiments (none of this is needed to reproduce the table):
 
@@ -59,10 +66,27 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     quantiles,
     table,
     wait_all,
+    wait_for,
     write_json,
 )
 
 BYTES_PER_PARAM = 4
+COLUMNS = 1000  # tensors are (size / 1000) x 1000 matrices, so that PowerSGD compresses them
+CODECS = {  # name -> (label, constructor); PowerSGD's factors are averaged by a protocol of its own
+    "none": ("NoCompression()", lambda so: so.NoCompression()), "fp16": ("Float16()", lambda so: so.Float16()),
+    "int8": ("Int8Blockwise()", lambda so: so.Int8Blockwise()),
+    "uniform8": ("Uniform8Bit()", lambda so: so.Uniform8Bit()),
+    "powersgd4": ("PowerSGD(rank=4)", lambda so: so.PowerSGD(rank=4)),
+    "powersgd1": ("PowerSGD(rank=1)", lambda so: so.PowerSGD(rank=1)),
+}
+
+
+def make_codec(name: str):
+    import swarm_opt
+
+    return CODECS[name][1](swarm_opt)
+
+
 ALLREDUCE_ONLY_OPTS = ("prefetch",)  # options of the all-reduce, not of the averager's constructor
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
@@ -82,9 +106,16 @@ def parse_engine_opts(items: List[str]) -> Dict[str, Any]:
 
 
 def parse_variant(spec: str) -> Tuple[str, Dict[str, Any]]:
-    """``"p2m:part_size_bytes=2097152,prefetch=2"`` -> ``("p2m", {"part_size_bytes": 2097152, "prefetch": 2})``."""
+    """``"p2m:part_size_bytes=2097152,prefetch=2"`` -> ``("p2m", {"part_size_bytes": 2097152, "prefetch": 2})``;
+    ``codec=fp16`` picks the codec (``CODECS``)."""
     name, _, options = spec.partition(":")
     return name, parse_engine_opts([item for item in options.split(",") if item])
+
+
+def variants_of(args: argparse.Namespace) -> List[Tuple[str, Dict[str, Any]]]:
+    """The averagers every worker runs: ``--variant`` experiments, then one per ``--codecs`` entry."""
+    variants = [parse_variant(v) for v in args.variant] + [(c, {"codec": c}) for c in args.codecs]
+    return variants or [("default", {})]
 
 
 @contextlib.contextmanager
@@ -123,6 +154,59 @@ def engine_options(options: Dict[str, Any]) -> Iterator[None]:
 
 
 # --- worker ---------------------------------------------------------------------------------------------------------
+def make_averager(dht: Any, world: int, size: int, name: str, options: Dict[str, Any], engine_opts: Dict[str, Any],
+                  timeouts: Any, template: Any, auxiliary: bool = False) -> Any:
+    from swarm_opt.averaging import TensorAverager
+
+    options = dict(options)
+    codec = make_codec(options.pop("codec", "none"))
+    with engine_options({**engine_opts, **options}):
+        return TensorAverager(dht, prefix=f"bench_allreduce_w{world}_n{size}_{name}", templates=[template],
+                              timeouts=timeouts, compression=codec, auxiliary=auxiliary)
+
+
+def helper(args: argparse.Namespace) -> None:
+    """An auxiliary peer: for each size, one averager per variant that joins every round until rank 0 is done."""
+    import logging
+    import threading
+
+    import hivemind
+    import torch
+
+    import swarm_opt
+
+    logging.basicConfig(level=logging.WARNING, format=f"[helper {args.rank}] %(levelname)s %(name)s: %(message)s")
+    tmp = Path(args.tmp)
+    wait_for(tmp / "maddrs.json", 60, "rank 0 did not publish its DHT address")
+    dht = hivemind.DHT(initial_peers=json.loads((tmp / "maddrs.json").read_text()),
+                       host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    timeouts = swarm_opt.Timeouts(matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout)
+    engine_opts = parse_engine_opts(args.engine_opt)
+    try:
+        for size in args.sizes:
+            done = tmp / f"done{size}"
+            template = torch.zeros(size // COLUMNS, COLUMNS)
+            # as swarm_opt.AuxiliaryPeer: no helper for a codec with a protocol of its own (PowerSGD's two phases)
+            averagers = [make_averager(dht, args.world, size, name, options, engine_opts, timeouts, template,
+                                       auxiliary=True) for name, options in variants_of(args)
+                         if getattr(make_codec(options.get("codec", "none")), "averaging_engine", None) is None]
+
+            def serve(averager: Any, done: Path = done) -> None:
+                while not done.exists():
+                    averager.all_reduce(lambda buffers: None, 0.0, 0, done.exists)
+
+            threads = [threading.Thread(target=serve, args=(a,), daemon=True) for a in averagers]
+            for thread in threads:
+                thread.start()
+            (tmp / f"helper{args.rank}_ready{size}").touch()
+            for thread in threads:
+                thread.join()
+            for averager in averagers:
+                averager.shutdown()
+    finally:
+        dht.shutdown()
+
+
 def worker(args: argparse.Namespace) -> None:
     import logging
 
@@ -132,12 +216,11 @@ def worker(args: argparse.Namespace) -> None:
     from hivemind.utils import get_dht_time
 
     import swarm_opt
-    from swarm_opt.averaging import TensorAverager
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
     rank, world = args.rank, args.world
     engine_opts = parse_engine_opts(args.engine_opt)
-    variants = [parse_variant(v) for v in args.variant] or [("default", {})]
+    variants = variants_of(args)
     dht_opts = {"tls": False} if args.no_tls else {}
     maddrs_file = Path(args.tmp) / "maddrs.json"
     if rank == 0:
@@ -170,11 +253,11 @@ def worker(args: argparse.Namespace) -> None:
     def measure(size: int) -> List[dict]:
         """Time gloo and every variant on a tensor of ``size`` float32 values; one entry per variant."""
         results: List[dict] = []
-        base = torch.randn(size, generator=torch.Generator().manual_seed(0))
+        base = torch.randn(size // COLUMNS, COLUMNS, generator=torch.Generator().manual_seed(0))
         original = base + rank  # peers differ by a constant: the exact mean is base + (world - 1) / 2
         expected_shift = (world - 1) / 2
         tensor = original.clone()
-        entry = {"size": size, "mb": size * BYTES_PER_PARAM / 1e6, "world": world}
+        entry = {"size": size, "mb": size * BYTES_PER_PARAM / 1e6, "world": world, "helpers": args.helpers}
 
         def write(buffers: List[torch.Tensor]) -> None:  # what a strategy's write_round does
             buffers[0].copy_(original)
@@ -207,10 +290,10 @@ def worker(args: argparse.Namespace) -> None:
         gloo_times = []
         try:
             for name, options in variants:
-                with engine_options({**engine_opts, **options}):
-                    averagers[name] = TensorAverager(
-                        dht, prefix=f"bench_allreduce_w{world}_n{size}_{name}", templates=[tensor],
-                        timeouts=timeouts, compression=swarm_opt.NoCompression())
+                averagers[name] = make_averager(dht, world, size, name, options, engine_opts, timeouts, tensor)
+            if rank == 0:  # the helpers' averagers of this size are up too
+                for h in range(args.helpers):
+                    wait_for(Path(args.tmp) / f"helper{h}_ready{size}", 120, f"helper {h} did not start")
             dist.barrier()  # every averager process is up before the first matchmaking
             names = list(averagers)
             for i in range(args.warmup + args.reps):
@@ -239,6 +322,8 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             for averager in averagers.values():
                 averager.shutdown()
+            if rank == 0:
+                (Path(args.tmp) / f"done{size}").touch()  # the helpers move on
         first = stats[variants[0][0]]["paired"]
         gloo_by_rep = dict(zip(range(args.warmup, args.warmup + args.reps), gloo_times))
         for name, options in variants:
@@ -282,8 +367,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(args: argparse.Namespace, world: int, tmp: Path) -> List[dict]:
-    run_dir = tmp / f"world{world}"
+def run_world(args: argparse.Namespace, world: int, helpers: int, tmp: Path) -> List[dict]:
+    run_dir = tmp / f"world{world}_helpers{helpers}"
     run_dir.mkdir()
     result_file = run_dir / "result.json"
     port = free_port()
@@ -295,13 +380,24 @@ def run_world(args: argparse.Namespace, world: int, tmp: Path) -> List[dict]:
                            "--tmp", str(run_dir), "--result", str(result_file), "--sizes", *map(str, args.sizes),
                            "--reps", str(args.reps), "--warmup", str(args.warmup),
                            "--matchmaking-time", str(args.matchmaking_time),
-                           "--averaging-timeout", str(args.averaging_timeout),
+                           "--averaging-timeout", str(args.averaging_timeout), "--helpers", str(helpers),
                            *(["--trace"] if args.trace else []), *(["--no-tls"] if args.no_tls else []),
                            *[a for opt in args.engine_opt for a in ("--engine-opt", opt)],
-                           *[a for variant in args.variant for a in ("--variant", variant)]]
+                           *[a for variant in args.variant for a in ("--variant", variant)],
+                           *(["--codecs", *args.codecs] if args.codecs else [])]
             procs.append(launch(worker_args, log, env_extra={"OMP_NUM_THREADS": str(args.threads)}))
             logs.append(log)
-        wait_all(procs, timeout=args.timeout, logs=logs)
+        for h in range(helpers):
+            log = run_dir / f"helper{h}.log"
+            helper_args = [__file__, "--helper", "--rank", str(h), "--world", str(world), "--tmp", str(run_dir),
+                           "--sizes", *map(str, args.sizes), "--matchmaking-time", str(args.matchmaking_time),
+                           "--averaging-timeout", str(args.averaging_timeout),
+                           *[a for opt in args.engine_opt for a in ("--engine-opt", opt)],
+                           *[a for variant in args.variant for a in ("--variant", variant)],
+                           *(["--codecs", *args.codecs] if args.codecs else [])]
+            procs.append(launch(helper_args, log, env_extra={"OMP_NUM_THREADS": str(args.threads)}))
+            logs.append(log)
+        wait_all(procs[:world], timeout=args.timeout, logs=logs[:world])  # helpers are stopped, not awaited
     finally:
         kill_all(procs)
         left = leftovers(procs)
@@ -315,6 +411,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", type=lambda s: int(float(s)), default=[1_000_000, 10_000_000, 50_000_000],
                         help="number of float32 parameters (1e6 style accepted)")
     parser.add_argument("--peers", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--helpers", nargs="+", type=int, default=[0],
+                        help="auxiliary peers (swarm_opt.AuxiliaryPeer's mode) added to each swarm, e.g. 0 1")
+    parser.add_argument("--codecs", nargs="+", default=[], choices=sorted(CODECS),
+                        help="one averager per codec (default: NoCompression only)")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per size and method")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)
@@ -331,6 +431,7 @@ def main() -> None:
     parser.add_argument("--out", default="allreduce.json")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--helper", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -338,17 +439,22 @@ def main() -> None:
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        args.helpers = args.helpers[0]  # this world's helper count
         return worker(args)
+    if args.helper:
+        return helper(args)
 
     print(f"command: {command_line()}", flush=True)
     rows, all_results = [], []
     with tempfile.TemporaryDirectory(prefix="swarm_allreduce_") as tmp:
         for world in args.peers:
-            started = time.monotonic()
-            entries = run_world(args, world, Path(tmp))
-            print(f"  {world} peers done in {time.monotonic() - started:.0f} s", flush=True)
-            all_results.extend(entries)
-    variants = [parse_variant(v)[0] for v in args.variant]
+            for helpers in args.helpers:
+                started = time.monotonic()
+                entries = run_world(args, world, helpers, Path(tmp))
+                print(f"  {world} peers + {helpers} helper(s) done in {time.monotonic() - started:.0f} s",
+                      flush=True)
+                all_results.extend(entries)
+    variants = [name for name, _ in variants_of(args)]
     nan = float("nan")
     for e in all_results:
         gloo = e["gloo_s"]["median"]
@@ -360,7 +466,7 @@ def main() -> None:
         e["throughput_ratio_to_gloo"] = e["swarm_mb_s"] / e["gloo_mb_s"]
         paired = e["paired_ratio_to_gloo"]["median"] if e["paired_ratio_to_gloo"] else nan
         vs_first = e["paired_time_vs_first"]["median"] if e["paired_time_vs_first"] else nan
-        rows.append([e["world"], f"{e['size'] / 1e6:g}M", f"{e['mb']:.0f}",
+        rows.append([e["world"], e["helpers"], f"{e['size'] / 1e6:g}M", f"{e['mb']:.0f}",
                      *([e["variant"]] if len(variants) > 1 else []), f"{gloo:.3f}", f"{e['gloo_mb_s']:.0f}",
                      f"{swarm:.3f}", f"{ar['iqr'] if ar else nan:.3f}", f"{e['swarm_mb_s']:.0f}",
                      f"{e['throughput_ratio_to_gloo']:.3f}", f"{paired:.3f}",
@@ -370,15 +476,14 @@ def main() -> None:
     # MB/s ratio: ratio of the medians; paired ratio: median over repetitions of gloo's time / swarm_opt's time in
     # the same repetition (robust to load that changes during the run); time vs first: the same against the first
     # variant
-    print(table(["peers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
+    print(table(["peers", "helpers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
                  "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio",
                  *([f"time vs {variants[0]}"] if len(variants) > 1 else []), "slowdown", "matchmaking s", "failed",
                  "max err"], rows))
     path = write_json(args.out, {"benchmark": "allreduce", "reps": args.reps, "warmup": args.warmup,
                                  "matchmaking_time": args.matchmaking_time, "worker_threads": args.threads,
                                  "engine_opts": parse_engine_opts(args.engine_opt), "tls": not args.no_tls,
-                                 "variants": [{"name": n, "engine_opts": o}
-                                              for n, o in map(parse_variant, args.variant)],
+                                 "variants": [{"name": n, "engine_opts": o} for n, o in variants_of(args)],
                                  "results": all_results})
     print(f"\nwrote {path}")
     if not args.no_plot:
@@ -395,14 +500,15 @@ def plot(results: List[dict], name: str) -> Path:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     variants = list(dict.fromkeys(e["variant"] for e in results))
-    for world in sorted({e["world"] for e in results}):
+    for world, helpers in sorted({(e["world"], e.get("helpers", 0)) for e in results}):
         for index, variant in enumerate(variants):
-            es = sorted((e for e in results if e["world"] == world and e["variant"] == variant),
-                        key=lambda e: e["size"])
+            es = sorted((e for e in results if e["world"] == world and e.get("helpers", 0) == helpers
+                         and e["variant"] == variant), key=lambda e: e["size"])
             xs = [e["size"] / 1e6 for e in es]
-            if index == 0:
+            if index == 0 and helpers == 0:
                 ax.plot(xs, [e["gloo_mb_s"] for e in es], "o--", label=f"gloo, {world} peers")
-            label = f"swarm_opt{'' if len(variants) == 1 else ' ' + variant}, {world} peers"
+            label = (f"swarm_opt{'' if len(variants) == 1 else ' ' + variant}, {world} peers"
+                     f"{f' + {helpers} helper(s)' if helpers else ''}")
             ax.plot(xs, [e["swarm_mb_s"] for e in es], "s-", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")

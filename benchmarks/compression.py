@@ -125,6 +125,8 @@ CODEC_RUNS: Dict[str, CodecRun] = {
     "int8": CodecRun("Int8Blockwise(256)", lambda: swarm_opt.Int8Blockwise(256)),
     "uniform8": CodecRun("Uniform8Bit()", lambda: swarm_opt.Uniform8Bit()),
     "powersgd4": CodecRun("PowerSGD(rank=4)", lambda: swarm_opt.PowerSGD(rank=4), gradients_only=True),
+    "powersgd2": CodecRun("PowerSGD(rank=2)", lambda: swarm_opt.PowerSGD(rank=2), gradients_only=True),
+    "powersgd1": CodecRun("PowerSGD(rank=1)", lambda: swarm_opt.PowerSGD(rank=1), gradients_only=True),
 }
 BASELINE = "none"
 
@@ -404,7 +406,7 @@ def run_all(args: argparse.Namespace) -> None:
                   flush=True)
     runs = []
     for w in args.workloads:
-        rounds = WORKLOADS[w].quick_rounds if args.quick else WORKLOADS[w].rounds
+        rounds = rounds_of(w, args)
         for c in args.codecs:
             if c in skipped or (CODEC_RUNS[c].gradients_only and WORKLOADS[w].strategy != "grad"):
                 continue
@@ -418,7 +420,7 @@ def run_all(args: argparse.Namespace) -> None:
     references = {}
     for w in args.workloads:
         t0 = time.perf_counter()
-        rounds = WORKLOADS[w].quick_rounds if args.quick else WORKLOADS[w].rounds
+        rounds = rounds_of(w, args)
         references[w] = exact_reference(w, rounds, args.peers, args.seed)
         print(f"exact in-process reference {w}: test accuracy {references[w]['test_accuracy']:.4f} "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)
@@ -728,12 +730,19 @@ def plot(payload: dict, name: str) -> Path:
     return path
 
 
+def rounds_of(workload: str, args: argparse.Namespace) -> int:
+    if args.rounds is not None:
+        return args.rounds
+    return WORKLOADS[workload].quick_rounds if args.quick else WORKLOADS[workload].rounds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--codecs", nargs="+", default=list(CODEC_RUNS), choices=list(CODEC_RUNS),
                         help=f"rows, by name; {BASELINE!r} (the fp32 baseline) is always run first")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--quick", action="store_true", help="a smoke run: a few rounds per workload (~2 min)")
+    parser.add_argument("--rounds", type=int, help="global epochs of every workload (default: the workload's own)")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="model init and train/test split")
     parser.add_argument("--matchmaking-time", type=float, default=1.5,

@@ -20,7 +20,7 @@ import signal
 
 import hivemind
 
-from swarm_opt._fork import can_die_with_parent, die_with_parent
+from swarm_opt._fork import die_with_parent
 
 
 def _kill_own_group(signum: int, frame: object) -> None:
@@ -31,8 +31,8 @@ class OwnGroupDHT(hivemind.DHT):
     """``hivemind.DHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent."""
 
     def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
-        if can_die_with_parent():
-            os.setpgid(0, 0)  # first: the handler below kills the group it is in
+        # a SIGTERM before the handler is in place kills this process alone, before it has started the daemon
+        if die_with_parent(signal.SIGTERM, self._parent_pid):
+            os.setpgid(0, 0)  # before the handler: it kills the group this process is in
             signal.signal(signal.SIGTERM, _kill_own_group)
-            die_with_parent(signal.SIGTERM, self._parent_pid)
         super().run()

@@ -44,10 +44,6 @@ def _libc_function(name: str):
         return None
 
 
-def can_die_with_parent() -> bool:
-    return _libc_function("prctl") is not None
-
-
 def die_with_parent(signum: int, parent_pid: int) -> bool:
     """In a forked child: have the kernel send ``signum`` when the parent's thread that forked it ends (the main
     thread: the parent process). Raised at once if the parent is already gone. False where unsupported."""

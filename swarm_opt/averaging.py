@@ -90,6 +90,11 @@ class _Engine(DecentralizedAverager):
     state_provider: Optional[StateProvider] = None
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._goodbyes: set = set()  # goodbye tasks in flight (the averager process keeps them referenced)
+        self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
+
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
             die_with_parent(signal.SIGKILL, self._parent_pid)
@@ -309,8 +314,6 @@ class TensorAverager:
             part_size_bytes=min(2**21, max(2**19, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
-        self._engine._goodbyes = set()  # goodbye tasks in flight (the averager process keeps them referenced)
-        self._engine._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None

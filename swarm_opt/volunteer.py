@@ -192,7 +192,8 @@ def run_train(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-        _leave(opt, dht, task, args, ckpt)
+        save = None if ckpt is None else lambda: _save_checkpoint(opt, task, args, ckpt)  # ckpt exists only with opt
+        _leave(opt, dht, save)
     if stop.requested:
         _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
     else:
@@ -202,8 +203,6 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any, stop: StopRequest) -> int:
     """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
-    import signal
-
     import swarm_opt
 
     helper: Optional[swarm_opt.AuxiliaryPeer] = None
@@ -219,12 +218,7 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            if helper is not None:
-                helper.shutdown()
-        finally:
-            dht.shutdown()
+        _leave(helper, dht)
     helped = helper.rounds_helped if helper is not None else 0
     _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")
     return 0
@@ -242,17 +236,22 @@ def _checkpoint_extra(args: argparse.Namespace) -> Dict[str, Any]:
     return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time()}
 
 
-def _leave(opt: Any, dht: Any, task: Task, args: argparse.Namespace, ckpt: Any) -> None:
-    """Checkpoint first (no network), then leave the swarm, then stop the DHT. Runs once; a Ctrl-C is ignored."""
+def _save_checkpoint(opt: Any, task: Task, args: argparse.Namespace, ckpt: Any) -> None:
+    path = ckpt.save(opt, task.model, extra=_checkpoint_extra(args))
+    _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
+
+
+def _leave(member: Any, dht: Any, save: Optional[Callable[[], None]] = None) -> None:
+    """Save first (no network), then leave the swarm (an Optimizer or AuxiliaryPeer, if it was created), then stop
+    the DHT. Runs once; a Ctrl-C is ignored."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is bounded; a further Ctrl-C must not cut it short
     try:
-        if opt is not None and ckpt is not None:
-            path = ckpt.save(opt, task.model, extra=_checkpoint_extra(args))
-            _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
-        if opt is not None:
-            opt.shutdown()
+        if save is not None:
+            save()
+        if member is not None:
+            member.shutdown()
     finally:
         dht.shutdown()
 

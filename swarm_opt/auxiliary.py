@@ -20,16 +20,17 @@ strategy, its arguments and the codec must be the trainers'.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from hivemind.dht import DHT
 
 from swarm_opt.averaging import TensorAverager
 from swarm_opt.compression import Compression, as_codec
-from swarm_opt.config import SwarmConfig, Timeouts
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
 from swarm_opt.optimizer import averaging_prefix, model_schema
@@ -89,13 +90,17 @@ class AuxiliaryPeer:
         strategy.bind(params, torch.optim.SGD(params, lr=0.0))
         self.run_id = run_id
         self.model_schema = model_schema(params, strategy.name)
-        self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema)
+        # the ETA a trainer's tracker sees (samples extrapolated since each record), so that the helper declares for
+        # the trainers' deadline
+        self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema,
+                                   max_extrapolation=TrackerConfig().max_extrapolation)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, auxiliary=True)
         self._snapshot: Optional[RunSnapshot] = None
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0
+        self._epoch_seen = 0  # the highest global epoch this helper has seen the run reach
         self._reported = 0
         self._values_per_round = sum(t.numel() for t in strategy.tensors_to_average())
         self._closed = False
@@ -109,32 +114,43 @@ class AuxiliaryPeer:
         """Help every round until the run reaches global epoch ``epochs`` (default: until ``stop`` is set or the
         process is interrupted)."""
         stop = stop or threading.Event()
-        last_helped = 0  # trainers may leave as soon as they commit the last round: count it as reached
-        while not stop.is_set() and not self._closed:
-            snapshot = self._read(max_age=0.0)
-            if epochs is not None and max(snapshot.epoch, last_helped) >= epochs:
-                return
+        while not stop.is_set() and not self._closed and not self._run_is_over(epochs):
+            snapshot = self._read(max_age=_REFRESH_PERIOD)  # the one just read
             eta = snapshot.eta_seconds
             if not snapshot.peers or eta is None or eta > self.timeouts.matchmaking_time:
-                wait = _REFRESH_PERIOD if eta is None else min(_REFRESH_PERIOD, eta - self.timeouts.matchmaking_time)
+                if snapshot.peers and eta == math.inf:  # no throughput reported yet: the first epoch may be short
+                    wait = _REFRESH_PERIOD / 4
+                else:
+                    wait = _REFRESH_PERIOD if eta is None else min(_REFRESH_PERIOD, eta - self.timeouts.matchmaking_time)
                 stop.wait(max(0.05, wait))
                 continue
-            round_id = snapshot.epoch + 1
-            result = self._averager.all_reduce(_nothing_to_send, 0.0, round_id, self._round_is_over(round_id))
+            # a helper never gives up a round it is looking for a group for (a trainer would then hold stale
+            # values; a helper holds none): if the swarm completes this round without it, it follows the next
+            result = self._averager.all_reduce(_nothing_to_send, 0.0, snapshot.epoch + 1,
+                                               lambda: self._run_is_over(epochs, max_age=_REFRESH_PERIOD))
             if result is None:
-                logger.debug(f"Could not help round {round_id}")
+                logger.debug(f"Could not help round {snapshot.epoch + 1}")
                 continue
-            self.rounds_helped += 1
-            last_helped = round_id
+            rounds = [info.get("round") for info in result.gathered.values() if isinstance(info, dict)]
+            round_id = max((r for r in rounds if isinstance(r, int)), default=snapshot.epoch + 1)
+            # the trainers may leave as soon as they commit the last round: it counts as reached
+            self._epoch_seen = max(self._epoch_seen, round_id)
             reduced, self._reported = self._averager.values_reduced - self._reported, self._averager.values_reduced
-            logger.info(f"Helped round {round_id}: reduced {reduced:,} of {self._values_per_round:,} values for "
-                        f"{result.group_size} trainer(s)")
+            if reduced:
+                self.rounds_helped += 1
+                logger.info(f"Helped round {round_id}: reduced {reduced:,} of {self._values_per_round:,} values for "
+                            f"{result.group_size} trainer(s)")
+            else:  # a part never spans two tensors: a few large tensors may leave a member without a share
+                logger.debug(f"Joined round {round_id} but was given no part of it to reduce")
             deadline = time.monotonic() + self.timeouts.matchmaking_time  # the trainers publish their new epoch
             while not stop.is_set() and self._read(max_age=0.0).epoch < round_id and time.monotonic() < deadline:
                 stop.wait(0.1)
 
-    def _round_is_over(self, round_id: int) -> Callable[[], bool]:
-        return lambda: self._read(max_age=_REFRESH_PERIOD).epoch >= round_id
+    def _run_is_over(self, epochs: Optional[int], max_age: float = 0.0) -> bool:
+        """Whether the run has reached global epoch ``epochs``, as far as this helper has seen (the trainers'
+        records go when they leave)."""
+        self._epoch_seen = max(self._epoch_seen, self._read(max_age).epoch)
+        return epochs is not None and self._epoch_seen >= epochs
 
     @property
     def values_reduced(self) -> int:

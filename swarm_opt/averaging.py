@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -26,10 +26,10 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
@@ -92,6 +92,7 @@ class _Engine(DecentralizedAverager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._unknown_group_wait = max(1.0, 2 * kwargs.get("request_timeout", 1.0))  # see rpc_aggregate_part
         self._goodbyes: set = set()  # goodbye tasks in flight (the averager process keeps them referenced)
         self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
 
@@ -99,6 +100,34 @@ class _Engine(DecentralizedAverager):
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
             die_with_parent(signal.SIGKILL, self._parent_pid)
         super().run()
+
+    async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
+        if self.mode == AveragingMode.AUX:
+            # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
+            # split the trainers into two groups nor hold them until its own deadline; it joins a trainer's group
+            self._matchmaking.client_mode = True
+        await super()._step(step=step, future_for_init=future_for_init)
+
+    async def rpc_aggregate_part(  # runs in the averager process
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, with a bounded wait for a group this peer does not know: hivemind waits for the next group
+        this peer registers, however late, so a peer that gave up a round just as its group formed (the swarm had
+        completed it) left its groupmates waiting out a timeout for its share. A leader's reply that names the group
+        travels the same links as the groupmates' first parts: it is late by a network delay, not by seconds."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            try:
+                await asyncio.wait_for(self._pending_groups_registered.wait(), self._unknown_group_wait)
+            except asyncio.TimeoutError:
+                pass
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await future
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost
@@ -309,9 +338,10 @@ class TensorAverager:
             next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0, auxiliary=auxiliary,
             # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
-            # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); at least 16 parts in all, so that each
-            # member of a group of up to 8 still reduces a share of a small model
-            part_size_bytes=min(2**21, max(2**19, sum(b.numel() * b.element_size() for b in buffers) // 16)),
+            # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); about 16 parts in all below 32 MiB (a part
+            # never spans two tensors: a model's small tensors add more), so that each member of a group of up
+            # to 8 still reduces a share of a small model
+            part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
         _start_child(self._engine)
@@ -347,6 +377,11 @@ class TensorAverager:
                     return
                 self._scheduled.cancel()
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            if self.auxiliary:
+                # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
+                # wait at least until the leader's own deadline: say so for any leader due in the first half of
+                # the search
+                when = get_dht_time() + (self.timeouts.matchmaking_time + self.timeouts.averaging_timeout) / 2
             self._scheduled_round = round_id
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,

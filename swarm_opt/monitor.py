@@ -77,10 +77,10 @@ def _peer_name(record: ProgressRecord) -> str:
 
 
 def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
-                          target_batch_size: Optional[int] = None) -> RunSnapshot:
+                          target_batch_size: Optional[int] = None, max_extrapolation: float = 0.0) -> RunSnapshot:
     if target_batch_size is None and records:  # the target the peers train with, if they agree on one
         target_batch_size = Counter(r.target_batch_size for r in records).most_common(1)[0][0]
-    swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=0.0)  # as reported
+    swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=max_extrapolation)
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
                   r.model_schema) for r in records),
@@ -91,11 +91,14 @@ def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float
 
 class RunMonitor:
     """Reads a run's progress records through ``dht`` (typically a client-mode node) and keeps their history;
-    with ``model_schema``, only the records of the peers that train that model (``Optimizer.model_schema``)."""
+    with ``model_schema``, only the records of the peers that train that model (``Optimizer.model_schema``).
+    Samples are shown as reported, unless ``max_extrapolation`` (seconds) lets them grow at each peer's throughput
+    since its record, as a trainer's tracker does (see ``aggregate_progress``)."""
 
     def __init__(self, dht: DHT, run_id: str, *, target_batch_size: Optional[int] = None,
-                 model_schema: Optional[str] = None) -> None:
+                 model_schema: Optional[str] = None, max_extrapolation: float = 0.0) -> None:
         self.dht, self.run_id, self.target_batch_size = dht, run_id, target_batch_size
+        self.max_extrapolation = max_extrapolation
         self.model_schema = model_schema  # only the peers of this model (default: every peer of the run)
         self.key = progress_key(run_id)
         dht.add_validators(progress_validators(run_id))
@@ -108,7 +111,7 @@ class RunMonitor:
             raw = None
         now = get_dht_time()
         records, _ = parse_records(raw, model_schema=self.model_schema, now=now)
-        snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size)
+        snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size, self.max_extrapolation)
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))
         return snapshot

@@ -47,9 +47,10 @@ def test_dht_prints_its_address_stops_on_ctrl_c_and_keeps_its_identity(cli):
 def test_two_peers_and_a_helper_train_three_epochs_and_checkpoint(cli):
     _, maddr = cli.dht()
     common = train_args("e2e_digits", maddr, "--target-batch-size", "256", "--epochs", "3", "--min-peers", "2")
+    helper = cli.start("helper", *common, "--auxiliary")  # reduces a share of the rounds, trains nothing
+    helper.wait_for("helping run", 60, stream="stderr")  # up before the first round (the epochs last ~1 s here)
     peers = [cli.start("peer0", *common, "--checkpoint-dir", "ckpt0"),
              cli.start("peer1", *common, "--checkpoint-dir", "ckpt1", "--data-seed", "1")]
-    helper = cli.start("helper", *common, "--auxiliary")  # reduces a share of the rounds, trains nothing
     for peer in peers + [helper]:
         assert peer.wait(120) == 0, peer.describe()
     helped = re.search(r"helped (\d+) round\(s\), reduced ([\d,]+) values; done", helper.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import hivemind
@@ -337,3 +338,47 @@ def test_ctrl_c_still_reaches_the_training_loop_after_creating_an_optimizer(dht)
         ignored = int(next(line for line in Path(f"/proc/{child}/status").read_text().splitlines()
                            if line.startswith("SigIgn:")).split()[1], 16)
         assert ignored & (1 << (signal.SIGINT - 1)), "the averager process must leave Ctrl-C to its parent"
+
+
+async def _send_part_of_unknown_group(_, node, peer_id, prefix):
+    """In a DHT process: send a part of a group the averager ``peer_id`` never joined; return its reply code and
+    how long it took."""
+    import time
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import as_aiter
+
+    from swarm_opt.averaging import _Engine
+
+    started = time.monotonic()
+    stub = _Engine.get_stub(node.p2p, peer_id, namespace=prefix)
+    stream = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"no such group")))
+    codes = [reply.code async for reply in stream]
+    return codes, time.monotonic() - started
+
+
+def test_a_part_for_a_group_the_peer_never_joined_is_refused_at_once(dht):
+    """A peer that gave up a round just as its group formed never registers that group; its groupmates' parts must
+    be refused within seconds (hivemind waits for the next group the peer registers, however late), or they wait
+    out their timeout for a share that will not come."""
+    from hivemind.proto import averaging_pb2
+
+    from swarm_opt.averaging import TensorAverager
+    from swarm_opt.config import Timeouts
+
+    from hivemind.utils import get_dht_time
+
+    averager = TensorAverager(dht, prefix="unknown_group_test", templates=[torch.zeros(8)],
+                              timeouts=Timeouts(matchmaking_time=1.0, averaging_timeout=30.0))
+    other = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        averager.schedule(get_dht_time() + 20, round_id=1)  # looking for a group (alone: it will not find one)
+        codes, seconds = other.run_coroutine(
+            partial(_send_part_of_unknown_group, peer_id=averager.peer_id, prefix="unknown_group_test"),
+            return_future=True).result(timeout=30)
+        assert codes == [averaging_pb2.BAD_GROUP_ID]
+        assert seconds < 5.0, seconds  # bounded by twice the request timeout (1 s here); hivemind waited 20 s
+    finally:
+        averager.cancel_scheduled()
+        other.shutdown()
+        averager.shutdown()

@@ -33,8 +33,8 @@ Setup (every codec gets exactly the same run; only ``compression=`` changes):
 
 How bytes are measured (not computed from a codec's nominal ratio): hivemind's all-reduce sends two kinds of
 messages, both ``averaging_pb2.AveragingData`` carrying a serialized tensor part: a peer's parts for the other
-reducers (``AllReduceRunner._generate_input_for_peer``) and, as a reducer, the averaged difference it returns to
-each sender (``AllReduceRunner._accumulate_parts_streaming``; hivemind re-encodes it with the part's codec). Each
+reducers (``AllReduceRunner._generate_input_for_peer``) and, as a reducer, the encoded mean it returns to each
+sender (``AllOrNothingRunner._accumulate_parts_streaming``, encoded once with the part's codec). Each
 peer wraps both generators before its averager process forks, and counts every message it yields: protobuf size
 (``ByteSize()``: payload, codec header, shape, dtype, framing fields), payload bytes, and the number of values the
 part holds. The counts live in shared memory read by the peer's training loop. Parts a peer reduces for itself never
@@ -125,6 +125,8 @@ CODEC_RUNS: Dict[str, CodecRun] = {
     "int8": CodecRun("Int8Blockwise(256)", lambda: swarm_opt.Int8Blockwise(256)),
     "uniform8": CodecRun("Uniform8Bit()", lambda: swarm_opt.Uniform8Bit()),
     "powersgd4": CodecRun("PowerSGD(rank=4)", lambda: swarm_opt.PowerSGD(rank=4), gradients_only=True),
+    "powersgd4h": CodecRun("PowerSGD(rank=4, factors=Float16())",
+                           lambda: swarm_opt.PowerSGD(rank=4, factors=swarm_opt.Float16()), gradients_only=True),
     "powersgd2": CodecRun("PowerSGD(rank=2)", lambda: swarm_opt.PowerSGD(rank=2), gradients_only=True),
     "powersgd1": CodecRun("PowerSGD(rank=1)", lambda: swarm_opt.PowerSGD(rank=1), gradients_only=True),
 }
@@ -242,9 +244,11 @@ class AllReduceTraffic:
     def install(self) -> None:
         from hivemind.averaging.allreduce import AllReduceRunner
 
+        from swarm_opt._allreduce import AllOrNothingRunner  # the runner swarm_opt's averagers use
+
         init = AllReduceRunner.__init__
         send_parts = AllReduceRunner._generate_input_for_peer
-        send_deltas = AllReduceRunner._accumulate_parts_streaming
+        send_means = AllOrNothingRunner._accumulate_parts_streaming
         counter = self
 
         def counted_init(runner, *args, **kwargs):
@@ -262,12 +266,12 @@ class AllReduceTraffic:
         def counted_parts(runner, peer_index):
             return counted(runner, send_parts(runner, peer_index))
 
-        def counted_deltas(runner, stream, sender_index):
-            return counted(runner, send_deltas(runner, stream, sender_index))
+        def counted_means(runner, stream, sender_index):
+            return counted(runner, send_means(runner, stream, sender_index))
 
         AllReduceRunner.__init__ = counted_init
         AllReduceRunner._generate_input_for_peer = counted_parts
-        AllReduceRunner._accumulate_parts_streaming = counted_deltas
+        AllOrNothingRunner._accumulate_parts_streaming = counted_means
 
 
 # --- one peer -------------------------------------------------------------------------------------------------------

@@ -118,10 +118,9 @@ class AuxiliaryPeer:
             snapshot = self._read(max_age=_REFRESH_PERIOD)  # the one just read
             eta = snapshot.eta_seconds
             if not snapshot.peers or eta is None or eta > self.timeouts.matchmaking_time:
+                wait = _REFRESH_PERIOD if eta is None else min(_REFRESH_PERIOD, eta - self.timeouts.matchmaking_time)
                 if snapshot.peers and eta == math.inf:  # no throughput reported yet: the first epoch may be short
                     wait = _REFRESH_PERIOD / 4
-                else:
-                    wait = _REFRESH_PERIOD if eta is None else min(_REFRESH_PERIOD, eta - self.timeouts.matchmaking_time)
                 stop.wait(max(0.05, wait))
                 continue
             # a helper never gives up a round it is looking for a group for (a trainer would then hold stale

@@ -102,6 +102,12 @@ class Codec(CompressionBase):
     def __repr__(self) -> str:
         return f"swarm_opt.{type(self).__name__}()"
 
+    def __eq__(self, other: object) -> bool:  # codecs are values: equal type and parameters (their repr)
+        return type(self) is type(other) and repr(self) == repr(other)
+
+    def __hash__(self) -> int:
+        return hash(repr(self))
+
 
 def _check_finite(tensor: torch.Tensor, codec: Codec, summary: Optional[torch.Tensor] = None) -> None:
     """Refuse to send NaN/inf: hivemind would average them into every groupmate's result.

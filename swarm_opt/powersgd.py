@@ -34,18 +34,20 @@ Design decisions (see the tests in ``tests/unit/test_powersgd.py``)
   unchanged. A peer that did not commit the previous
   round (it caught up by downloading the swarm's state, or resumed from a checkpoint) starts again from R = 0: its
   gradients of the missed round were dropped as well (each gradient is used at most once).
-* **Q consistency without comparing values.** Members end a round with Q̂ equal to float rounding only (hivemind's
-  butterfly returns ``local + (mean − local)``), so a fingerprint of Q's values would mismatch every round. Each Q
-  carries a *lineage* instead: ``(generation, hash)``, the seed's at start, then ``(g + 1, hash(lineage, group_id))``
-  after each round, identical on every member that completed the round. Members gather their lineages; the lineage
-  held by most members (then the oldest, then the smallest hash) wins, and members of any other lineage (a
-  newcomer, a peer that missed rounds) send zeros in phase 1. Phase 2 still takes everybody's gradients, and every
-  member adopts Q̂ and the new lineage, so the group ends in step. This keeps the warm start of the majority instead
-  of restarting the whole group from a fresh random Q. A Q that differs anyway (a stale declaration) only costs
-  quality, never correctness: ``M̂`` is the projection of the true mean onto whatever span P̂ has.
-* **Orthogonalization is a continuous map.** Members' P̂ differ by float rounding, and Gram-Schmidt normalises a
-  near-zero column into an arbitrary direction, different on each member (and then projects later columns onto it):
-  members would apply different updates and their parameters drift apart for good. ``orthogonalize`` computes
+* **Q consistency without comparing values.** Members of a round end it with identical Q̂ (the all-reduce hands every
+  member the same decoded means, ``swarm_opt._allreduce``), but a fingerprint of Q's values would still have to travel
+  and be compared. Each Q carries a *lineage* instead: ``(generation, hash)``, the seed's at start, then ``(g + 1,
+  hash(lineage, group_id))`` after each round, identical on every member that completed the round. Members gather
+  their lineages; the lineage held by most members (then the oldest, then the smallest hash) wins, and members of any
+  other lineage (a newcomer, a peer that missed rounds) send zeros in phase 1. Phase 2 still takes everybody's
+  gradients, and every member adopts Q̂ and the new lineage, so the group ends in step. This keeps the warm start of
+  the majority instead of restarting the whole group from a fresh random Q. A Q that differs anyway (a stale
+  declaration) only costs quality, never correctness: ``M̂`` is the projection of the true mean onto whatever span P̂
+  has.
+* **Orthogonalization is a continuous map.** Members receive the same mean P, but should they ever differ by a
+  rounding (hivemind's own all-reduce returns ``local + (mean − local)``), Gram-Schmidt would normalise a near-zero
+  column into an arbitrary direction, different on each member (and then project later columns onto it): members
+  would apply different updates and their parameters drift apart for good. ``orthogonalize`` computes
   ``P (PᵀP)^(-1/2)`` with the eigenvalues of ``PᵀP`` floored at ``(δ‖P‖_F)²``: directions with a singular value
   above ``δ‖P‖_F`` come out exactly orthonormal, weaker ones shrink linearly to zero (no NaN, even for P = 0), and a
   rounding difference ``ε`` between members changes the applied update by at most about ``ε/δ`` in relative terms.
@@ -68,10 +70,10 @@ Limits (measured with ``simulate_round``)
 Costs
 -----
 Values sent per round and peer: ``Σ r·(n + m)`` for the compressed tensors, the uncompressed tensors as they are,
-and W (``values_per_round``); factors in the buffers' precision (fp32). A 784×256 weight matrix: 802,816 bytes in
-fp32, 4,160·r + 8 bytes with PowerSGD (193× fewer at r = 1, 96× at r = 2, 48× at r = 4; measured on a loopback
-swarm, matching to the byte). Memory: two residual buffers of the compressed tensors' size, in the
-averager process only. Compute: a few ``n × m × r`` matrix products per round.
+and W (``values_per_round``); factors in the buffers' precision (fp32), or half that with ``factors=Float16()``. A
+784×256 weight matrix: 802,816 bytes in fp32, 4,160·r + 8 bytes with PowerSGD (193× fewer at r = 1, 96× at r = 2,
+48× at r = 4; measured on a loopback swarm, matching to the byte). Memory: two residual buffers of the compressed
+tensors' size, in the averager process only. Compute: a few ``n × m × r`` matrix products per round.
 """
 
 from __future__ import annotations
@@ -85,15 +87,16 @@ import logging
 import math
 import multiprocessing as mp
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.compression import SizeAdaptiveCompression
 
 from swarm_opt.averaging import AveragingResult, _Engine
-from swarm_opt.compression import NoCompression
+from swarm_opt.compression import Codec, NoCompression
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -118,10 +121,14 @@ class PowerSGD:
         learning rates (error feedback delays what a round does not send). Every peer of a run must use the same
         rank and seed (a mismatch fails the rounds and logs an error naming it).
     :param seed: draws the first ``Q`` (identical on every peer).
+    :param factors: the elementwise codec the factors (and the tensors sent whole) travel with; ``Float16()`` halves
+        the bytes again at an error far below what the low rank leaves out (it is not error-fed back: a relative
+        2⁻¹¹ per round). The group's total weight always travels exact.
     """
 
     rank: int = 4
     seed: int = 0
+    factors: Codec = field(default_factory=NoCompression)
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int):
@@ -132,9 +139,13 @@ class PowerSGD:
             raise ConfigTypeError(f"PowerSGD(seed=...) must be an int; got {self.seed!r}")
         if not 0 <= self.seed <= _MAX_SEED:
             raise ConfigError(f"PowerSGD(seed={self.seed}) must be between 0 and 2**63 - 1")
+        if not isinstance(self.factors, Codec):
+            raise ConfigTypeError(f"PowerSGD(factors=...) must be an elementwise codec such as swarm_opt.Float16(); "
+                                  f"got {self.factors!r}")
 
     def __repr__(self) -> str:
-        return f"swarm_opt.PowerSGD(rank={self.rank}, seed={self.seed})"
+        factors = "" if isinstance(self.factors, NoCompression) else f", factors={self.factors!r}"
+        return f"swarm_opt.PowerSGD(rank={self.rank}, seed={self.seed}{factors})"
 
     @property
     def averaging_engine(self) -> type:
@@ -363,7 +374,10 @@ class _PowerSGDEngine(_Engine):
         logger.info(f"{compression!r}: {len(self._compressed)} of {len(tensors)} gradient tensors compressed, "
                     f"{compression.values_per_round(shapes) / max(1, sum(t.numel() for t in tensors)):.3g}x the "
                     f"values of plain averaging per round")
-        super().__init__(tensors, dht, compression=NoCompression(), **kwargs)
+        # the factors and the tensors sent whole travel with the chosen codec; the group's total weight (one value:
+        # the only tensor below two values) exactly, since every share is divided by it
+        codec = SizeAdaptiveCompression(2, less=NoCompression(), greater_equal=compression.factors)
+        super().__init__(tensors, dht, compression=codec, **kwargs)
 
     # --- host process -----------------------------------------------------------------------------------------------
     def step(self, gather: Optional[Dict[str, Any]] = None, **kwargs: Any) -> Any:  # type: ignore[override]

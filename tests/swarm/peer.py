@@ -165,8 +165,8 @@ def main(config_path: str) -> None:
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
-        compression=(getattr(swarm_opt, cfg["compression"])(**cfg.get("compression_args", {}))  # e.g. "Float16"
-                     if cfg.get("compression") else None),
+        compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
+                     if cfg.get("compression") else None),  # e.g. "Float16"
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)
@@ -264,5 +264,13 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()]))
 
 
+def _codec_args(args: dict) -> dict:
+    """A codec's arguments from JSON: a codec given by name (PowerSGD's ``factors="Float16"``) is built."""
+    import swarm_opt
+
+    return {k: getattr(swarm_opt, v)() if k == "factors" else v for k, v in args.items()}
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+

@@ -2,17 +2,19 @@
 gradient averaging and with local updates, must end within a distance of the exact (uncompressed, in-process)
 trajectory that follows from the codec's stated error bound.
 
-Why a bound and not a tolerance picked by hand: in a round, peer i receives the exact weighted mean plus e_i with
-|e_i|∞ ≤ ε·M, where ε is the codec's ``nominal_error`` and M = max_k absmax(x_k) + max_k absmax(mean − x_k): the
-reducer decodes every sender's tensor x_k (each off by ≤ ε·absmax(x_k), so their mean too) and re-encodes the
-difference ``mean − x_i`` it sends back to peer i (off by ≤ ε·absmax(mean − x_i)). On least squares every step is
-affine with linear part I − ηH_k, whose 2-norm is ≤ 1 (checked below), so a deviation never grows through the
-steps and the injected errors add up:
+Why a bound and not a tolerance picked by hand: in a round, every peer receives the same values, the exact weighted
+mean plus e with |e|∞ ≤ ε·M, where ε is the codec's ``nominal_error`` and M = max_k absmax(x_k) + absmax(mean): the
+reducer decodes every sender's tensor x_k (each off by ≤ ε·absmax(x_k), so their mean too) and encodes the mean once
+for every member (off by ≤ ε·absmax(mean), up to ε² terms). On least squares every step is affine with linear part
+I − ηH_k, whose 2-norm is ≤ 1 (checked below), so a deviation never grows through the steps and the injected errors
+add up:
 
-* local updates average parameters: D' ≤ D + √d·ε·M (D: the largest ‖w_i − w_ref‖₂ over peers).
-  All peers get the same mean, each off by its own e_i, so their spread S = max ‖w_i − w_j‖₂ ≤ 2√d·ε·M.
-* gradient averaging averages g_k = H_k w_k − c_k, and peers are never re-synchronised, so their spread grows:
-  D' ≤ D + S + η√d·ε·M and S' ≤ S + 2η√d·ε·M.
+* local updates average parameters: D' ≤ D + √d·ε·M (D: the largest ‖w_i − w_ref‖₂ over peers);
+* gradient averaging averages g_k = H_k w_k − c_k and every peer applies the same mean: D' ≤ D + η√d·ε·M.
+
+Peers must end every round with identical values, bit for bit, whatever the codec: hivemind's reducers send each
+member its own encoded difference to the mean, so members of a gradient-averaging swarm (never re-synchronised)
+drifted apart (8-bit: 2e-2 after 50 epochs).
 
 M is taken from the exact trajectory and widened by what the run may deviate from it (3·L·D, L = 1 for
 parameters, max‖H_k‖ for gradients), so the bound holds for the compressed run itself.
@@ -64,25 +66,22 @@ def reference_run(strategy_cls: type) -> Reference:
                 strategy.local_step(BATCH)
         sent = [torch.cat([t.detach().reshape(-1) for t in s.tensors_to_average()]) for _, _, s, _ in peers]
         mean = sum(sent) / len(sent)
-        magnitudes.append(max(float(x.abs().max()) for x in sent) + max(float((mean - x).abs().max()) for x in sent))
+        magnitudes.append(max(float(x.abs().max()) for x in sent) + float(mean.abs().max()))
         average_in_process([s for _, _, s, _ in peers])
     return Reference(w=peers[0][0].detach()[0].clone(), magnitudes=magnitudes)
 
 
-def derived_bounds(epsilon: float, magnitudes: List[float], gradients: bool) -> tuple:
-    """(D, S): the largest distance of a peer from the exact weights, and between two peers, after the last round."""
+def derived_bound(epsilon: float, magnitudes: List[float], gradients: bool) -> float:
+    """The largest distance of a peer from the exact weights after the last round."""
     hessians = [a.T @ a for a, _ in (lsq_problem(r) for r in range(PEERS))]
     for h in hessians:  # the steps do not amplify a deviation (the premise of the bound)
         assert float(torch.linalg.matrix_norm(torch.eye(LSQ_DIM, dtype=h.dtype) - LR * h, ord=2)) <= 1.0
     lipschitz = max(float(torch.linalg.matrix_norm(h, ord=2)) for h in hessians) if gradients else 1.0
-    distance = spread = 0.0
+    distance = 0.0
     for m in magnitudes:
         injected = math.sqrt(LSQ_DIM) * epsilon * (m + 3 * lipschitz * distance)
-        if gradients:
-            distance, spread = distance + spread + LR * injected, spread + 2 * LR * injected
-        else:
-            distance, spread = distance + injected, 2 * injected  # all peers got the same mean, off by e_i
-    return distance, spread
+        distance += LR * injected if gradients else injected
+    return distance
 
 
 def run_swarm(swarm, strategy: str, codec: str) -> list:
@@ -113,17 +112,16 @@ def test_compressed_swarm_stays_within_the_codec_bound(swarm, codec, strategy, s
     check_rounds(results)
     reference = reference_run(strategy_cls)
     epsilon = getattr(swarm_opt, codec)().nominal_error + FP32_ULPS
-    max_distance, max_spread = derived_bounds(epsilon, reference.magnitudes, gradients=strategy == "grad")
+    max_distance = derived_bound(epsilon, reference.magnitudes, gradients=strategy == "grad")
     distance = max(float((r["w"] - reference.w).norm()) for r in results)
-    spread = max(float((a["w"] - b["w"]).norm()) for a in results for b in results)
     by_epoch = [{rnd["epoch"]: rnd["w"] for rnd in r["rounds"]} for r in results]
-    per_round = [max(float((a[e] - b[e]).abs().max()) for a in by_epoch for b in by_epoch if e in a and e in b)
-                 for e in range(1, EPOCHS + 1)]
-    print(f"{codec}/{strategy}: distance to exact {distance:.3g} (bound {max_distance:.3g}), spread {spread:.3g} "
-          f"(bound {max_spread:.3g}), spread per round {[f'{s:.2g}' for s in per_round]}, |w| "
+    print(f"{codec}/{strategy}: distance to exact {distance:.3g} (bound {max_distance:.3g}), |w| "
           f"{float(reference.w.norm()):.3g}")
     assert distance <= max_distance
-    assert spread <= max_spread
+    for epoch in range(1, EPOCHS + 1):  # every member got the same bytes and decoded them the same way
+        values = [weights[epoch] for weights in by_epoch if epoch in weights]
+        assert all(torch.equal(values[0], v) for v in values), f"peers differ after round {epoch}"
+    assert all(torch.equal(results[0]["w"], r["w"]) for r in results)
     # the codec was on the wire: uncompressed swarms match the exact trajectory to float32 round-off (1e-6)
     assert distance > 1e-6
     assert float(reference.w.norm()) > 1.0  # and the run trained

@@ -81,7 +81,9 @@ class Group:
 # --- configuration ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, error", [(dict(rank=0), ConfigError), (dict(rank=-1), ConfigError),
                                            (dict(rank=2.0), ConfigTypeError), (dict(rank=True), ConfigTypeError),
-                                           (dict(seed=-1), ConfigError), (dict(seed="1"), ConfigTypeError)])
+                                           (dict(seed=-1), ConfigError), (dict(seed="1"), ConfigTypeError),
+                                           (dict(factors="fp16"), ConfigTypeError),
+                                           (dict(factors=PowerSGD()), ConfigTypeError)])
 def test_bad_configurations_are_refused(kwargs, error):
     with pytest.raises(error, match="PowerSGD"):
         PowerSGD(**kwargs)
@@ -92,7 +94,10 @@ def test_config_is_frozen_and_exported():
     assert repr(config) == "swarm_opt.PowerSGD(rank=2, seed=7)"
     with pytest.raises(AttributeError):
         config.rank = 3  # type: ignore[misc]
-    assert PowerSGD() == PowerSGD(rank=4, seed=0)
+    assert PowerSGD() == PowerSGD(rank=4, seed=0, factors=swarm_opt.NoCompression())
+    half = swarm_opt.PowerSGD(rank=2, factors=swarm_opt.Float16())
+    assert repr(half) == "swarm_opt.PowerSGD(rank=2, seed=0, factors=swarm_opt.Float16())"
+    assert half != PowerSGD(rank=2) and hash(half) == hash(swarm_opt.PowerSGD(rank=2, factors=swarm_opt.Float16()))
 
 
 def _optimizer_kwargs():

@@ -22,6 +22,8 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import amap_in_executor
 
+_EXACT = runtime_pb2.CompressionType.NONE
+
 
 class AllOrNothingReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that never completes a part without every sender."""
@@ -108,7 +110,7 @@ class AllOrNothingRunner(AllReduceRunner):
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight)
             compression = self._part_codecs.get(part_index)  # known once any other sender's copy has arrived
-            if compression is not None:
+            if compression not in (None, _EXACT):  # (exact bytes decode to the very values: no round trip)
                 encoded = await self._encoded_mean(part_index, averaged_part, compression)
                 averaged_part = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -26,10 +26,10 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import achain, anext, as_aiter, azip
+from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
 _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
-_GROUP_POLL_PERIOD = 0.02  # seconds between checks for the registration of a group a part was sent for
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
@@ -93,9 +92,6 @@ class _Engine(DecentralizedAverager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._unknown_group_wait = max(1.0, 2 * kwargs.get("request_timeout", 1.0))  # see _wait_for_group
-        self._assembled_groups: Dict[int, bytes] = {}  # step -> the group it assembled (averager process)
-        self._assembled_groups_tracked = False
         self._goodbyes: set = set()  # goodbye tasks in flight (the averager process keeps them referenced)
         self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
 
@@ -109,54 +105,7 @@ class _Engine(DecentralizedAverager):
             # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
             # split the trainers into two groups nor hold them until its own deadline; it joins a trainer's group
             self._matchmaking.client_mode = True
-        if not self._assembled_groups_tracked:
-            self._track_assembled_groups()
-        try:
-            await super()._step(step=step, future_for_init=future_for_init)
-        finally:
-            self._assembled_groups.pop(id(step), None)
-
-    def _track_assembled_groups(self) -> None:
-        """Remember the group each step assembled until the step ends: between matchmaking and the all-reduce a step
-        waits for its trigger (the host's next step), and groupmates may send parts to it meanwhile."""
-        look_for_group = self._matchmaking.look_for_group
-
-        async def tracked(step: StepControl) -> Any:
-            group_info = await look_for_group(step)
-            if group_info is not None:
-                self._assembled_groups[id(step)] = group_info.group_id
-            return group_info
-
-        self._matchmaking.look_for_group = tracked
-        self._assembled_groups_tracked = True
-
-    async def rpc_aggregate_part(  # runs in the averager process
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's, refusing at once the parts of a group this peer neither has nor may still join."""
-        request = await anext(stream)
-        await self._wait_for_group(request.group_id)
-        future = self._running_groups.get(request.group_id)
-        if future is None:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            return
-        group = await future
-        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
-            yield message
-
-    async def _wait_for_group(self, group_id: bytes) -> None:
-        """Wait until ``group_id`` is registered, as long as this peer may still register it: it is looking for a
-        group (the leader's reply that names it may be late) or has assembled it and awaits its trigger. Otherwise
-        wait ``_unknown_group_wait`` seconds at most: hivemind waited for whatever group this peer registered
-        next, however late, so the groupmates of a peer that gave up a round just as its group formed (the swarm
-        had completed it) waited out a timeout for its share."""
-        grace = self._unknown_group_wait
-        while group_id not in self._running_groups and grace > 0:
-            # (an engine that runs phases registers them under ids that extend the group's, see powersgd)
-            known = any(group_id.startswith(assembled) for assembled in self._assembled_groups.values())
-            if not known and not self._matchmaking.is_looking_for_group:
-                grace -= _GROUP_POLL_PERIOD
-            await asyncio.sleep(_GROUP_POLL_PERIOD)
+        await super()._step(step=step, future_for_init=future_for_init)
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
-from functools import partial
 from pathlib import Path
 
 import hivemind
@@ -341,80 +338,3 @@ def test_ctrl_c_still_reaches_the_training_loop_after_creating_an_optimizer(dht)
                            if line.startswith("SigIgn:")).split()[1], 16)
         assert ignored & (1 << (signal.SIGINT - 1)), "the averager process must leave Ctrl-C to its parent"
 
-
-async def _send_part_of_unknown_group(_, node, peer_id, prefix):
-    """In a DHT process: send a part of a group the averager ``peer_id`` never joined; return its reply code and
-    how long it took."""
-    import time
-
-    from hivemind.proto import averaging_pb2
-    from hivemind.utils.asyncio import as_aiter
-
-    from swarm_opt.averaging import _Engine
-
-    started = time.monotonic()
-    stub = _Engine.get_stub(node.p2p, peer_id, namespace=prefix)
-    stream = await stub.rpc_aggregate_part(as_aiter(averaging_pb2.AveragingData(group_id=b"no such group")))
-    codes = [reply.code async for reply in stream]
-    return codes, time.monotonic() - started
-
-
-def test_a_part_for_a_group_the_peer_never_joined_is_refused_at_once(dht):
-    """A peer that gave up a round just as its group formed never registers that group; its groupmates' parts must
-    be refused within seconds (hivemind waits for the next group the peer registers, however late), or they wait
-    out their timeout for a share that will not come."""
-    from hivemind.proto import averaging_pb2
-    from hivemind.utils import get_dht_time
-
-    from swarm_opt.averaging import TensorAverager
-    from swarm_opt.config import Timeouts
-
-    averager = TensorAverager(dht, prefix="unknown_group_test", templates=[torch.zeros(8)],
-                              timeouts=Timeouts(matchmaking_time=1.0, averaging_timeout=30.0))
-    other = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    try:
-        averager.schedule(get_dht_time() + 20, round_id=1)  # looking for a group...
-        time.sleep(0.5)
-        averager.cancel_scheduled()  # ...and given up: it will not register any group it might have been in
-        codes, seconds = other.run_coroutine(
-            partial(_send_part_of_unknown_group, peer_id=averager.peer_id, prefix="unknown_group_test"),
-            return_future=True).result(timeout=30)
-        assert codes == [averaging_pb2.BAD_GROUP_ID]
-        assert seconds < 5.0, seconds  # 2x the request timeout (1 s here) with nothing to wait for; hivemind: never
-    finally:
-        other.shutdown()
-        averager.shutdown()
-
-
-def test_groupmates_parts_wait_for_a_member_whose_trigger_comes_late(dht):
-    """A member that has its group but computes its next step before it triggers the round (scheduled rounds) must
-    still get its groupmates' parts, however long after the short wait for unknown groups its trigger comes."""
-    from swarm_opt.averaging import TensorAverager
-    from swarm_opt.config import Timeouts
-
-    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=30.0)  # unknown groups: refused after 1 s
-    other = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    averagers = [TensorAverager(node, prefix="late_trigger_test", templates=[torch.zeros(4096)], timeouts=timeouts)
-                 for node in (dht, other)]
-    results: dict = {}
-
-    def average(index: int, delay: float) -> None:
-        time.sleep(delay)  # the host computes; the round was scheduled (matchmaking runs meanwhile)
-        results[index] = averagers[index].all_reduce(lambda b: b[0].fill_(float(index)), 1.0, round_id=1)
-
-    try:
-        from hivemind.utils import get_dht_time
-
-        for averager in averagers:
-            averager.schedule(get_dht_time() + 1.0, round_id=1)
-        threads = [threading.Thread(target=average, args=(0, 0.0)), threading.Thread(target=average, args=(1, 4.0))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert all(results.get(i) is not None and results[i].group_size == 2 for i in range(2)), results
-        assert all(torch.equal(results[i].averaged[0], torch.full((4096,), 0.5)) for i in range(2))
-    finally:
-        for averager in averagers:
-            averager.shutdown()
-        other.shutdown()

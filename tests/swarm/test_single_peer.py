@@ -267,11 +267,15 @@ model = torch.nn.Linear(4, 2)
 opt = swarm_opt.Optimizer(dht=dht, run_id="ctrl_c", target_batch_size=16, batch_size_per_step=4,
                           params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 print("ready", flush=True)
-if not interrupted.wait(60):
+for _ in range(600):  # short waits: a signal that lands on another thread runs its handler at the next one
+    if interrupted.wait(0.1):
+        break
+else:
     sys.exit("no Ctrl-C came")
 time.sleep(0.5)  # whatever Ctrl-C kills dies meanwhile
-dht.store("after_ctrl_c", "still here", expiration_time=get_dht_time() + 60)
-print("dht", dht.get("after_ctrl_c", latest=True).value, flush=True)
+expires = get_dht_time() + 60
+dht.store("after_ctrl_c", "still here", expiration_time=expires, return_future=True).result(timeout=20)
+print("dht", dht.get("after_ctrl_c", latest=True, return_future=True).result(timeout=20).value, flush=True)
 opt.shutdown()
 dht.shutdown()
 """

@@ -105,12 +105,14 @@ class AllOrNothingRunner(AllReduceRunner):
             await super()._communicate_with_peer(peer_id)
             return
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
-        loop = asyncio.get_event_loop()
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
             averaged_part = await self.tensor_part_reducer.accumulate_part(
                 sender_index, part_index, tensor_part, weight=self.weight)
             compression = self._part_codecs.get(part_index)  # known once any other sender's copy has arrived
             if compression not in (None, _EXACT):  # (exact bytes decode to the very values: no round trip)
                 encoded = await self._encoded_mean(part_index, averaged_part, compression)
-                averaged_part = await loop.run_in_executor(None, deserialize_torch_tensor, encoded)
+                # decoded here, in the event loop's thread: the same message object is being copied into the
+                # senders' replies by this thread, and protobuf messages are not safe to read from two threads
+                # at once (decoding it in the executor crashed averager processes with heap corruption)
+                averaged_part = deserialize_torch_tensor(encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)

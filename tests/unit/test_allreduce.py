@@ -9,8 +9,9 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.partition import TensorPartReducer
+from hivemind.proto import runtime_pb2
 
-from swarm_opt._allreduce import AllOrNothingReducer
+from swarm_opt._allreduce import AllOrNothingReducer, AllOrNothingRunner
 
 
 async def _sender_fails_mid_part(reducer_type: type) -> object:
@@ -50,3 +51,19 @@ def test_parts_completed_before_a_failure_are_complete_averages():
     first = asyncio.run(_complete_part_then_failure())
     for part in first:
         assert torch.equal(part, torch.full((2,), 3.0))  # (0 * 1 + 4 * 3) / 4
+
+
+async def _takes(compression: int, takes: int) -> dict:
+    """A reducer of 3 senders (itself included) hands out one averaged part ``takes`` times; what stays cached?"""
+    runner = object.__new__(AllOrNothingRunner)  # only the cache's bookkeeping is exercised: no network
+    runner.peer_id, runner.sender_peer_ids, runner._encoded_means = "me", ["a", "me", "b"], {}
+    encoded = [await runner._encoded_mean(0, torch.arange(4.0), compression) for _ in range(takes)]
+    assert all(e is encoded[0] for e in encoded)  # encoded once, the same bytes for everyone
+    return runner._encoded_means
+
+
+def test_an_encoded_mean_is_dropped_once_every_sender_that_decodes_it_took_it():
+    exact, lossy = runtime_pb2.CompressionType.NONE, runtime_pb2.CompressionType.FLOAT16
+    assert asyncio.run(_takes(exact, 2)) == {}  # the 2 remote senders; the own share of an exact part skips it
+    assert len(asyncio.run(_takes(lossy, 2))) == 1  # the own share decodes a lossy part: still expected
+    assert asyncio.run(_takes(lossy, 3)) == {}

@@ -90,7 +90,24 @@ def install_fault(cfg: dict) -> None:
     * ``die_in_allreduce``: once ``OUT.arm`` exists, die as soon as the first averaged part of a round comes back
       (this peer sent its tensors and its groupmates are still exchanging parts with it).
     * ``die_while_serving``: die right after sending the first message of its state to a newcomer, if this peer is
-      the first to claim the file ``die_while_serving``."""
+      the first to claim the file ``die_while_serving``.
+    * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
+      groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
+      ``OUT.slowed`` the first time."""
+    if cfg.get("slow_replies"):
+        import asyncio
+
+        from swarm_opt._allreduce import AllOrNothingRunner
+
+        original_reply = AllOrNothingRunner._encoded_mean
+
+        @functools.wraps(original_reply)
+        async def _encoded_mean(self, *args, **kwargs):
+            open(cfg["out"] + ".slowed", "w").close()
+            await asyncio.sleep(cfg["slow_replies"])
+            return await original_reply(self, *args, **kwargs)
+
+        AllOrNothingRunner._encoded_mean = _encoded_mean
     if cfg.get("die_in_allreduce"):
         from hivemind.averaging.partition import TensorPartContainer
 

@@ -165,3 +165,23 @@ def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
         assert_quiet(swarm.log(r["rank"]))
     slow = [rep for rep in results[2]["reports"] if not rep["caught_up"]]
     assert sum(rep["group_size"] == 3 for rep in slow) >= 2, results[2]["reports"]  # averaged with the others
+
+
+def test_a_peer_that_leaves_after_the_last_round_lets_its_groupmates_finish_it(swarm):
+    """A peer ends a round as soon as its own parts are averaged, while the means it reduced may still be on their
+    way to its groupmates. The first peer to finish the run's last round leaves at once (no lingering): its
+    groupmate must still complete that round, with the same weights (a departure that cut the reducer's streams
+    failed the groupmate's last round, and the two ended apart)."""
+    epochs = 3
+    common = dict(batch_size=16, target_batch_size=64, inner="sgd", epochs=epochs, expect_peers=2,
+                  matchmaking_time=2.0, averaging_timeout=AVERAGING_TIMEOUT)
+    swarm.start(0, linger=0.0, slow_replies=0.4, **common)  # its replies lag: it finishes each round first
+    swarm.start(1, **common)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(2)]
+    assert (swarm.tmp / "peer0.pt.slowed").exists()  # peer 0 did reduce a share for peer 1
+    for r in results:
+        assert r["epoch"] == epochs, swarm.log(r["rank"])
+        assert all(rep["group_size"] == 2 and not rep["caught_up"] for rep in r["reports"]), r["reports"]
+        assert_quiet(swarm.log(r["rank"]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))

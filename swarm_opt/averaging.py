@@ -258,6 +258,12 @@ class _Engine(DecentralizedAverager):
         return metadata, list(tensors), None
 
 
+def _reason(error: BaseException) -> str:
+    """A failed round's exception in a few words (hivemind wraps the all-reduce's own in 'Unable to run ...')."""
+    text = str(error).strip() or type(error).__name__
+    return text.removeprefix("Unable to run All-Reduce: ").splitlines()[0][:200]
+
+
 def _partial_failure(runner: Any) -> str:
     """Why an all-reduce runner can no longer average every part with everyone ('' while it still can)."""
     banned, failed = len(runner.banned_senders), runner.tensor_part_container.failed_size
@@ -346,6 +352,7 @@ class TensorAverager:
         self._scheduled: Optional[StepControl] = None
         self._scheduled_round = -1
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
+        self.last_failure = ""  # why the last all_reduce() returned None, in a few words
         self._lock = threading.Lock()
 
     @property
@@ -399,6 +406,7 @@ class TensorAverager:
             # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
             # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
             logger.warning("This peer's tensors hold NaN/inf values; it sits out the averaging round")
+            self.last_failure = "non-finite local values"
             self.cancel_scheduled()
             return None
         self.schedule(get_dht_time(), round_id)
@@ -409,7 +417,10 @@ class TensorAverager:
         try:
             control.weight = float(weight)
             control.allow_allreduce()
-            deadline = time.monotonic() + self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
+            # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
+            # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
+            # the averager completes anyway, with our values in the groupmates' average and not in ours
+            deadline = time.monotonic() + 2 * self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
             while True:
                 try:
                     gathered = control.result(timeout=0.2)
@@ -421,12 +432,14 @@ class TensorAverager:
                         raise
         except Exception as e:  # matchmaking or all-reduce failed: the caller keeps its local state
             logger.debug("Averaging round failed: %r", e)
+            self.last_failure = _reason(e)
             control.cancel()
             return None
         finally:
             with self._lock:
                 self._running = None
         if not gathered:
+            self.last_failure = "no group"
             return None
         # auxiliary members only reduced: they count in no majority, and the round they think it is does not matter
         contributors = {peer: info for peer, info in gathered.items()
@@ -436,12 +449,15 @@ class TensorAverager:
         if not self.auxiliary and rounds != {round_id}:
             # a peer that fell behind joined the swarm's next round: nobody may apply this mixture
             logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
+            self.last_failure = f"the group mixed peers of rounds {sorted(map(str, rounds))}"
             return None
         if not contributors:
+            self.last_failure = "a group of helpers only"
             return None
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")
+                self.last_failure = "non-finite averaged values"
                 return None
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),

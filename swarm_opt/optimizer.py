@@ -282,10 +282,9 @@ class Optimizer(torch.optim.Optimizer):
         """Commit a round that averaged a majority of the live peers (or everyone); otherwise keep its values for
         the next round (a held round gives them back)."""
         if result is None or not _is_majority(result.group_size, progress.num_peers):
-            logger.info(
-                f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
-                f"({'failed' if result is None else f'group of {result.group_size}'}); keeping local progress"
-            )
+            outcome = f"failed: {self._averager.last_failure}" if result is None else f"group of {result.group_size}"
+            logger.info(f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
+                        f"({outcome}); keeping local progress")
             if held is not None:
                 with torch.no_grad(), self._state_lock:
                     held.values.give_back()

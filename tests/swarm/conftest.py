@@ -47,6 +47,13 @@ class Swarm:
     def log(self, rank: int) -> str:
         return (self.tmp / f"peer{rank}.log").read_text()
 
+    def round_events(self) -> str:
+        """The peers' log lines about rounds that did not commit and about catching up, for assertion messages:
+        why a round failed is what a failure of a swarm test needs first."""
+        marks = ("did not reach a majority", "Loaded the swarm's state", "continuing from the local model")
+        return "\n".join(f"peer {rank}: {line}" for rank in self.procs
+                         for line in self.log(rank).splitlines() if any(m in line for m in marks))
+
     def wait(self, timeout: float) -> None:
         """Wait until every peer wrote its result, then let them all leave (peers linger as donors until then)."""
         deadline = time.monotonic() + timeout

@@ -91,17 +91,20 @@ def run_swarm(swarm, strategy: str, codec: str) -> list:
     return [swarm.result(r) for r in range(PEERS)]
 
 
-def check_rounds(results: list) -> None:
-    """Every round averaged all three; a peer whose side of a round failed after the others had used its tensors
-    downloaded the result (that cannot widen the bounds: it adopts a groupmate's weights)."""
+def check_rounds(swarm, results: list, strategy: str) -> None:
+    """Every round averaged all three (the premise of the bound). With gradient averaging, a peer whose side of a
+    round failed after the others had used its tensors downloads the result, which cannot widen the bound: its
+    parameters change only in rounds, so it adopts exactly a groupmate's. With local updates such a peer goes on
+    from its own state (its work is averaged in again next round), which the bound does not cover: none allowed."""
     downloads = 0
     for r in results:
-        assert r["epoch"] == EPOCHS, r["rounds"]
+        assert r["epoch"] == EPOCHS, (r["rounds"], swarm.round_events())
         for rnd in r["rounds"]:
             downloads += rnd["caught_up"]
-            assert rnd["caught_up"] or rnd["group_size"] == PEERS, r["rounds"]
+            complete = rnd["group_size"] == PEERS or (strategy == "grad" and rnd["caught_up"])
+            assert complete, (r["rounds"], swarm.round_events())
             assert bool(torch.isfinite(rnd["w"]).all())
-    assert downloads <= 2, [r["rounds"] for r in results]
+    assert downloads <= 2, ([r["rounds"] for r in results], swarm.round_events())
 
 
 @pytest.mark.parametrize("strategy, strategy_cls", [("grad", swarm_opt.GradientAveraging),
@@ -109,7 +112,7 @@ def check_rounds(results: list) -> None:
 @pytest.mark.parametrize("codec", ["Float16", "Int8Blockwise"])
 def test_compressed_swarm_stays_within_the_codec_bound(swarm, codec, strategy, strategy_cls):
     results = run_swarm(swarm, strategy, codec)
-    check_rounds(results)
+    check_rounds(swarm, results, strategy)
     reference = reference_run(strategy_cls)
     epsilon = getattr(swarm_opt, codec)().nominal_error + FP32_ULPS
     max_distance = derived_bound(epsilon, reference.magnitudes, gradients=strategy == "grad")

@@ -88,7 +88,8 @@ def test_three_peers_run_exactly_powersgd_and_reach_the_uncompressed_optimum(swa
     results = run_swarm(swarm, compression="PowerSGD", compression_args=dict(rank=rank), lsq_lr=lr)
     for r in results:
         assert r["epoch"] == EPOCHS, r["rounds"]
-        assert all(rnd["group_size"] == PEERS and not rnd["caught_up"] for rnd in r["rounds"]), r["rounds"]
+        assert all(rnd["group_size"] == PEERS and not rnd["caught_up"] for rnd in r["rounds"]), \
+            (r["rounds"], swarm.round_events())
         assert all(bool(torch.isfinite(rnd["w"]).all()) for rnd in r["rounds"])
         assert "compressed" in swarm.log(r["rank"])  # the averager said what it compresses
         assert_quiet(swarm.log(r["rank"]))
@@ -125,7 +126,8 @@ def test_fp16_factors_halve_the_bytes_and_train_as_well(swarm):
     results = run_swarm(swarm, compression="PowerSGD", compression_args=dict(rank=rank, factors="Float16"),
                         lsq_lr=lr)
     for r in results:
-        assert r["epoch"] == EPOCHS and all(rnd["group_size"] == PEERS for rnd in r["rounds"]), r["rounds"]
+        assert r["epoch"] == EPOCHS and all(rnd["group_size"] == PEERS for rnd in r["rounds"]), \
+            (r["rounds"], swarm.round_events())
         assert "factors=swarm_opt.Float16()" in swarm.log(r["rank"])  # the averager said what it sends
         assert_quiet(swarm.log(r["rank"]))
     assert_identical_every_round(results)

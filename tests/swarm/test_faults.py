@@ -76,9 +76,10 @@ def test_a_peer_killed_inside_the_all_reduce_leaves_the_survivors_with_their_own
         assert all(torch.isfinite(p).all() for p in r["params"])
         assert_no_stall(r["reports"])
         assert [rep for rep in r["reports"] if not rep["caught_up"]][-1]["group_size"] == 3
-    # the survivors' logs say why their round with the victim failed (a member failed, or left mid-round)
+    # the survivors' logs say why each failed round failed, and the round with the victim failed for a member
     failures = re.findall(r"did not reach a majority of \d peers \(failed: (.*)\); keeping", swarm.round_events())
-    assert failures and all(re.search(r"fail|sent|did not start|not averaged", f) for f in failures), failures
+    assert failures and all(failures), swarm.round_events()
+    assert any(re.search(r"sender\(s\) failed|sent CANCELLED|did not start sending", f) for f in failures), failures
     for r in survivors[1:]:
         assert _close(r["params"], survivors[0]["params"], 1e-6)
     references = list(possible_references(survivors + [dead], "sgd", epochs))

@@ -127,6 +127,9 @@ CODEC_RUNS: Dict[str, CodecRun] = {
     "powersgd4": CodecRun("PowerSGD(rank=4)", lambda: swarm_opt.PowerSGD(rank=4), gradients_only=True),
     "powersgd4h": CodecRun("PowerSGD(rank=4, factors=Float16())",
                            lambda: swarm_opt.PowerSGD(rank=4, factors=swarm_opt.Float16()), gradients_only=True),
+    "powersgd4hx4": CodecRun("PowerSGD(rank=4, factors=Float16(), min_compression=4)",
+                             lambda: swarm_opt.PowerSGD(rank=4, factors=swarm_opt.Float16(), min_compression=4),
+                             gradients_only=True),
     "powersgd2": CodecRun("PowerSGD(rank=2)", lambda: swarm_opt.PowerSGD(rank=2), gradients_only=True),
     "powersgd1": CodecRun("PowerSGD(rank=1)", lambda: swarm_opt.PowerSGD(rank=1), gradients_only=True),
 }

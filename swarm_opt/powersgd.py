@@ -124,11 +124,16 @@ class PowerSGD:
     :param factors: the elementwise codec the factors (and the tensors sent whole) travel with; ``Float16()`` halves
         the bytes again at an error far below what the low rank leaves out (it is not error-fed back: a relative
         2⁻¹¹ per round). The group's total weight always travels exact.
+    :param min_compression: a matrix travels as factors only if they are at least this many times smaller than it,
+        ``n·m ≥ min_compression · rank·(n + m)``; other matrices are averaged exactly (as torch's
+        ``min_compression_rate``). Narrow layers such as a classifier's output (2800×10 at rank 4: 2.5×) save few
+        bytes and lose most: their gradient's rank is the number of classes.
     """
 
     rank: int = 4
     seed: int = 0
     factors: Codec = field(default_factory=NoCompression)
+    min_compression: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int):
@@ -139,13 +144,20 @@ class PowerSGD:
             raise ConfigTypeError(f"PowerSGD(seed=...) must be an int; got {self.seed!r}")
         if not 0 <= self.seed <= _MAX_SEED:
             raise ConfigError(f"PowerSGD(seed={self.seed}) must be between 0 and 2**63 - 1")
+        if isinstance(self.min_compression, bool) or not isinstance(self.min_compression, (int, float)):
+            raise ConfigTypeError(f"PowerSGD(min_compression=...) must be a number, e.g. 4; got "
+                                  f"{self.min_compression!r}")
+        if not 1.0 <= self.min_compression < math.inf:
+            raise ConfigError(f"PowerSGD(min_compression={self.min_compression!r}) must be a number >= 1 (1: compress "
+                              f"every matrix whose factors are smaller than it)")
         if not isinstance(self.factors, Codec):
             raise ConfigTypeError(f"PowerSGD(factors=...) must be an elementwise codec such as swarm_opt.Float16(); "
                                   f"got {self.factors!r}")
 
     def __repr__(self) -> str:
         factors = "" if isinstance(self.factors, NoCompression) else f", factors={self.factors!r}"
-        return f"swarm_opt.PowerSGD(rank={self.rank}, seed={self.seed}{factors})"
+        floor = "" if self.min_compression == 1.0 else f", min_compression={self.min_compression:g}"
+        return f"swarm_opt.PowerSGD(rank={self.rank}, seed={self.seed}{factors}{floor})"
 
     @property
     def averaging_engine(self) -> type:
@@ -161,11 +173,15 @@ class PowerSGD:
                 f"not low-rank. Use compression=swarm_opt.Float16() or swarm_opt.Int8Blockwise() with it"
             )
 
+    def compresses(self, shape: Sequence[int]) -> bool:
+        """Whether a gradient of ``shape`` travels as factors (see ``is_compressed``)."""
+        return is_compressed(shape, self.rank, self.min_compression)
+
     def values_per_round(self, shapes: Sequence[Sequence[int]]) -> int:
         """Values one peer sends per round for tensors of these shapes (plain averaging sends their numel)."""
-        compressed = [s for s in shapes if is_compressed(s, self.rank)]
+        compressed = [s for s in shapes if self.compresses(s)]
         factors = sum(self.rank * sum(_matrix_shape(s)) for s in compressed)
-        plain = sum(math.prod(s) for s in shapes if not is_compressed(s, self.rank))
+        plain = sum(math.prod(s) for s in shapes if not self.compresses(s))
         return factors + plain + (1 if compressed else 0)
 
 
@@ -179,13 +195,14 @@ def matrix_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0], -1)
 
 
-def is_compressed(shape: Sequence[int], rank: int) -> bool:
+def is_compressed(shape: Sequence[int], rank: int, min_compression: float = 1.0) -> bool:
     """Whether a tensor of ``shape`` is sent as rank-``rank`` factors: it must be a matrix (or more) whose factors
-    are smaller than itself, ``rank·(n + m) < n·m``. Otherwise it is averaged exactly (so rank ≥ min(n, m) is)."""
+    are smaller than itself, ``rank·(n + m) < n·m``, by at least ``min_compression``. Otherwise it is averaged exactly
+    (so rank ≥ min(n, m) is)."""
     if len(shape) < 2:
         return False
     n, m = _matrix_shape(shape)
-    return rank * (n + m) < n * m
+    return rank * (n + m) < n * m and n * m >= min_compression * rank * (n + m)
 
 
 def orthogonalize(p: torch.Tensor, floor: float = ORTHOGONALIZATION_FLOOR) -> torch.Tensor:
@@ -332,6 +349,7 @@ class _Tag(NamedTuple):
     seed: int
     generation: int
     lineage: int
+    min_compression: float
 
     @property
     def q_lineage(self) -> Tuple[int, int]:
@@ -361,7 +379,7 @@ class _PowerSGDEngine(_Engine):
             if not t.is_floating_point():
                 raise ConfigError(f"{compression!r} averages floating-point gradients; got a {t.dtype} tensor")
         self.config = compression
-        self._compressed = tuple(i for i, t in enumerate(tensors) if is_compressed(t.shape, compression.rank))
+        self._compressed = tuple(i for i, t in enumerate(tensors) if compression.compresses(t.shape))
         self._uncompressed = tuple(i for i in range(len(tensors)) if i not in self._compressed)
         seed_lineage = _lineage_hash(b"seed", str(compression.seed).encode(), str(compression.rank).encode())
         self._lineage = mp.Array(ctypes.c_int64, [0, seed_lineage])  # (generation, hash) of this peer's Q
@@ -384,7 +402,8 @@ class _PowerSGDEngine(_Engine):
         assert gather is None or isinstance(gather, dict), "TensorAverager gathers dicts"
         with self._lineage.get_lock():
             generation, lineage = self._lineage[:]
-        tag = _Tag(next(self._attempts), self.config.rank, self.config.seed, generation, lineage)
+        tag = _Tag(next(self._attempts), self.config.rank, self.config.seed, generation, lineage,
+                   float(self.config.min_compression))
         return super().step(gather={**(gather or {}), _GATHER_KEY: list(tag)}, **kwargs)
 
     def commit(self, result: AveragingResult, round_id: int) -> None:
@@ -412,8 +431,10 @@ class _PowerSGDEngine(_Engine):
         for peer_id, user in zip(group_info.peer_ids, gathered):
             raw = user.get(_GATHER_KEY) if isinstance(user, dict) else None
             tag = _Tag(*raw) if isinstance(raw, list) and len(raw) == len(_Tag._fields) else None
-            if tag is None or (tag.rank, tag.seed) != (self.config.rank, self.config.seed):
-                theirs = "no PowerSGD" if tag is None else f"PowerSGD(rank={tag.rank}, seed={tag.seed})"
+            ours = (self.config.rank, self.config.seed, float(self.config.min_compression))
+            if tag is None or (tag.rank, tag.seed, tag.min_compression) != ours:
+                theirs = "no PowerSGD" if tag is None else \
+                    f"PowerSGD(rank={tag.rank}, seed={tag.seed}, min_compression={tag.min_compression:g})"
                 message = (f"peer {peer_id} averages with {theirs}, this peer with {self.config!r}: every peer of a "
                            f"run must pass the same compression=")
                 logger.error(message)

@@ -17,6 +17,8 @@ from swarm_opt.powersgd import (
     ErrorFeedback,
     PeerRound,
     PowerSGD,
+    _PowerSGDEngine,
+    _Tag,
     _winning_lineage,
     initial_factors,
     is_compressed,
@@ -132,6 +134,43 @@ def test_only_matrices_whose_factors_are_smaller_are_compressed():
     for n, m in [(2, 2), (5, 3), (7, 64), (300, 20)]:
         for rank in range(min(n, m), min(n, m) + 3):  # rank ≥ min(n, m): the factors are never smaller
             assert not is_compressed((n, m), rank)
+
+
+def test_min_compression_sends_narrow_matrices_whole():
+    assert is_compressed((2800, 10), 4) and not is_compressed((2800, 10), 4, min_compression=4)  # 2.49x
+    assert is_compressed((2800, 2800), 4, min_compression=4)  # 350x
+    assert is_compressed((10, 10), 1, min_compression=5) and not is_compressed((10, 10), 1, min_compression=5.1)
+    codec = swarm_opt.PowerSGD(rank=4, min_compression=4)
+    shapes = [(2800, 784), (2800,), (10, 2800), (10,)]
+    assert codec.values_per_round(shapes) == 4 * (2800 + 784) + 2800 + 28000 + 10 + 1  # the 10x2800 layer whole
+    assert swarm_opt.PowerSGD(rank=4).values_per_round(shapes) == 4 * (2800 + 784 + 10 + 2800) + 2800 + 10 + 1
+    assert "min_compression=4" in repr(codec) and "min_compression" not in repr(swarm_opt.PowerSGD())
+
+
+@pytest.mark.parametrize("value, error", [(0.5, ConfigError), (float("inf"), ConfigError), (float("nan"), ConfigError),
+                                          (True, ConfigTypeError), ("4", ConfigTypeError)])
+def test_min_compression_below_one_or_not_a_number_is_refused(value, error):
+    with pytest.raises(error, match="min_compression"):
+        swarm_opt.PowerSGD(min_compression=value)
+
+
+def test_members_with_another_compressed_set_fail_the_round_naming_the_difference():
+    """Peers that disagree on which tensors travel as factors would run phases of different shapes: the tags they
+    gather say so first, and the round fails with a message naming both configurations."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.allreduce import AllreduceException
+
+    ours = SimpleNamespace(config=PowerSGD(rank=4, min_compression=4))
+    group = SimpleNamespace(peer_ids=["a", "b"])
+
+    def tag(codec: PowerSGD) -> dict:  # what a member of that configuration gathers
+        return {"powersgd": list(_Tag(0, codec.rank, codec.seed, 0, 1, float(codec.min_compression)))}
+
+    same = [tag(ours.config), tag(PowerSGD(rank=4, min_compression=4.0))]
+    assert [t.min_compression for t in _PowerSGDEngine._check_tags(ours, group, same)] == [4.0, 4.0]
+    with pytest.raises(AllreduceException, match=r"min_compression=1\b.*min_compression=4"):
+        _PowerSGDEngine._check_tags(ours, group, [tag(ours.config), tag(PowerSGD(rank=4))])
 
 
 def test_bytes_per_round_of_a_784x256_matrix():

@@ -12,6 +12,8 @@ are complete averages and are delivered as usual.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from typing import Any, AsyncIterator, Dict, List, Tuple
 
 import torch
@@ -20,17 +22,26 @@ from hivemind.averaging.partition import BannedException, TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import amap_in_executor
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+logger = logging.getLogger(__name__)
 _EXACT = runtime_pb2.CompressionType.NONE
 
 
 class AllOrNothingReducer(TensorPartReducer):
     """A ``TensorPartReducer`` that never completes a part without every sender."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: a sender failed before every part was reduced: the reduction was abandoned (a sender that fails later
+        #: only missed some of its replies; every part was complete, and so is the result of everyone else)
+        self.abandoned = False
+
     def on_sender_failed(self, sender_index: int) -> None:
         self.sender_failed_after[sender_index] = self.num_parts_received[sender_index]
-        self.finalize()  # waiting senders get an error instead of an average that lacks this sender
+        if not self.finished.is_set():
+            self.abandoned = True
+            self.finalize()  # waiting senders get an error instead of an average that lacks this sender
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
                               weight: float = 1.0) -> torch.Tensor:
@@ -76,7 +87,8 @@ class AllOrNothingRunner(AllReduceRunner):
         entry[1] -= 1
         if entry[1] == 0:
             del self._encoded_means[key]
-        return await entry[0]
+        # shielded: a taker cancelled while waiting (its sender left) must not cancel the encoding for the others
+        return await asyncio.shield(entry[0])
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -104,7 +116,7 @@ class AllOrNothingRunner(AllReduceRunner):
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         """hivemind's; this peer's own share ends as the decoded mean its groupmates receive."""
         if peer_id != self.peer_id:
-            await super()._communicate_with_peer(peer_id)
+            await self._exchange_with_reducer(peer_id)
             return
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
@@ -118,3 +130,46 @@ class AllOrNothingRunner(AllReduceRunner):
                 # at once (decoding it in the executor crashed averager processes with heap corruption)
                 averaged_part = deserialize_torch_tensor(encoded)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+
+    async def _exchange_with_reducer(self, peer_id: PeerID) -> None:
+        """hivemind's exchange with another member's reducer: send it this peer's parts of its share, receive their
+        means. Except that this side closes the stream, as soon as it has every part it expects.
+
+        In hivemind the reducer closes the stream right after its last reply, and the p2p daemon may drop that reply
+        when its side of the stream closes first: we saw a reducer send every reply while a member received none
+        ("sent 0 parts, but we expected 1"; about one round in 200 with 4 peers on a loaded machine), failing that
+        member's round after the others had completed it. The reducer now keeps its side open until the member
+        closes (``swarm_opt.averaging``, bounded), so the member closes first and nothing is in flight then."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        try:
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def decode(message: averaging_pb2.AveragingData) -> torch.Tensor:
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                return deserialize_torch_tensor(message.tensor_part)
+
+            received = 0
+            try:
+                replies = amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
+                                           max_prefetch=self.tensor_part_container.prefetch)
+                async with contextlib.aclosing(replies):
+                    async for part in replies:
+                        self.tensor_part_container.register_processed_part(peer_index, received, part)
+                        received += 1
+                        if received == expected:
+                            break
+            finally:
+                await stream.aclose()  # closes this side: the reducer's handler then ends
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, but we expected {expected}")
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.debug(f"Caught {e!r} when communicating to {peer_id}")
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise

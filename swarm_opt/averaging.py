@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing as mp
 import signal
@@ -43,6 +44,7 @@ _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce fo
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
+_REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 
 
@@ -159,6 +161,10 @@ class _Engine(DecentralizedAverager):
         try:
             async for message in super().rpc_aggregate_part(stream, context):
                 yield message
+            # keep this side of the stream open until the member closes its own, having received every reply: a
+            # stream closed right after its last reply could lose it in the p2p daemon (``AllOrNothingRunner.
+            # _exchange_with_reducer``). The member's close cancels this wait.
+            await asyncio.sleep(_REPLY_LINGER)
         finally:
             self._serving -= 1
 
@@ -206,8 +212,9 @@ class _Engine(DecentralizedAverager):
             message = averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED, group_id=group_id)
             stub = type(self).get_stub(self._p2p, peer, namespace=self.prefix)
             stream = await stub.rpc_aggregate_part(as_aiter(message))
-            async for _ in stream:  # the reply (an error code) says it was heard
-                break
+            async with contextlib.aclosing(stream):  # closed by us: the groupmate's handler waits for that
+                async for _ in stream:  # the reply (an error code) says it was heard
+                    break
 
         try:
             await asyncio.wait_for(
@@ -265,9 +272,11 @@ def _reason(error: BaseException) -> str:
 
 
 def _partial_failure(runner: Any) -> str:
-    """Why an all-reduce runner can no longer average every part with everyone ('' while it still can)."""
+    """Why an all-reduce runner can no longer average every part with everyone ('' while it still can). A sender
+    that this peer's reducer lost after reducing every part (it left, or failed on its side, before taking its last
+    replies) does not count: every part was complete, this peer's result and its other groupmates' included."""
     banned, failed = len(runner.banned_senders), runner.tensor_part_container.failed_size
-    if banned or failed:
+    if runner.tensor_part_reducer.abandoned or failed:
         return f"partial all-reduce: {banned} sender(s) failed, {failed} values not averaged"
     return ""
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.partition import TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
 from swarm_opt._allreduce import AllOrNothingReducer, AllOrNothingRunner
@@ -67,3 +68,36 @@ def test_an_encoded_mean_is_dropped_once_every_sender_that_decodes_it_took_it():
     assert asyncio.run(_takes(exact, 2)) == {}  # the 2 remote senders; the own share of an exact part skips it
     assert len(asyncio.run(_takes(lossy, 2))) == 1  # the own share decodes a lossy part: still expected
     assert asyncio.run(_takes(lossy, 3)) == {}
+
+
+async def _failure_before_and_after_the_last_part() -> tuple:
+    early = AllOrNothingReducer([torch.Size([2]), torch.Size([2])], num_senders=2)
+    await asyncio.gather(early.accumulate_part(0, 0, torch.zeros(2)), early.accumulate_part(1, 0, torch.ones(2)))
+    early.on_sender_failed(1)  # part 1 is still owed
+    late = AllOrNothingReducer([torch.Size([2])], num_senders=2)
+    means = await asyncio.gather(late.accumulate_part(0, 0, torch.zeros(2)), late.accumulate_part(1, 0, torch.ones(2)))
+    late.on_sender_failed(1)  # every part complete: only sender 1's reply may be lost
+    return early.abandoned, late.abandoned, means
+
+
+def test_a_sender_lost_after_the_last_part_does_not_abandon_the_reduction():
+    """A reducer that loses a sender after every part was reduced delivered complete means to the others: neither
+    they nor the reducer itself may fail the round for it (the lost sender fails its own side)."""
+    early, late, means = asyncio.run(_failure_before_and_after_the_last_part())
+    assert early and not late
+    assert all(torch.equal(m, torch.full((2,), 0.5)) for m in means)
+
+
+async def _shared_encoding_with_a_cancelled_taker() -> torch.Tensor:
+    runner = object.__new__(AllOrNothingRunner)
+    runner.peer_id, runner.sender_peer_ids, runner._encoded_means = "me", ["a", "b", "c"], {}
+    exact = runtime_pb2.CompressionType.NONE
+    first = asyncio.ensure_future(runner._encoded_mean(0, torch.arange(4.0), exact))
+    second = asyncio.ensure_future(runner._encoded_mean(0, torch.arange(4.0), exact))
+    await asyncio.sleep(0)
+    first.cancel()  # this taker's sender left while the part was being encoded
+    return deserialize_torch_tensor(await second)
+
+
+def test_a_taker_that_leaves_does_not_cancel_the_encoding_for_the_others():
+    assert torch.equal(asyncio.run(_shared_encoding_with_a_cancelled_taker()), torch.arange(4.0))

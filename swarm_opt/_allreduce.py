@@ -7,6 +7,11 @@ other reducers and end up with a mixture that is nobody's average. Since a swarm
 complete, the reducer here stops instead: once a sender has failed it returns no more parts, so every sender either
 gets complete averages or sees the reducer fail (and its round fails too). Parts completed before the failure
 are complete averages and are delivered as usual.
+
+Two more changes: reducers send means, encoded once, so that every member ends a round with identical values
+(``AllOrNothingRunner``); and each member closes its stream to a reducer once it has every reply, the reducer
+keeping its side open until then, since the p2p daemon could lose a reply sent just before the stream closed
+(``AllOrNothingRunner._exchange_with_reducer``).
 """
 
 from __future__ import annotations

@@ -415,9 +415,8 @@ class TensorAverager:
             # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
             # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
             logger.warning("This peer's tensors hold NaN/inf values; it sits out the averaging round")
-            self.last_failure = "non-finite local values"
             self.cancel_scheduled()
-            return None
+            return self._failed("non-finite local values")
         self.schedule(get_dht_time(), round_id)
         with self._lock:
             control, self._scheduled = self._scheduled, None
@@ -441,15 +440,13 @@ class TensorAverager:
                         raise
         except Exception as e:  # matchmaking or all-reduce failed: the caller keeps its local state
             logger.debug("Averaging round failed: %r", e)
-            self.last_failure = _reason(e)
             control.cancel()
-            return None
+            return self._failed(_reason(e))
         finally:
             with self._lock:
                 self._running = None
         if not gathered:
-            self.last_failure = "no group"
-            return None
+            return self._failed("no group")
         # auxiliary members only reduced: they count in no majority, and the round they think it is does not matter
         contributors = {peer: info for peer, info in gathered.items()
                         if not (isinstance(info, dict) and info.get("aux"))}
@@ -458,19 +455,21 @@ class TensorAverager:
         if not self.auxiliary and rounds != {round_id}:
             # a peer that fell behind joined the swarm's next round: nobody may apply this mixture
             logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
-            self.last_failure = f"the group mixed peers of rounds {sorted(map(str, rounds))}"
-            return None
+            return self._failed(f"the group mixed peers of rounds {sorted(map(str, rounds))}")
         if not contributors:
-            self.last_failure = "a group of helpers only"
-            return None
+            return self._failed("a group of helpers only")
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")
-                self.last_failure = "non-finite averaged values"
-                return None
+                return self._failed("non-finite averaged values")
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
                                helpers=helpers)
+
+    def _failed(self, reason: str) -> None:
+        """``all_reduce``'s result for a round that failed: ``None``, with ``reason`` kept in ``last_failure``."""
+        self.last_failure = reason
+        return None
 
     def commit(self, result: AveragingResult, round_id: int) -> None:
         """The caller applied ``result`` as round ``round_id`` (an averaged round or a round alone). Engines that keep

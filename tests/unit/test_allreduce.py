@@ -54,10 +54,16 @@ def test_parts_completed_before_a_failure_are_complete_averages():
         assert torch.equal(part, torch.full((2,), 3.0))  # (0 * 1 + 4 * 3) / 4
 
 
+def _bare_runner(senders: list) -> AllOrNothingRunner:
+    """A runner with just what its cache of encoded means uses (no network): this peer is "me"."""
+    runner = object.__new__(AllOrNothingRunner)
+    runner.peer_id, runner.sender_peer_ids, runner._encoded_means = "me", senders, {}
+    return runner
+
+
 async def _takes(compression: int, takes: int) -> dict:
     """A reducer of 3 senders (itself included) hands out one averaged part ``takes`` times; what stays cached?"""
-    runner = object.__new__(AllOrNothingRunner)  # only the cache's bookkeeping is exercised: no network
-    runner.peer_id, runner.sender_peer_ids, runner._encoded_means = "me", ["a", "me", "b"], {}
+    runner = _bare_runner(["a", "me", "b"])
     encoded = [await runner._encoded_mean(0, torch.arange(4.0), compression) for _ in range(takes)]
     assert all(e is encoded[0] for e in encoded)  # encoded once, the same bytes for everyone
     return runner._encoded_means
@@ -89,8 +95,7 @@ def test_a_sender_lost_after_the_last_part_does_not_abandon_the_reduction():
 
 
 async def _shared_encoding_with_a_cancelled_taker() -> torch.Tensor:
-    runner = object.__new__(AllOrNothingRunner)
-    runner.peer_id, runner.sender_peer_ids, runner._encoded_means = "me", ["a", "b", "c"], {}
+    runner = _bare_runner(["a", "b", "c"])
     exact = runtime_pb2.CompressionType.NONE
     first = asyncio.ensure_future(runner._encoded_mean(0, torch.arange(4.0), exact))
     second = asyncio.ensure_future(runner._encoded_mean(0, torch.arange(4.0), exact))

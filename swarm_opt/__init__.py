@@ -4,7 +4,7 @@ from swarm_opt._logging import tame_hivemind_logging
 from swarm_opt.auxiliary import AuxiliaryPeer
 from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
 from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
     ConfigError,
     ConfigTypeError,
@@ -47,6 +47,7 @@ __all__ = [
     "SwarmConfig",
     "Timeouts",
     "TrackerConfig",
+    "TrustConfig",
     "ProgressTracker",
     "SwarmProgress",
     "SwarmOptError",

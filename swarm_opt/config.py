@@ -66,6 +66,33 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class TrustConfig:
+    """How far the tracker believes other peers' progress records.
+
+    :param max_rate_vs_median: a peer's samples count at most at this many times the swarm's median throughput.
+        Raise it for swarms whose peers differ a lot in speed (a fast peer's extra samples then still count).
+    :param burst_seconds: slack, in seconds of a peer's plausible throughput, for samples carried over from the
+        previous epoch and for records read a little late.
+    :param ahead_grace: seconds a peer may claim an epoch that no majority confirms before it is ignored.
+    :param ignore_seconds: how long a peer that failed the checks is ignored the first time (doubles each time).
+    """
+
+    max_rate_vs_median: float = 4.0
+    burst_seconds: float = 3.0
+    ahead_grace: float = 10.0
+    ignore_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_rate_vs_median", "burst_seconds", "ahead_grace", "ignore_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"TrustConfig.{name} must be a positive, finite number, got {value!r}")
+        if self.max_rate_vs_median < 1:
+            raise ConfigError(f"TrustConfig.max_rate_vs_median must be >= 1 (1 = no peer faster than the median), "
+                              f"got {self.max_rate_vs_median}")
+
+
+@dataclass(frozen=True)
 class TrackerConfig:
     """How peers publish and read training progress on the DHT.
 
@@ -76,12 +103,14 @@ class TrackerConfig:
     :param max_extrapolation: between reads, each peer's samples are extrapolated at its throughput for at most this
         many seconds past its last record, so that rounds start on time; 0 counts only reported samples (rounds
         then never start before every counted sample was reported, a little later on average).
+    :param trust: how far other peers' claims are believed (``TrustConfig``).
     """
 
     heartbeat_period: float = 1.0
     record_ttl: float = 6.0
     refresh_period: float = 1.0
     max_extrapolation: float = 2.0
+    trust: TrustConfig = TrustConfig()
 
     def __post_init__(self) -> None:
         _positive_float("heartbeat_period", self.heartbeat_period)
@@ -96,6 +125,8 @@ class TrackerConfig:
                 f"record_ttl ({self.record_ttl}) must exceed twice heartbeat_period ({self.heartbeat_period}), "
                 f"or live peers will flicker out of the swarm between heartbeats"
             )
+        if not isinstance(self.trust, TrustConfig):
+            raise ConfigTypeError(f"trust must be swarm_opt.TrustConfig(...), got {self.trust!r}")
 
 
 @dataclass(frozen=True)

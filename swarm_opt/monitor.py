@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records, progress_key, progress_validators
+from swarm_opt.trust import ClaimChecker
 
 _MAX_CLOCK_SKEW = 60.0
 
@@ -78,8 +79,8 @@ def _peer_name(record: ProgressRecord) -> str:
 
 def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
                           target_batch_size: Optional[int] = None, max_extrapolation: float = 0.0) -> RunSnapshot:
-    if target_batch_size is None and records:  # the target the peers train with, if they agree on one
-        target_batch_size = Counter(r.target_batch_size for r in records).most_common(1)[0][0]
+    if target_batch_size is None:
+        target_batch_size = _common_target(records)
     swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=max_extrapolation)
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
@@ -87,6 +88,11 @@ def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float
         key=lambda p: (p.client_mode, p.peer_id)))
     return RunSnapshot(run_id, now, swarm.epoch, swarm.samples_accumulated, swarm.samples_per_second, peers,
                        target_batch_size)
+
+
+def _common_target(records: List[ProgressRecord]) -> Optional[int]:
+    """The target the peers train with, if they agree on one."""
+    return Counter(r.target_batch_size for r in records).most_common(1)[0][0] if records else None
 
 
 class RunMonitor:
@@ -103,6 +109,7 @@ class RunMonitor:
         self.key = progress_key(run_id)
         dht.add_validators(progress_validators(run_id))
         self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
+        self._checker = ClaimChecker()  # liars move the monitor's view no more than a trainer's
 
     def read(self, timeout: float = 10.0) -> RunSnapshot:
         try:
@@ -111,6 +118,8 @@ class RunMonitor:
             raw = None
         now = get_dht_time()
         records, _ = parse_records(raw, model_schema=self.model_schema, now=now)
+        target = self.target_batch_size or _common_target(records)
+        records = self._checker.check(records, None, now, target or 1)
         snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size, self.max_extrapolation)
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))

@@ -4,8 +4,9 @@ Each peer publishes one signed record (epoch, samples accumulated in that epoch,
 key. Reading all records gives the global epoch, the samples toward ``target_batch_size``, the live peers and an ETA.
 Records are validated twice: by hivemind's DHT validators when they are stored (schema and RSA signature, so a peer
 cannot write another peer's record) and again here when they are read (ranges, clock sanity, model schema), because
-a hostile peer's DHT node may serve anything. The read path is one method, ``_read_records``, so that a large swarm
-can later read an aggregate or a sample instead of every record.
+a hostile peer's DHT node may serve anything. What a valid record claims is believed only as far as its owner
+plausibly could have progressed (``swarm_opt.trust``). The read path is one method, ``_read_records``, so that a
+large swarm can later read an aggregate or a sample instead of every record.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt.config import TrackerConfig
+from swarm_opt.trust import ClaimChecker
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +211,7 @@ class ProgressTracker:
         self._epoch, self._samples = 0, 0
         self._epoch_started: Optional[float] = None
         self._throughput = _Throughput()
+        self._checker = ClaimChecker(config.trust)
         self._others: List[ProgressRecord] = []
         self._mismatch_reported = False
         self._published: Optional[tuple] = None
@@ -296,7 +299,8 @@ class ProgressTracker:
 
     def _fetch(self, *, timeout: float) -> None:
         raw = self._read_records(timeout)
-        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=get_dht_time())
+        now = get_dht_time()
+        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now)
         if mismatched and not self._mismatch_reported:
             self._mismatch_reported = True
             logger.error(
@@ -304,7 +308,11 @@ class ProgressTracker:
                 f"(parameter shapes or dtypes differ); they are kept apart. Give each model its own run_id."
             )
         with self._lock:
-            self._others = [r for r in records if r.instance != self._instance]
+            local, started = self._local_record(), self._epoch_started
+        others = self._checker.check([r for r in records if r.instance != self._instance], local, now,
+                                     self.target_batch_size, started)
+        with self._lock:
+            self._others = others
 
     def _read_records(self, timeout: float) -> object:
         """The only place that reads the swarm's records (see the module docstring)."""

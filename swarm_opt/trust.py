@@ -1,0 +1,169 @@
+"""Bounded trust in what other peers claim about their progress.
+
+A progress record is signed, so nobody can write another peer's record, but its owner can still lie in it. A record
+moves the swarm only as far as its owner plausibly could:
+
+* **Epochs** ahead of ours count only once at least half of the live peers are there. A round commits only in a
+  majority group, so an honest swarm always confirms its newest epoch; a single peer claiming epoch +1000 is not
+  believed, so nobody waits on it or tries to download its state.
+* **Samples** grow no faster than a plausible throughput: at most ``max_rate_vs_median`` times the swarm's median
+  throughput (a lower median, so that one liar among two peers cannot raise it), from when this peer saw the epoch
+  begin (or from its first sight of the claimant, whose samples it then takes as they are, up to one global batch).
+* A peer whose claims fail these checks grossly (samples above twice the bound) or for long (an epoch ahead that
+  nobody confirms) is **ignored** for ``ignore_seconds``, doubling at each repeat: its record counts for nothing,
+  not even as a live peer. One WARNING line says so.
+
+What this cannot stop: many identities that each claim plausible progress (a Sybil attack). A private run
+(``RunSecret``) keeps strangers out of the DHT altogether.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from hivemind.p2p import PeerID
+
+from swarm_opt.config import TrustConfig
+
+logger = logging.getLogger(__name__)
+
+_MAX_IGNORE_SECONDS = 3600.0
+
+
+def believed_epoch(epochs: List[int], local_epoch: Optional[int]) -> int:
+    """The newest epoch that at least half of the peers (``epochs``, ours included) have reached, and never less
+    than our own: one peer cannot pull the swarm ahead, a majority that committed a round can."""
+    if not epochs:
+        return local_epoch or 0
+    ordered = sorted(epochs, reverse=True)
+    n = len(ordered)
+    believed = ordered[-1]
+    for count, epoch in enumerate(ordered, start=1):
+        if 2 * count >= n:
+            believed = epoch
+            break
+    return max(believed, local_epoch if local_epoch is not None else believed)
+
+
+def lower_median(values: List[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
+class _Credit:
+    epoch: int
+    base_samples: float
+    base_time: float
+
+
+class ClaimChecker:
+    """Filters and bounds other peers' progress records (see the module docstring). Thread-safe; keeps a little
+    state per peer (its credit in the current epoch, its strikes), forgotten once the peer is gone."""
+
+    def __init__(self, config: TrustConfig = TrustConfig()) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._credits: Dict[Tuple[bytes, str], _Credit] = {}
+        self._epoch_began: Dict[int, float] = {}  # epochs whose start we witnessed, and when
+        self._newest_seen: Optional[int] = None
+        self._ahead_since: Dict[Tuple[bytes, str], float] = {}
+        self._ignored_until: Dict[Tuple[bytes, str], float] = {}
+        self._ignore_count: Dict[Tuple[bytes, str], int] = {}
+        self._reference_rate = 0.0
+
+    def check(self, records: list, local, now: float, target_batch_size: int,
+              local_epoch_started: Optional[float] = None) -> list:
+        """Return the records that count, with samples and throughput bounded. ``local`` is our own record (None for
+        an observer); ``now`` and ``local_epoch_started`` are DHT times."""
+        with self._lock:
+            return self._check(records, local, now, target_batch_size, local_epoch_started)
+
+    def _check(self, records: list, local, now: float, target_batch_size: int,
+               local_epoch_started: Optional[float]) -> list:
+        live = [r for r in records if self._ignored_until.get(_key(r), -1.0) <= now]
+        local_epoch = None if local is None else local.epoch
+        epoch = believed_epoch([r.epoch for r in live] + ([local_epoch] if local is not None else []), local_epoch)
+        self._note_epoch(epoch, now, local_epoch, local_epoch_started)
+
+        counted = []
+        for record in live:
+            key = _key(record)
+            if record.epoch > epoch:
+                since = self._ahead_since.setdefault(key, now)
+                if now - since >= self.config.ahead_grace:
+                    self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}")
+                continue
+            self._ahead_since.pop(key, None)
+            counted.append(record)
+
+        rates = [r.samples_per_second for r in counted if r.epoch == epoch and r.samples > 0]
+        if local is not None and local.samples > 0 and local.epoch == epoch:
+            rates.append(local.samples_per_second)
+        median = lower_median(rates)
+        if median > 0:
+            self._reference_rate = median
+        rate_cap = self.config.max_rate_vs_median * self._reference_rate
+
+        bounded = []
+        for record in counted:
+            if record.epoch != epoch:  # peers behind only count through the current epoch's start (see progress)
+                bounded.append(record.copy(update={"samples_per_second": min(record.samples_per_second, rate_cap)}))
+                continue
+            key = _key(record)
+            credit = self._credits.get(key)
+            if credit is None or credit.epoch != epoch:
+                began = self._epoch_began.get(epoch)
+                if began is not None:
+                    credit = _Credit(epoch, 0.0, began)
+                else:  # we did not see this epoch begin: take the peer's word, up to one global batch
+                    credit = _Credit(epoch, float(min(record.samples, target_batch_size)), now)
+                self._credits[key] = credit
+            allowed = credit.base_samples + rate_cap * (max(0.0, now - credit.base_time) + self.config.burst_seconds)
+            if record.samples > 2 * allowed:
+                self._ignore(key, now, f"it claims {record.samples} samples where at most {allowed:.0f} were "
+                                       f"plausible")
+                continue
+            bounded.append(record.copy(update={"samples": int(min(record.samples, allowed)),
+                                               "samples_per_second": min(record.samples_per_second, rate_cap)}))
+        self._forget_absent({_key(r) for r in records}, now)
+        return bounded
+
+    def _note_epoch(self, epoch: int, now: float, local_epoch: Optional[int], local_started: Optional[float]) -> None:
+        if local_epoch == epoch and local_started is not None:
+            self._epoch_began.setdefault(epoch, local_started)
+        elif self._newest_seen is not None and epoch > self._newest_seen:
+            self._epoch_began.setdefault(epoch, now)  # we saw the swarm move on to it
+        self._newest_seen = epoch if self._newest_seen is None else max(self._newest_seen, epoch)
+        for old in [e for e in self._epoch_began if e < epoch - 1]:
+            del self._epoch_began[old]
+
+    def _ignore(self, key: Tuple[bytes, str], now: float, why: str) -> None:
+        count = self._ignore_count.get(key, 0)
+        seconds = min(_MAX_IGNORE_SECONDS, self.config.ignore_seconds * 2 ** count)
+        self._ignore_count[key] = count + 1
+        self._ignored_until[key] = now + seconds
+        self._credits.pop(key, None)
+        self._ahead_since.pop(key, None)
+        logger.warning(f"Ignoring peer {_describe(key)} for {seconds:.0f} s: {why}")
+
+    def _forget_absent(self, present: set, now: float) -> None:
+        for table in (self._credits, self._ahead_since):
+            for key in [k for k in table if k not in present]:
+                del table[key]
+        for key in [k for k, until in self._ignored_until.items() if until <= now and k not in present]:
+            del self._ignored_until[key]
+            self._ignore_count.pop(key, None)
+
+
+def _key(record) -> Tuple[bytes, str]:
+    return record.peer_id, record.instance
+
+
+def _describe(key: Tuple[bytes, str]) -> str:
+    return f"{PeerID(key[0])}/{key[1][:8]}"

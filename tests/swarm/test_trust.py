@@ -1,0 +1,83 @@
+"""A stranger that writes a validly signed progress record full of lies neither halts nor speeds up a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.swarm.conftest import REPO
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+LIAR = Path(__file__).with_name("liar.py")
+TARGET = 64
+
+
+def start_liar(swarm, **lie) -> subprocess.Popen:
+    cfg = dict(initial_peers=swarm.initial_peers, run_id="test_run", out=str(swarm.tmp / "liar.started"), **lie)
+    path = swarm.tmp / "liar.json"
+    path.write_text(json.dumps(cfg))
+    log = open(swarm.tmp / "liar.log", "w")
+    return subprocess.Popen([sys.executable, str(LIAR), str(path)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=str(REPO),
+                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+
+
+def run_with_liar(swarm, epochs: int, **lie) -> list:
+    """Three honest peers train ``epochs`` epochs while the liar lies; they start once its first record is stored."""
+    for rank in range(3):
+        (swarm.tmp / f"peer{rank}.pt.hold").touch()
+        swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=TARGET, epochs=epochs, step_sleep=0.02,
+                    expect_peers=3, hold_at_epoch=0, max_seconds=150)
+    liar = start_liar(swarm, **lie)
+    try:
+        deadline = time.monotonic() + 60
+        while not (swarm.tmp / "liar.started").exists():
+            assert liar.poll() is None and time.monotonic() < deadline, (swarm.tmp / "liar.log").read_text()
+            time.sleep(0.1)
+        time.sleep(1.5)  # the honest peers' trackers read the lie
+        for rank in range(3):
+            (swarm.tmp / f"peer{rank}.pt.hold").unlink()
+        swarm.wait(timeout=180)
+    finally:
+        os.killpg(liar.pid, signal.SIGKILL)
+        liar.wait(10)
+    return [swarm.result(rank) for rank in range(3)]
+
+
+def assert_identical_and_done(results: list, epochs: int, swarm) -> None:
+    for r in results:
+        assert r["epoch"] >= epochs, swarm.round_events()
+        assert not any(rep["caught_up"] for rep in r["reports"]), swarm.round_events()  # no download, no jump
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+
+
+def test_a_stranger_claiming_an_epoch_far_ahead_neither_stalls_nor_moves_the_run(swarm):
+    epochs = 8
+    results = run_with_liar(swarm, epochs, epochs_ahead=1000)
+    assert_identical_and_done(results, epochs, swarm)
+    for rank in range(3):
+        assert "Loaded the swarm's state" not in swarm.log(rank)
+
+
+def test_a_stranger_claiming_a_billion_samples_does_not_set_the_batch_size(swarm):
+    epochs = 8
+    results = run_with_liar(swarm, epochs, samples=10**9, samples_per_second=1e9)
+    assert_identical_and_done(results, epochs, swarm)
+    # every committed epoch averaged the real samples of a full global batch, not what the liar said
+    per_epoch = {}
+    for r in results:
+        for rep in r["reports"]:
+            per_epoch[rep["epoch"]] = per_epoch.get(rep["epoch"], 0) + rep["samples"]
+    short = {e: s for e, s in per_epoch.items() if e > 1 and s < TARGET}
+    assert not short, (per_epoch, swarm.round_events())
+    assert any("Ignoring peer" in swarm.log(rank) for rank in range(3))

@@ -1,0 +1,97 @@
+"""Bounded trust in progress records (swarm_opt.trust): liars move the swarm no further than they plausibly could."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from swarm_opt import ConfigError, TrustConfig
+from swarm_opt.progress import ProgressRecord, aggregate_progress
+from swarm_opt.trust import ClaimChecker, believed_epoch, lower_median
+
+TARGET = 256
+
+
+def rec(name: str, epoch: int, samples: int, sps: float, t: float) -> ProgressRecord:
+    return ProgressRecord(peer_id=name.encode(), instance=name, epoch=epoch, samples=samples,
+                          samples_per_second=float(sps), time=float(t), client_mode=False, model_schema="s",
+                          target_batch_size=TARGET)
+
+
+def test_believed_epoch_needs_half_of_the_peers():
+    assert believed_epoch([5, 5, 5, 1005], 5) == 5  # one liar ahead of three
+    assert believed_epoch([6, 6, 5], 5) == 6  # a majority committed a round: the third follows
+    assert believed_epoch([6, 5], 5) == 6  # two peers: one ahead is half
+    assert believed_epoch([7, 0, 7], 0) == 7  # a newcomer believes the swarm
+    assert believed_epoch([3, 9], 9) == 9  # never behind our own epoch
+    assert believed_epoch([], None) == 0
+    assert lower_median([1.0, 1e9]) == 1.0 and lower_median([3.0, 1.0, 2.0]) == 2.0
+
+
+def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(caplog):
+    checker = ClaimChecker(TrustConfig(ahead_grace=5.0, ignore_seconds=60.0))
+    local = rec("me", 5, 10, 10.0, 100.0)
+    honest = [rec("a", 5, 20, 10.0, 100.0), rec("b", 5, 30, 10.0, 100.0)]
+    liar = rec("liar", 1005, 0, 10.0, 100.0)
+    counted = checker.check(honest + [liar], local, 100.0, TARGET, local_epoch_started=99.0)
+    assert {r.instance for r in counted} == {"a", "b"}
+    progress = aggregate_progress(counted, local, TARGET, 100.0)
+    assert progress.epoch == 5 and progress.num_peers == 3
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        checker.check(honest + [liar], local, 106.0, TARGET, local_epoch_started=99.0)
+        checker.check(honest + [liar], local, 107.0, TARGET, local_epoch_started=99.0)
+    warnings = [r.getMessage() for r in caplog.records if "Ignoring peer" in r.getMessage()]
+    assert len(warnings) == 1 and "claims epoch 1005 while the swarm is at 5" in warnings[0]
+    # ignored: not even a live peer, until the time is up
+    assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
+
+
+def test_samples_grow_no_faster_than_a_plausible_throughput():
+    config = TrustConfig(max_rate_vs_median=4.0, burst_seconds=1.0)
+    checker = ClaimChecker(config)
+    local = rec("me", 2, 50, 10.0, 105.0)
+    honest = [rec("a", 2, 50, 10.0, 105.0), rec("b", 2, 60, 12.0, 105.0)]
+    # an honest peer 3x faster than the others counts in full; we saw epoch 2 begin at t=100
+    fast = rec("fast", 2, 150, 30.0, 105.0)
+    counted = {r.instance: r for r in checker.check(honest + [fast], local, 105.0, TARGET, 100.0)}
+    assert counted["fast"].samples == 150 and counted["a"].samples == 50
+    # one claiming 70 samples/s (7x the median) is bounded to 4x the median rate, not struck
+    checker = ClaimChecker(config)
+    greedy = rec("greedy", 2, 350, 70.0, 105.0)
+    counted = {r.instance: r for r in checker.check(honest + [greedy], local, 105.0, TARGET, 100.0)}
+    assert counted["greedy"].samples == pytest.approx(4 * 10.0 * (5 + 1), abs=1)
+    assert counted["greedy"].samples_per_second == pytest.approx(40.0)
+
+
+def test_a_peer_claiming_absurd_samples_is_ignored_and_cannot_fill_the_batch(caplog):
+    checker = ClaimChecker(TrustConfig())
+    local = rec("me", 3, 20, 10.0, 101.0)
+    honest = [rec("a", 3, 20, 10.0, 101.0), rec("b", 3, 20, 10.0, 101.0)]
+    liar = rec("liar", 3, 10**9, 1e9, 101.0)
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        counted = checker.check(honest + [liar], local, 101.0, TARGET, local_epoch_started=99.0)
+    assert {r.instance for r in counted} == {"a", "b"}
+    assert not aggregate_progress(counted, local, TARGET, 101.0).ready
+    assert any("claims 1000000000 samples" in r.getMessage() for r in caplog.records)
+    # it stays ignored for ignore_seconds, then gets one more chance and is ignored twice as long
+    assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
+    checker.check(honest + [liar], local, 162.0, TARGET, 99.0)
+    assert any("for 120 s" in r.getMessage() for r in caplog.records)
+
+
+def test_a_newcomer_takes_what_it_did_not_see_begin_at_face_value_up_to_one_batch():
+    checker = ClaimChecker(TrustConfig())
+    # an observer's first read: the epoch began before it looked, so 200 samples are plausible
+    counted = checker.check([rec("a", 9, 200, 10.0, 100.0), rec("b", 9, 180, 10.0, 100.0)], None, 100.0, TARGET)
+    assert sorted(r.samples for r in counted) == [180, 200]
+    # ...and they keep growing at their rate afterwards without being struck
+    counted = checker.check([rec("a", 9, 230, 10.0, 103.0), rec("b", 9, 210, 10.0, 103.0)], None, 103.0, TARGET)
+    assert sorted(r.samples for r in counted) == [210, 230]
+
+
+def test_trust_config_names_the_fix():
+    with pytest.raises(ConfigError, match="max_rate_vs_median must be >= 1"):
+        TrustConfig(max_rate_vs_median=0.5)
+    with pytest.raises(ConfigError, match="ignore_seconds"):
+        TrustConfig(ignore_seconds=-1)

@@ -1,6 +1,7 @@
 """swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind."""
 
 from swarm_opt._logging import tame_hivemind_logging
+from swarm_opt.auth import PrivateRun
 from swarm_opt.auxiliary import AuxiliaryPeer
 from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
 from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
@@ -26,6 +27,7 @@ tame_hivemind_logging()
 __all__ = [
     "Optimizer",
     "AuxiliaryPeer",
+    "PrivateRun",
     "Checkpointer",
     "BestMetric",
     "load_checkpoint",

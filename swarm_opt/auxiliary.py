@@ -28,12 +28,14 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
+from swarm_opt.auth import run_access
 from swarm_opt.averaging import TensorAverager
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
 from swarm_opt.optimizer import averaging_prefix, model_schema
+from swarm_opt.progress import progress_key
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -96,7 +98,8 @@ class AuxiliaryPeer:
                                    max_extrapolation=TrackerConfig().max_extrapolation)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
-            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, auxiliary=True)
+            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, auxiliary=True,
+            access=run_access(dht, progress_key(run_id)))
         self._snapshot: Optional[RunSnapshot] = None
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0

@@ -34,6 +34,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
+from swarm_opt.auth import RunAccess
 from swarm_opt.config import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _Engine(DecentralizedAverager):
     from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
+    access: Optional[RunAccess] = None  # a private run's checks (set before the fork)
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -167,6 +169,14 @@ class _Engine(DecentralizedAverager):
             await asyncio.sleep(_REPLY_LINGER)
         finally:
             self._serving -= 1
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """hivemind's, for members of a private run only (an empty answer sends the peer to its next donor)."""
+        if self.access is not None and not await self.access.admits(self.dht, context.remote_id):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
 
     def _runners(self, group_id: bytes) -> Iterator[Any]:
         """The all-reduce runners of a group started so far (several for engines that run phases, see powersgd)."""
@@ -335,6 +345,7 @@ class TensorAverager:
         compression: Any = NoCompression(),
         state_provider: Optional[StateProvider] = None,
         auxiliary: bool = False,
+        access: Optional[RunAccess] = None,
     ) -> None:
         self.timeouts = timeouts
         self.auxiliary = auxiliary
@@ -356,6 +367,9 @@ class TensorAverager:
             part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
+        if access is not None:  # before the fork: the matchmaking of the averager process reads both
+            self._engine.access = access
+            self._engine.schema_hash = access.schema_hash(self._engine.schema_hash)
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None

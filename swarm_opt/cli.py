@@ -197,11 +197,19 @@ _NETWORK = [
             metavar="FILE"),
 ]
 
+_PRIVATE = [
+    _Option("--run-secret-file", "a private run: file holding the run's shared secret (make one with "
+            "`openssl rand -hex 32 > run.secret`); peers without it cannot join", metavar="FILE"),
+    _Option("--allow-peers", "a private run: file listing the peer ids allowed in, one per line; needs "
+            "--identity-path", metavar="FILE"),
+]
+
 OPTIONS: Dict[str, List[_Option]] = {
-    "dht": _NETWORK,
+    "dht": _NETWORK + _PRIVATE,
     "train": [
         _Option("--run-id", "peers with the same run id train together", type=run_id, required=True),
         *_NETWORK,
+        *_PRIVATE,
         _Option("--client-mode", "only dial out (behind NAT or a firewall); still averages", is_switch=True),
         _Option("--auxiliary", "help the run average without training: reduce a share of every round (a machine "
                 "with bandwidth but no accelerator; accepts connections, so not with --client-mode)", is_switch=True),
@@ -237,6 +245,8 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--run-id", "the run to follow", type=run_id, required=True),
         _Option("--initial-peers", "multiaddrs of any peer of the swarm", is_list=True, required=True,
                 metavar="MADDR"),
+        *_PRIVATE,
+        _NETWORK[-1],
         _Option("--target-batch-size", "the run's global batch, to show progress toward the next epoch and an ETA",
                 type=positive_int),
         _Option("--once", "print one snapshot and exit (status 1 if the run has no live peers)", is_switch=True),
@@ -399,7 +409,8 @@ def run_dht(args: argparse.Namespace) -> int:
 
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
-                    announce_maddrs=args.announce_maddrs, identity_path=args.identity_path)
+                    announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
+                    private_run=private_run(args))
     stop = StopRequest().install()
     try:
         for maddr in dht.get_visible_maddrs():
@@ -426,7 +437,8 @@ def run_monitor(args: argparse.Namespace) -> int:
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
     from swarm_opt.node import StopRequest, start_dht
 
-    dht = start_dht(initial_peers=args.initial_peers, client_mode=True)
+    dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
+                    private_run=private_run(args))
     stop = StopRequest()
     monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size)
     try:
@@ -468,6 +480,20 @@ def run_monitor(args: argparse.Namespace) -> int:
             else:
                 print(f"{PROG} monitor: nothing to plot (no records were seen); {args.plot} not written",
                       file=sys.stderr)
+
+
+def private_run(args: argparse.Namespace) -> Any:
+    """The run's credentials from --run-secret-file / --allow-peers (None for an open run)."""
+    if args.run_secret_file is None and args.allow_peers is None:
+        return None
+    from swarm_opt.auth import PrivateRun
+
+    if args.allow_peers is not None and args.identity_path is not None:
+        from swarm_opt.node import ensure_identity
+
+        ensure_identity(args.identity_path)
+    return PrivateRun.from_files(secret_file=args.run_secret_file, allow_peers_file=args.allow_peers,
+                                 identity_path=args.identity_path)
 
 
 def _run_train(args: argparse.Namespace) -> int:

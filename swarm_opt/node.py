@@ -20,9 +20,12 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence
 
 from swarm_opt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from swarm_opt.auth import PrivateRun
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
 
@@ -118,9 +121,11 @@ def start_dht(
     announce_maddrs: Sequence[str] = (),
     client_mode: bool = False,
     identity_path: Optional[str] = None,
+    private_run: Optional[PrivateRun] = None,
 ):
     """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start. Started from
-    the main thread, the DHT and its p2p daemon run in a process group of their own (``swarm_opt._dht_process``)."""
+    the main thread, the DHT and its p2p daemon run in a process group of their own (``swarm_opt._dht_process``).
+    With ``private_run``, only peers holding the same credentials can talk to it (``swarm_opt.auth``)."""
     import hivemind
 
     from swarm_opt._dht_process import OwnGroupDHT
@@ -139,13 +144,21 @@ def start_dht(
             kwargs.update(announce_maddrs=announce_maddrs)
     if identity_path is not None:
         kwargs.update(identity_path=str(Path(identity_path).expanduser()))
+    if private_run is not None:
+        kwargs.update(authorizer=private_run.authorizer())
     try:
         with children_ignore_sigint():
             in_main_thread = threading.current_thread() is threading.main_thread()
             return (OwnGroupDHT if in_main_thread else hivemind.DHT)(**kwargs)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ("; check that --initial-peers are reachable and up" if initial_peers else "")
+        hint = ""
+        if initial_peers and private_run is not None:
+            hint = ("; check that --initial-peers are reachable and up, and that this peer holds the run's "
+                    "credentials (the same --run-secret-file; its peer id in their --allow-peers)")
+        elif initial_peers:
+            hint = ("; check that --initial-peers are reachable and up, and, if the run is private, pass its "
+                    "secret with --run-secret-file")
         raise ConfigError(f"could not start the DHT node: {reason}{hint}") from None
 
 

@@ -21,12 +21,13 @@ import torch
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
+from swarm_opt.auth import run_access
 from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.offload import Offload, OffloadedParameters
-from swarm_opt.progress import ProgressTracker, SwarmProgress
+from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import HeldRound, Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
@@ -157,6 +158,7 @@ class Optimizer(torch.optim.Optimizer):
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
             compression=compression, state_provider=self._shareable_state,
+            access=run_access(dht, progress_key(run_id)),
         )
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
+from swarm_opt.cli import private_run
 from swarm_opt.errors import ConfigError
 from swarm_opt.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.tasks import Task, evaluate, load_task
@@ -140,7 +141,7 @@ def run_train(args: argparse.Namespace) -> int:
     stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
-                    identity_path=args.identity_path)
+                    identity_path=args.identity_path, private_run=private_run(args))
     if args.auxiliary:
         return _run_auxiliary(args, task, strategy, dht, stop)
     opt: Optional[swarm_opt.Optimizer] = None

@@ -149,9 +149,11 @@ def main(config_path: str) -> None:
 
     cfg = json.load(open(config_path))
     install_fault(cfg)
+    private = {"authorizer": swarm_opt.PrivateRun(secret=cfg["secret"].encode()).authorizer()} \
+        if cfg.get("secret") else {}
     dht = hivemind.DHT(
         initial_peers=cfg.get("initial_peers", []), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        client_mode=cfg.get("client_mode", False), start=True,
+        client_mode=cfg.get("client_mode", False), start=True, **private,
     )
     with open(cfg["out"] + ".maddrs", "w") as f:
         json.dump([str(a) for a in dht.get_visible_maddrs()], f)

@@ -1,0 +1,71 @@
+"""Private runs: peers without the run's secret change nothing in it and are told why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.swarm.conftest import REPO
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+SECRET = "correct horse battery staple 42"
+
+
+def run_tool(args: list, swarm, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=env,
+                          start_new_session=True)
+
+
+def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(swarm):
+    epochs = 4
+    for rank in range(2):
+        swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=64, epochs=epochs, expect_peers=2,
+                    secret=SECRET, max_seconds=120, linger=60.0)
+    # a stranger training the same model with the wrong secret, and one with none: their DHTs cannot start
+    for rank, secret in ((2, "a wrong secret of enough length"), (3, None)):
+        cfg = dict(rank=rank, out=str(swarm.tmp / f"peer{rank}.pt"), initial_peers=swarm.initial_peers,
+                   inner="sgd", batch_size=8, target_batch_size=64, epochs=epochs, secret=secret)
+        (swarm.tmp / f"stranger{rank}.json").write_text(json.dumps(cfg))
+        stranger = run_tool([sys.executable, "tests/swarm/peer.py", str(swarm.tmp / f"stranger{rank}.json")], swarm)
+        assert stranger.returncode != 0 and "bootstrap failed" in stranger.stdout + stranger.stderr
+    # the monitor of someone without the secret is told why it sees nothing
+    wrong = swarm.tmp / "wrong.secret"
+    wrong.write_text("not the secret, but long enough")
+    monitor = run_tool([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--once",
+                        "--initial-peers", *swarm.initial_peers, "--run-secret-file", str(wrong)], swarm)
+    assert monitor.returncode == 2, monitor.stderr
+    assert "holds the run's credentials" in monitor.stderr and "not the secret" not in monitor.stderr + monitor.stdout
+    monitor = run_tool([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--once",
+                        "--initial-peers", *swarm.initial_peers], swarm)
+    assert monitor.returncode == 2 and "pass its secret with --run-secret-file" in monitor.stderr, monitor.stderr
+    # one who dials a member directly over libp2p and asks for its state gets nothing
+    cfg = dict(initial_peers=swarm.initial_peers, run_id="test_run", out=str(swarm.tmp / "outsider.json"))
+    (swarm.tmp / "outsider_cfg.json").write_text(json.dumps(cfg))
+    outsider = run_tool([sys.executable, "tests/swarm/outsider.py", str(swarm.tmp / "outsider_cfg.json")], swarm)
+    assert outsider.returncode == 0, outsider.stderr
+    assert json.loads((swarm.tmp / "outsider.json").read_text())["received"] == 0
+
+    swarm.wait(timeout=150)
+    results = [swarm.result(rank) for rank in range(2)]
+    for r in results:
+        assert r["epoch"] >= epochs and all(rep["num_peers"] <= 2 for rep in r["reports"]), swarm.round_events()
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    logs = swarm.log(0) + swarm.log(1)
+    assert "does not hold this private run's credentials" in logs
+    assert "is not a member of this private run" in logs
+    assert "Traceback" not in logs and SECRET not in logs
+
+
+def test_members_with_the_secret_download_state_from_each_other(swarm):
+    swarm.start(0, inner="sgd", batch_size=8, target_batch_size=64, epochs=3, secret=SECRET, max_seconds=120)
+    swarm.start(1, inner="sgd", batch_size=8, target_batch_size=64, epochs=3, secret=SECRET, downloads=1,
+                max_seconds=120)
+    swarm.wait(timeout=150)
+    assert "Loaded the swarm's state" in swarm.log(1), swarm.log(1)

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _MIN_SECRET_BYTES = 16
 _REFUSAL_LOG_PERIOD = 60.0  # seconds between two log lines about the same refused peer
+_SHA256_MULTIHASH = bytes([0x12, 0x20])  # a multihash prefix: sha2-256, 32 bytes
 _MEMBERS_REFRESH = 2.0  # seconds between two reads of a private run's members by a donor
 
 
@@ -181,15 +182,18 @@ def _peer_id_of(public_key: bytes) -> Optional[bytes]:
     except Exception:  # a stranger's token may hold anything
         return None
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
-    return bytes.fromhex("1220") + hashlib.sha256(encoded).digest()  # multihash: sha2-256, 32 bytes
+    return _SHA256_MULTIHASH + hashlib.sha256(encoded).digest()
 
 
 def _parse_peer_id(value: str) -> bytes:
     try:
-        return PeerID.from_base58(value).to_bytes()
+        peer_id = PeerID.from_base58(value).to_bytes()
     except Exception:
+        peer_id = b""
+    if len(peer_id) != 34 or not peer_id.startswith(_SHA256_MULTIHASH):  # the ids of hivemind's RSA identities
         raise ConfigError(f"'{value}' in the allowlist is not a peer id; copy the id that `swarm-opt dht` prints "
-                          f"(e.g. QmXyz...)") from None
+                          f"(e.g. QmXyz...)")
+    return peer_id
 
 
 def _read(path: str, what: str) -> bytes:

@@ -14,7 +14,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import math
 import multiprocessing as mp
+import random
 import signal
 import threading
 import time
@@ -25,12 +27,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.compression import NoCompression
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
@@ -177,6 +180,60 @@ class _Engine(DecentralizedAverager):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, *,
+                              exclude: Sequence[bytes] = (), max_bytes: int = 2**62) -> Any:
+        """hivemind's, with the donor's peer id in the result ``(metadata, tensors, donor)``, donors to skip (they
+        served a state that failed our checks), and at most ``max_bytes`` accepted from a donor."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+                                                                   exclude=tuple(exclude), max_bytes=max_bytes)))
+        return future.result(timeout=timeout) if wait else future
+
+    async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
+                                     exclude: Sequence[bytes] = (), max_bytes: int = 2**62) -> None:
+        try:
+            found = await self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True,
+                                       return_future=True)
+            donors = {PeerID(peer_id): (float(info.value), random.random())  # random: spreads newcomers over donors
+                      for peer_id, info in (found.value.items() if isinstance(found, ValueWithExpiration)
+                                            and isinstance(found.value, dict) else ())
+                      if isinstance(peer_id, bytes) and peer_id not in exclude
+                      and isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                      and math.isfinite(info.value)}
+            chunk_timeout = self.next_chunk_timeout or self.request_timeout
+            for donor in sorted(donors, key=donors.get, reverse=True):
+                if donor == self.peer_id or future.done():
+                    continue
+                try:
+                    state = await self._download_from(donor, chunk_timeout, max_bytes)
+                except Exception as e:  # a donor that left or misbehaved: the next one
+                    logger.debug(f"Could not download the state from {donor}: {e!r}")
+                    continue
+                if state is not None:
+                    future.set_result((*state, donor.to_bytes()))
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_from(self, donor: PeerID, timeout: float, max_bytes: int) -> Optional[Tuple[Any, list]]:
+        stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, parts, tensors, received = None, [], [], 0
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            received += message.ByteSize()
+            if received > max_bytes:
+                raise ValueError(f"the donor sent more than {max_bytes} bytes")
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if metadata is None else (metadata, tensors)
 
     def _runners(self, group_id: bytes) -> Iterator[Any]:
         """The all-reduce runners of a group started so far (several for engines that run phases, see powersgd)."""
@@ -367,6 +424,7 @@ class TensorAverager:
             part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
+        self._state_bytes = sum(b.numel() * b.element_size() for b in buffers)
         if access is not None:  # before the fork: the matchmaking of the averager process reads both
             self._engine.access = access
             self._engine.schema_hash = access.schema_hash(self._engine.schema_hash)
@@ -497,10 +555,13 @@ class TensorAverager:
         if control is not None and not control.done():
             control.cancel()
 
-    def load_state(self, timeout: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
-        """Download (metadata, tensors) from the best donor; ``None`` if nobody answered."""
+    def load_state(self, timeout: float, exclude: Sequence[bytes] = ()) -> Optional[Tuple[Any, List[torch.Tensor],
+                                                                                          bytes]]:
+        """Download (metadata, tensors, donor's peer id) from the best donor not in ``exclude``; ``None`` if nobody
+        answered. A donor may send at most 16x the averaged tensors' size, plus 64 MiB (optimizer state)."""
         try:
-            return self._engine.load_state_from_peers(timeout=timeout)
+            return self._engine.load_state_from_peers(timeout=timeout, exclude=exclude,
+                                                      max_bytes=16 * self._state_bytes + 2**26)
         except Exception as e:
             logger.debug("State download failed: %r", e)
             return None

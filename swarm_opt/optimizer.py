@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 from hivemind.dht import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm_opt.auth import run_access
@@ -28,7 +29,7 @@ from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
-from swarm_opt.serialization import flatten, unflatten
+from swarm_opt.serialization import flatten, params_digest, unflatten
 from swarm_opt.strategies.base import HeldRound, Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -160,6 +161,8 @@ class Optimizer(torch.optim.Optimizer):
             compression=compression, state_provider=self._shareable_state,
             access=run_access(dht, progress_key(run_id)),
         )
+        self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
+        self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically
         self._synced = self._tracker.progress.epoch == 0
@@ -322,7 +325,7 @@ class Optimizer(torch.optim.Optimizer):
         self._synced = True
         if self.scheduler is not None:
             self.scheduler.step()
-        self._tracker.report(self._epoch, self._samples)
+        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
         self._averager.set_priority(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
@@ -356,7 +359,7 @@ class Optimizer(torch.optim.Optimizer):
         deadline, delay, reason = time.monotonic() + timeout, 0.5, "no peer offered its state"
         while True:
             remaining = deadline - time.monotonic()
-            downloaded = self._averager.load_state(timeout=max(1.0, remaining))
+            downloaded = self._averager.load_state(timeout=max(1.0, remaining), exclude=tuple(self._bad_donors))
             if downloaded is not None:
                 try:
                     epoch = self._apply_downloaded_state(*downloaded, require_newer=_require_newer)
@@ -384,7 +387,8 @@ class Optimizer(torch.optim.Optimizer):
         logger.info(f"Sending our state (epoch {metadata['epoch']}) to a peer that joins or catches up")
         return metadata, tensors
 
-    def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], *, require_newer: bool) -> int:
+    def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], donor: bytes, *,
+                                require_newer: bool) -> int:
         if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
             raise IncompatibleStateError("unknown state format")
         if metadata.get("schema") != self.model_schema:
@@ -402,6 +406,13 @@ class Optimizer(torch.optim.Optimizer):
             raise IncompatibleStateError("state without parameters")
         params = state["params"]
         _check_tensors_fit(params, self._params)
+        digest = params_digest(params) if self.strategy.params_change_only_in_rounds else None
+        expected = self._tracker.majority_params_digest(epoch)
+        if digest is not None and expected is not None and digest != expected:
+            self._bad_donors.add(donor)
+            logger.warning(f"Skipping donor {PeerID(donor)} from now on: its parameters at epoch {epoch} differ from "
+                           f"those the majority of peers at that epoch hold")
+            raise IncompatibleStateError("the donor's parameters differ from the majority's")
         with torch.no_grad(), self._state_lock:
             backup = [p.detach().clone() for p in self._params]
             try:
@@ -417,10 +428,17 @@ class Optimizer(torch.optim.Optimizer):
             self._epoch = epoch
             self._samples = 0
             self.strategy.reset()
-        self._tracker.report(self._epoch, 0)
+        self._tracker.report(self._epoch, 0, params_digest=digest)
         self._averager.set_priority(self._epoch)
         self._push_offloaded()
         return epoch
+
+    def _params_digest(self) -> Optional[str]:
+        """What peers at our epoch compare (None where parameters change between rounds)."""
+        if not self.strategy.params_change_only_in_rounds:
+            return None
+        with self._state_lock:
+            return params_digest(self._params)
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -446,7 +464,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._epoch, self._samples = int(extra["epoch"]), 0
                 self._synced = True  # our own history; if the swarm moved on, step() catches up as usual
         if "epoch" in extra:
-            self._tracker.report(self._epoch, 0)
+            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
             self._averager.set_priority(self._epoch)
 
     # --- lifetime ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import math
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional
 
@@ -45,6 +46,8 @@ class ProgressRecord(pydantic.BaseModel):
     client_mode: pydantic.StrictBool
     model_schema: pydantic.constr(max_length=64, strict=True)  # type: ignore[valid-type]
     target_batch_size: pydantic.conint(ge=1, strict=True)  # type: ignore[valid-type]
+    # the digest of the peer's parameters at this epoch, for strategies whose parameters change only in rounds
+    params_digest: pydantic.constr(max_length=32, strict=True) = ""  # type: ignore[valid-type]
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
@@ -209,6 +212,7 @@ class ProgressTracker:
         self._peer_id = dht.peer_id.to_bytes()
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
+        self._params_digest = ""
         self._epoch_started: Optional[float] = None
         self._throughput = _Throughput()
         self._checker = ClaimChecker(config.trust)
@@ -225,15 +229,30 @@ class ProgressTracker:
         self.refresh()
         self._thread.start()
 
-    def report(self, epoch: int, samples: int) -> None:
-        """Record local progress; published by the background thread (at once when the epoch changed)."""
+    def report(self, epoch: int, samples: int, params_digest: Optional[str] = None) -> None:
+        """Record local progress; published by the background thread (at once when the epoch changed). A new epoch
+        forgets the parameters' digest unless it comes along."""
         with self._lock:
             if epoch != self._epoch:
                 self._throughput.restart()
                 self._epoch_started = get_dht_time()
+                self._params_digest = ""
+                self._wake.set()
+            if params_digest is not None:
+                self._params_digest = params_digest
                 self._wake.set()
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
+
+    def majority_params_digest(self, epoch: int) -> Optional[str]:
+        """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
+        if any: what a state downloaded at that epoch must match."""
+        with self._lock:
+            digests = [r.params_digest for r in self._others if r.epoch == epoch and r.params_digest]
+        if len(digests) < 2:
+            return None
+        digest, count = Counter(digests).most_common(1)[0]
+        return digest if 2 * count > len(digests) else None
 
     @property
     def progress(self) -> SwarmProgress:
@@ -282,12 +301,13 @@ class ProgressTracker:
             peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
+            params_digest=self._params_digest,
         )
 
     def _publish(self, *, force: bool, timeout: float) -> None:
         with self._lock:
             record = self._local_record()
-        state = (record.epoch, record.samples)
+        state = (record.epoch, record.samples, record.params_digest)
         now = time.monotonic()
         if not force and state == self._published and now - self._last_publish < self.config.heartbeat_period:
             return

@@ -135,10 +135,11 @@ class ClaimChecker:
         return bounded
 
     def _note_epoch(self, epoch: int, now: float, local_epoch: Optional[int], local_started: Optional[float]) -> None:
-        if local_epoch == epoch and local_started is not None:
-            self._epoch_began.setdefault(epoch, local_started)
-        elif self._newest_seen is not None and epoch > self._newest_seen:
-            self._epoch_began.setdefault(epoch, now)  # we saw the swarm move on to it
+        """Remember when the swarm's epoch began, if we saw it begin: the epoch became the believed one after our
+        first check (a peer that joins, or downloads a state, finds its epoch long begun: it knows no start)."""
+        if self._newest_seen is not None and epoch > self._newest_seen:
+            began = local_started if local_epoch == epoch and local_started is not None else now
+            self._epoch_began[epoch] = min(began, now)
         self._newest_seen = epoch if self._newest_seen is None else max(self._newest_seen, epoch)
         for old in [e for e in self._epoch_began if e < epoch - 1]:
             del self._epoch_began[old]

@@ -21,6 +21,9 @@ class Strategy(ABC):
 
     #: a short stable name; peers only average with peers running the same strategy
     name: str = "strategy"
+    #: True if the parameters change only when a round is applied, so that every peer at an epoch holds the same
+    #: parameters: peers then publish their digest, and a state downloaded from a donor must match the majority's
+    params_change_only_in_rounds: bool = False
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""

@@ -45,6 +45,7 @@ class GradientAveraging(Strategy):
     """
 
     name = "grad"
+    params_change_only_in_rounds = True
 
     def __init__(self, *, overlap: Optional[Overlap] = None) -> None:
         if overlap is not None and not isinstance(overlap, Overlap):

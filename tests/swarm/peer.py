@@ -93,7 +93,23 @@ def install_fault(cfg: dict) -> None:
       the first to claim the file ``die_while_serving``.
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
-      ``OUT.slowed`` the first time."""
+      ``OUT.slowed`` the first time.
+    * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
+      are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
+    if cfg.get("serve_perturbed"):
+        from swarm_opt.averaging import TensorAverager
+        from swarm_opt.optimizer import Optimizer
+
+        original_state, original_priority = Optimizer._shareable_state, TensorAverager.set_priority
+
+        def _shareable_state(self):
+            metadata, tensors = original_state(self)
+            return metadata, [t + 0.01 if i < len(self._params) else t for i, t in enumerate(tensors)]
+
+        def set_priority(self, priority):
+            original_priority(self, priority + 0.5)
+
+        Optimizer._shareable_state, TensorAverager.set_priority = _shareable_state, set_priority
     if cfg.get("slow_replies"):
         import asyncio
 

@@ -81,3 +81,31 @@ def test_a_stranger_claiming_a_billion_samples_does_not_set_the_batch_size(swarm
     short = {e: s for e, s in per_epoch.items() if e > 1 and s < TARGET}
     assert not short, (per_epoch, swarm.round_events())
     assert any("Ignoring peer" in swarm.log(rank) for rank in range(3))
+
+
+def test_a_newcomer_skips_a_donor_whose_state_differs_from_the_majoritys(swarm):
+    """The best-announced donor serves perturbed parameters; the newcomer checks them against the parameters'
+    digest that the majority of peers at that epoch publish, skips that donor for good, and takes the state of
+    another; it then trains in step with the swarm."""
+    epochs = 6
+    for rank in range(3):
+        (swarm.tmp / f"peer{rank}.pt.hold").touch()
+        swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=TARGET, epochs=epochs, expect_peers=3,
+                    hold_at_epoch=3, serve_perturbed=rank == 0, max_seconds=150)
+    deadline = time.monotonic() + 120
+    while not all("epoch 3:" in swarm.log(rank) for rank in range(3)):
+        assert time.monotonic() < deadline, [swarm.log(rank)[-2000:] for rank in range(3)]
+        time.sleep(0.1)
+    swarm.start(3, inner="sgd", batch_size=8, target_batch_size=TARGET, epochs=epochs, max_seconds=150)
+    while "Loaded the swarm's state" not in swarm.log(3):
+        assert time.monotonic() < deadline + 60, swarm.log(3)
+        time.sleep(0.1)
+    for rank in range(3):
+        (swarm.tmp / f"peer{rank}.pt.hold").unlink()
+    swarm.wait(timeout=150)
+    newcomer = swarm.log(3)
+    assert newcomer.count("Skipping donor") == 1 and "Loaded the swarm's state at epoch 3" in newcomer, newcomer
+    assert "Sending our state" in swarm.log(0)  # the liar was asked first
+    results = [swarm.result(rank) for rank in range(4)]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"])), swarm.round_events()

@@ -31,6 +31,7 @@ def test_believed_epoch_needs_half_of_the_peers():
 
 def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(caplog):
     checker = ClaimChecker(TrustConfig(ahead_grace=5.0, ignore_seconds=60.0))
+    seen_epoch_begin(checker, 5, 99.0)
     local = rec("me", 5, 10, 10.0, 100.0)
     honest = [rec("a", 5, 20, 10.0, 100.0), rec("b", 5, 30, 10.0, 100.0)]
     liar = rec("liar", 1005, 0, 10.0, 100.0)
@@ -47,9 +48,16 @@ def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(capl
     assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
 
 
+def seen_epoch_begin(checker: ClaimChecker, epoch: int, at: float) -> None:
+    """The checker saw the swarm at ``epoch - 1``, then our round moved us to ``epoch`` at ``at``."""
+    checker.check([rec("a", epoch - 1, 90, 10.0, at - 1)], rec("me", epoch - 1, 90, 10.0, at - 1), at - 1, TARGET)
+    checker.check([rec("a", epoch - 1, 90, 10.0, at - 1)], rec("me", epoch, 0, 0.0, at), at, TARGET, at)
+
+
 def test_samples_grow_no_faster_than_a_plausible_throughput():
     config = TrustConfig(max_rate_vs_median=4.0, burst_seconds=1.0)
     checker = ClaimChecker(config)
+    seen_epoch_begin(checker, 2, 100.0)
     local = rec("me", 2, 50, 10.0, 105.0)
     honest = [rec("a", 2, 50, 10.0, 105.0), rec("b", 2, 60, 12.0, 105.0)]
     # an honest peer 3x faster than the others counts in full; we saw epoch 2 begin at t=100
@@ -58,6 +66,7 @@ def test_samples_grow_no_faster_than_a_plausible_throughput():
     assert counted["fast"].samples == 150 and counted["a"].samples == 50
     # one claiming 70 samples/s (7x the median) is bounded to 4x the median rate, not struck
     checker = ClaimChecker(config)
+    seen_epoch_begin(checker, 2, 100.0)
     greedy = rec("greedy", 2, 350, 70.0, 105.0)
     counted = {r.instance: r for r in checker.check(honest + [greedy], local, 105.0, TARGET, 100.0)}
     assert counted["greedy"].samples == pytest.approx(4 * 10.0 * (5 + 1), abs=1)
@@ -66,6 +75,7 @@ def test_samples_grow_no_faster_than_a_plausible_throughput():
 
 def test_a_peer_claiming_absurd_samples_is_ignored_and_cannot_fill_the_batch(caplog):
     checker = ClaimChecker(TrustConfig())
+    seen_epoch_begin(checker, 3, 99.0)
     local = rec("me", 3, 20, 10.0, 101.0)
     honest = [rec("a", 3, 20, 10.0, 101.0), rec("b", 3, 20, 10.0, 101.0)]
     liar = rec("liar", 3, 10**9, 1e9, 101.0)
@@ -88,6 +98,17 @@ def test_a_newcomer_takes_what_it_did_not_see_begin_at_face_value_up_to_one_batc
     # ...and they keep growing at their rate afterwards without being struck
     counted = checker.check([rec("a", 9, 230, 10.0, 103.0), rec("b", 9, 210, 10.0, 103.0)], None, 103.0, TARGET)
     assert sorted(r.samples for r in counted) == [210, 230]
+
+
+def test_a_peer_that_downloads_the_swarms_epoch_did_not_see_it_begin():
+    """A newcomer at epoch 0 downloads epoch 9's state: the others have been at epoch 9 for long, so their samples
+    are taken as they are (it must not ignore honest peers for samples gathered before it arrived)."""
+    checker = ClaimChecker(TrustConfig())
+    others = [rec("a", 9, 300, 10.0, 100.0), rec("b", 9, 250, 10.0, 100.0)]
+    checker.check(others, rec("me", 0, 0, 0.0, 100.0), 100.0, TARGET)
+    checker.check(others[1:], rec("me", 9, 0, 0.0, 101.0), 101.0, TARGET, local_epoch_started=101.0)  # a's record
+    counted = checker.check(others, rec("me", 9, 0, 0.0, 101.5), 101.5, TARGET, 101.0)  # was missing from one read
+    assert sorted(r.samples for r in counted) == [250, 300]
 
 
 def test_trust_config_names_the_fix():

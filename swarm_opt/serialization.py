@@ -13,6 +13,7 @@ import torch
 
 _TENSOR, _DICT, _TUPLE = "__tensor__", "__dict__", "__tuple__"
 _SCALARS = (type(None), bool, int, float, str)
+_MAX_DEPTH = 64  # optimizer states nest a few levels; a donor's skeleton must not exhaust the stack
 
 
 def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
@@ -36,9 +37,11 @@ def flatten(obj: Any) -> Tuple[Any, List[torch.Tensor]]:
 
 
 def unflatten(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
-    """Inverse of ``flatten``; raises ValueError on anything it did not produce."""
+    """Inverse of ``flatten``; raises ValueError on anything it did not produce (nesting too deep included)."""
 
-    def walk(x: Any) -> Any:
+    def walk(x: Any, depth: int = 0) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ValueError(f"state skeleton nested deeper than {_MAX_DEPTH} levels")
         if isinstance(x, dict):
             if set(x) == {_TENSOR}:
                 index = x[_TENSOR]
@@ -49,12 +52,12 @@ def unflatten(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
                 pairs = x[_DICT]
                 if not all(isinstance(p, list) and len(p) == 2 for p in pairs):
                     raise ValueError("malformed dict entry")
-                return {_hashable(walk(k)): walk(v) for k, v in pairs}
+                return {_hashable(walk(k, depth + 1)): walk(v, depth + 1) for k, v in pairs}
             if set(x) == {_TUPLE} and isinstance(x[_TUPLE], list):
-                return tuple(walk(v) for v in x[_TUPLE])
+                return tuple(walk(v, depth + 1) for v in x[_TUPLE])
             raise ValueError(f"unexpected mapping with keys {sorted(map(str, x))}")
         if isinstance(x, list):
-            return [walk(v) for v in x]
+            return [walk(v, depth + 1) for v in x]
         if isinstance(x, _SCALARS):
             return x
         raise ValueError(f"unexpected {type(x).__name__} in state skeleton")
@@ -63,8 +66,10 @@ def unflatten(skeleton: Any, tensors: List[torch.Tensor]) -> Any:
 
 
 def _hashable(key: Any) -> Any:
-    if isinstance(key, (list, dict)):
-        raise ValueError("dict keys must be scalars or tuples")
+    try:
+        hash(key)
+    except TypeError:
+        raise ValueError("dict keys must be scalars or tuples of them") from None
     return key
 
 

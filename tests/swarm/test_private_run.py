@@ -69,3 +69,33 @@ def test_members_with_the_secret_download_state_from_each_other(swarm):
                 max_seconds=120)
     swarm.wait(timeout=150)
     assert "Loaded the swarm's state" in swarm.log(1), swarm.log(1)
+
+
+def test_an_allowlist_admits_listed_identities_only(tmp_path):
+    """Three DHT nodes hold the run's secret; the allowlist names the first two's persistent peer ids."""
+    import hivemind
+    from hivemind.p2p import P2P, PeerID
+    from hivemind.utils import get_dht_time
+
+    from swarm_opt import PrivateRun
+
+    paths = [str(tmp_path / f"id{i}") for i in range(3)]
+    for path in paths:
+        P2P.generate_identity(path)
+    allowed = [PeerID.from_identity(open(p, "rb").read()).to_base58() for p in paths[:2]]
+
+    def node(i: int, initial_peers=()):
+        run = PrivateRun(secret=SECRET.encode(), allowed_peers=allowed, identity_path=paths[i])
+        return hivemind.DHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                            identity_path=paths[i], authorizer=run.authorizer(), start=True)
+
+    first = node(0)
+    try:
+        second = node(1, [str(a) for a in first.get_visible_maddrs()])
+        assert second.store("k", "listed", get_dht_time() + 30)
+        assert first.get("k", latest=True).value == "listed"
+        second.shutdown()
+        with pytest.raises(Exception, match="bootstrap failed"):
+            node(2, [str(a) for a in first.get_visible_maddrs()])
+    finally:
+        first.shutdown()

@@ -45,6 +45,12 @@ def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(s
     monitor = run_tool([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--once",
                         "--initial-peers", *swarm.initial_peers], swarm)
     assert monitor.returncode == 2 and "pass its secret with --run-secret-file" in monitor.stderr, monitor.stderr
+    # a member's monitor sees the two members and nobody else
+    right = swarm.tmp / "right.secret"
+    right.write_text(SECRET)
+    monitor = run_tool([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--once",
+                        "--initial-peers", *swarm.initial_peers, "--run-secret-file", str(right)], swarm)
+    assert monitor.returncode == 0 and "peers 2" in monitor.stdout, monitor.stdout + monitor.stderr
     # one who dials a member directly over libp2p and asks for its state gets nothing
     cfg = dict(initial_peers=swarm.initial_peers, run_id="test_run", out=str(swarm.tmp / "outsider.json"))
     (swarm.tmp / "outsider_cfg.json").write_text(json.dumps(cfg))

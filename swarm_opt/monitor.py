@@ -19,8 +19,6 @@ from hivemind.utils import get_dht_time
 
 from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records, progress_key, progress_validators
 
-_MAX_CLOCK_SKEW = 60.0
-
 
 @dataclass(frozen=True)
 class PeerView:

@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigError
+from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.strategies.base import state_dtype
-from swarm_opt.strategies.local_updates import LocalUpdates, _load_tensors
+from swarm_opt.strategies.local_updates import LocalUpdates, _entry, _load_tensors
 
 
 class Scaffold(LocalUpdates):
@@ -131,9 +131,10 @@ class Scaffold(LocalUpdates):
                 "anchor": [x.clone() for x in self._anchor.values()], "lr_sums": list(self._lr_sums)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        lr_sums = _entry(state, "lr_sums")
+        if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups) \
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lr_sums):
+            raise IncompatibleStateError("Scaffold lr_sums: expected one number per param group")
         _load_tensors(list(self._d.values()), state.get("controls"), "Scaffold controls")
         _load_tensors(list(self._anchor.values()), state.get("anchor"), "Scaffold anchor")
-        lr_sums = state.get("lr_sums")
-        if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups):
-            raise ValueError("Scaffold lr_sums: expected one number per param group")
         self._lr_sums = [float(v) for v in lr_sums]

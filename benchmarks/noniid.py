@@ -8,7 +8,7 @@ momentum), batch 32 per peer step, K = 100 local steps per peer per round. Peer 
 passes over its own shard (generator seeded by seed and i). All peers start from the same model
 (``torch.manual_seed(seed)``); ``seed`` also draws the split and the batch order.
 
-Strategies (``STRATEGIES``, keyed by their names in ``swarm_opt.STRATEGIES``): GradientAveraging (grad),
+Strategies (``STRATEGIES``, keyed by their names in ``swarm_opt.strategies.STRATEGIES``): GradientAveraging (grad),
 LocalUpdates (local, i.e. FedAvg), FedProx(mu=0.01), Scaffold, DiLoCo (outer SGD lr 0.7, momentum 0.9, Nesterov).
 Every round is driven through ``swarm_opt.simulation.average_in_process``, i.e. the same strategy code that a real
 swarm runs.
@@ -87,8 +87,8 @@ STRATEGIES: Dict[str, StrategyInfo] = {
     "scaffold": StrategyInfo("Scaffold", swarm_opt.Scaffold),
     "diloco": StrategyInfo("DiLoCo (outer SGD 0.7, m 0.9, nesterov)", lambda: swarm_opt.DiLoCo(outer_optimizer=_outer)),
 }
-assert all(swarm_opt.STRATEGIES[name] is type(info.make()) for name, info in STRATEGIES.items()), \
-    "benchmark entries are keyed by Strategy.name, as swarm_opt.STRATEGIES"
+assert all(swarm_opt.strategies.STRATEGIES[name] is type(info.make()) for name, info in STRATEGIES.items()), \
+    "benchmark entries are keyed by Strategy.name, as swarm_opt.strategies.STRATEGIES"
 
 
 # --- data, split, model ---------------------------------------------------------------------------------------------
@@ -347,7 +347,8 @@ def report_grid(runs: List[dict], args: argparse.Namespace, overhead: Optional[d
 
 
 def _rename_old_names(saved: dict) -> None:
-    """Grids saved before the strategies took their names in ``swarm_opt.STRATEGIES`` called LocalUpdates 'fedavg'."""
+    """Grids saved before the strategies took their names in ``swarm_opt.strategies.STRATEGIES`` called
+    LocalUpdates 'fedavg'."""
     saved["args"]["strategies"] = ["local" if s == "fedavg" else s for s in saved["args"]["strategies"]]
     for run in saved["runs"]:
         run["strategy"] = "local" if run["strategy"] == "fedavg" else run["strategy"]

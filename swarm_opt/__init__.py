@@ -17,16 +17,7 @@ from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.powersgd import PowerSGD
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.strategies import (
-    STRATEGIES,
-    DiLoCo,
-    FedProx,
-    GradientAveraging,
-    LocalUpdates,
-    Overlap,
-    Scaffold,
-    Strategy,
-)
+from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
 
 __version__ = "0.1.0"
 
@@ -45,7 +36,6 @@ __all__ = [
     "Scaffold",
     "DiLoCo",
     "Strategy",
-    "STRATEGIES",
     "Offload",
     "Codec",
     "CODECS",

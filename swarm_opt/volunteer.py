@@ -40,7 +40,7 @@ _STRATEGY_OPTIONS: Dict[type, Callable[[argparse.Namespace], Dict[str, Any]]] = 
 
 
 def make_strategy(args: argparse.Namespace) -> Strategy:
-    """The strategy named by ``--strategy`` (a name of ``swarm_opt.STRATEGIES``), with its command-line options."""
+    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), with its options."""
     strategy = STRATEGIES.get(args.strategy)
     if strategy is None:
         raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")

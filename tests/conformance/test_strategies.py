@@ -1,6 +1,7 @@
 """Every strategy through the same checks: one registry, one file (as torch's optim_db does for optimizers).
 
-Entries are keyed by ``Strategy.name`` (the keys of ``swarm_opt.STRATEGIES``), ``name+variant`` for a variant of one.
+Entries are keyed by ``Strategy.name`` (the keys of ``swarm_opt.strategies.STRATEGIES``), ``name+variant`` for a
+variant of one.
 """
 
 from __future__ import annotations
@@ -76,10 +77,10 @@ names = pytest.mark.parametrize("name", list(STRATEGIES))
 
 
 def test_every_registered_strategy_has_an_entry_under_its_name():
-    assert {name.split("+")[0] for name in STRATEGIES} == set(swarm_opt.STRATEGIES)
+    assert {name.split("+")[0] for name in STRATEGIES} == set(swarm_opt.strategies.STRATEGIES)
     for name, info in STRATEGIES.items():
         strategy = info.make()
-        assert isinstance(strategy, swarm_opt.STRATEGIES[name.split("+")[0]])
+        assert isinstance(strategy, swarm_opt.strategies.STRATEGIES[name.split("+")[0]])
         assert strategy.name == name.split("+")[0]
 
 

@@ -1,4 +1,4 @@
-"""One registry of strategies, ``swarm_opt.STRATEGIES``, keyed by ``Strategy.name``, serves the command line."""
+"""One registry of strategies, ``swarm_opt.strategies.STRATEGIES``, keyed by ``Strategy.name``, serves the CLI."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from swarm_opt.volunteer import make_strategy
 
 
 def test_registry_keys_are_the_strategies_names():
-    assert list(swarm_opt.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco"]
-    for name, strategy in swarm_opt.STRATEGIES.items():
+    assert list(swarm_opt.strategies.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco"]
+    for name, strategy in swarm_opt.strategies.STRATEGIES.items():
         assert issubclass(strategy, swarm_opt.Strategy) and strategy.name == name
 
 
@@ -21,10 +21,10 @@ def _train_args(*flags: str):
     return resolve_options("train", given, environ={})
 
 
-@pytest.mark.parametrize("name", list(swarm_opt.STRATEGIES))
+@pytest.mark.parametrize("name", list(swarm_opt.strategies.STRATEGIES))
 def test_the_command_line_builds_every_registered_strategy_by_its_name(name):
     strategy = make_strategy(_train_args("--strategy", name))
-    assert type(strategy) is swarm_opt.STRATEGIES[name]
+    assert type(strategy) is swarm_opt.strategies.STRATEGIES[name]
 
 
 def test_the_command_line_passes_each_strategy_its_options():

@@ -18,6 +18,7 @@ swarm in one group per round, where partial groups only come from failures.)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Sequence
 
 import torch
@@ -133,8 +134,9 @@ class Scaffold(LocalUpdates):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         lr_sums = _entry(state, "lr_sums")
         if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups) \
-                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in lr_sums):
-            raise IncompatibleStateError("Scaffold lr_sums: expected one number per param group")
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                           for v in lr_sums):
+            raise IncompatibleStateError("Scaffold lr_sums: expected one finite number >= 0 per param group")
         _load_tensors(list(self._d.values()), state.get("controls"), "Scaffold controls")
         _load_tensors(list(self._anchor.values()), state.get("anchor"), "Scaffold anchor")
         self._lr_sums = [float(v) for v in lr_sums]

@@ -163,7 +163,8 @@ def test_a_foreign_saved_state_raises_incompatible_state_error(name):
     other_model = Peer(STRATEGIES[name], 0, width=5)
     other_model.train(2)
     foreign = [{"unexpected": 1}, other_model.strategy.state_dict() or {"anchor": []}, [torch.zeros(1)]]
-    foreign += [dict(own, **{key: value}) for key in own for value in ("garbage", [torch.zeros(1)], {"state": {}})]
+    foreign += [dict(own, **{key: value}) for key in own for value in ("garbage", [torch.zeros(1)], {"state": {}},
+                                                                  [float("nan")])]
     for state in foreign:
         with pytest.raises(swarm_opt.IncompatibleStateError):
             peer.strategy.load_state_dict(state)

@@ -123,7 +123,7 @@ class FedProx(LocalUpdates):
         return {"anchor": [x.clone() for x in self._anchor]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        _load_tensors(self._anchor, _entry(state, "anchor"), "FedProx anchor")
+        _copy_into(self._anchor, _checked_tensors(self._anchor, _entry(state, "anchor"), "FedProx anchor"))
 
 
 def _entry(state: Any, key: str) -> Any:
@@ -133,12 +133,16 @@ def _entry(state: Any, key: str) -> Any:
     return state.get(key)
 
 
-def _load_tensors(into: List[torch.Tensor], values: Any, what: str) -> None:
-    """Copy saved tensors into ``into`` after checking that all of them fit; nothing is copied if one does not."""
+def _checked_tensors(into: List[torch.Tensor], values: Any, what: str) -> List[torch.Tensor]:
+    """Saved tensors that fit ``into`` one for one; a state loads only once every part of it was checked."""
     if not isinstance(values, list) or len(values) != len(into):
         raise IncompatibleStateError(f"{what}: expected {len(into)} tensors")
     for dst, src in zip(into, values):
         if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
             raise IncompatibleStateError(f"{what}: a tensor does not match the model")
+    return values
+
+
+def _copy_into(into: List[torch.Tensor], values: List[torch.Tensor]) -> None:
     for dst, src in zip(into, values):
         dst.copy_(src)

@@ -26,7 +26,7 @@ import torch
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.strategies.base import state_dtype
-from swarm_opt.strategies.local_updates import LocalUpdates, _entry, _load_tensors
+from swarm_opt.strategies.local_updates import LocalUpdates, _checked_tensors, _copy_into, _entry
 
 
 class Scaffold(LocalUpdates):
@@ -137,6 +137,9 @@ class Scaffold(LocalUpdates):
                 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
                            for v in lr_sums):
             raise IncompatibleStateError("Scaffold lr_sums: expected one finite number >= 0 per param group")
-        _load_tensors(list(self._d.values()), state.get("controls"), "Scaffold controls")
-        _load_tensors(list(self._anchor.values()), state.get("anchor"), "Scaffold anchor")
+        controls, anchor = list(self._d.values()), list(self._anchor.values())
+        saved_controls = _checked_tensors(controls, state.get("controls"), "Scaffold controls")
+        saved_anchor = _checked_tensors(anchor, state.get("anchor"), "Scaffold anchor")
+        _copy_into(controls, saved_controls)
+        _copy_into(anchor, saved_anchor)
         self._lr_sums = [float(v) for v in lr_sums]

@@ -165,9 +165,18 @@ def test_a_foreign_saved_state_raises_incompatible_state_error(name):
     foreign = [{"unexpected": 1}, other_model.strategy.state_dict() or {"anchor": []}, [torch.zeros(1)]]
     foreign += [dict(own, **{key: value}) for key in own for value in ("garbage", [torch.zeros(1)], {"state": {}},
                                                                   [float("nan")])]
+    # another peer's state with one part broken: a state that does not fit loads none of its other parts either
+    others = [Peer(STRATEGIES[name], seed) for seed in (1, 2)]
+    for _ in range(2):
+        for p in others:
+            p.train(3)
+        average_in_process([p.strategy for p in others])
+    theirs = others[0].strategy.state_dict()
+    foreign += [dict(theirs, **{key: "garbage"}) for key in theirs]
     for state in foreign:
         with pytest.raises(swarm_opt.IncompatibleStateError):
             peer.strategy.load_state_dict(state)
+        _assert_same_state(own, peer.strategy.state_dict())
 
 
 @names

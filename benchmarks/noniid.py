@@ -8,9 +8,10 @@ momentum), batch 32 per peer step, K = 100 local steps per peer per round. Peer 
 passes over its own shard (generator seeded by seed and i). All peers start from the same model
 (``torch.manual_seed(seed)``); ``seed`` also draws the split and the batch order.
 
-Strategies (the registry ``STRATEGIES``): GradientAveraging, LocalUpdates (FedAvg), FedProx(mu=0.01), Scaffold,
-DiLoCo (outer SGD lr 0.7, momentum 0.9, Nesterov). Every round is driven through
-``swarm_opt.simulation.average_in_process``, i.e. the same strategy code that a real swarm runs.
+Strategies (``STRATEGIES``, keyed by their names in ``swarm_opt.strategies.STRATEGIES``): GradientAveraging (grad),
+LocalUpdates (local, i.e. FedAvg), FedProx(mu=0.01), Scaffold, DiLoCo (outer SGD lr 0.7, momentum 0.9, Nesterov).
+Every round is driven through ``swarm_opt.simulation.average_in_process``, i.e. the same strategy code that a real
+swarm runs.
 
 **Same data volume for everyone.** A round of a local strategy is K = 100 local steps per peer, i.e. 8 × 100 × 32 =
 25,600 samples, then one average. GradientAveraging averages gradients at every step, so its "round" is K = 100
@@ -81,11 +82,13 @@ def _outer(params):
 
 STRATEGIES: Dict[str, StrategyInfo] = {
     "grad": StrategyInfo("GradientAveraging", swarm_opt.GradientAveraging, averages_every_step=True),
-    "fedavg": StrategyInfo("LocalUpdates (FedAvg)", swarm_opt.LocalUpdates),
+    "local": StrategyInfo("LocalUpdates (FedAvg)", swarm_opt.LocalUpdates),
     "fedprox": StrategyInfo("FedProx mu=0.01", lambda: swarm_opt.FedProx(mu=0.01)),
     "scaffold": StrategyInfo("Scaffold", swarm_opt.Scaffold),
     "diloco": StrategyInfo("DiLoCo (outer SGD 0.7, m 0.9, nesterov)", lambda: swarm_opt.DiLoCo(outer_optimizer=_outer)),
 }
+assert all(swarm_opt.strategies.STRATEGIES[name] is type(info.make()) for name, info in STRATEGIES.items()), \
+    "benchmark entries are keyed by Strategy.name, as swarm_opt.strategies.STRATEGIES"
 
 
 # --- data, split, model ---------------------------------------------------------------------------------------------
@@ -238,10 +241,10 @@ def paired_overhead(args: argparse.Namespace, rounds: int = 10) -> dict:
     x, y, _, _ = load_data(args.split_seed)
     shards, _ = dirichlet_split(y, args.peers, args.alphas[0], args.seeds[0], args.min_samples)
     swarms = {n: [SimPeer(n, args.seeds[0], r, s, args.lr, args.batch_size) for r, s in enumerate(shards)]
-              for n in ("fedavg", "scaffold")}
+              for n in ("local", "scaffold")}
     times: Dict[str, List[float]] = {n: [] for n in swarms}
     for i in range(2 * rounds):
-        order = ("fedavg", "scaffold") if i % 2 == 0 else ("scaffold", "fedavg")
+        order = ("local", "scaffold") if i % 2 == 0 else ("scaffold", "local")
         for n in order:
             t0 = time.perf_counter()
             for p in swarms[n]:
@@ -249,8 +252,8 @@ def paired_overhead(args: argparse.Namespace, rounds: int = 10) -> dict:
                     p.step(x, y)
             average_in_process([p.strategy for p in swarms[n]])
             times[n].append(time.perf_counter() - t0)
-    ratios = [s / f for f, s in zip(times["fedavg"], times["scaffold"])]
-    return {"fedavg_round_s_median": statistics.median(times["fedavg"]),
+    ratios = [s / f for f, s in zip(times["local"], times["scaffold"])]
+    return {"local_round_s_median": statistics.median(times["local"]),
             "scaffold_round_s_median": statistics.median(times["scaffold"]),
             "ratio_median": statistics.median(ratios), "ratio_q25_q75": np.percentile(ratios, [25, 75]).tolist(),
             "rounds_each": len(ratios)}
@@ -307,7 +310,7 @@ def run_grid(args: argparse.Namespace) -> None:
                   f"final {final(run['accuracy']):.4f}, "
                   f"{statistics.median(run['round_s']):.2f} s/round  [{time.monotonic() - started:.0f} s]", flush=True)
     elapsed = time.monotonic() - started
-    overhead = paired_overhead(args) if {"fedavg", "scaffold"} <= set(args.strategies) else None
+    overhead = paired_overhead(args) if {"local", "scaffold"} <= set(args.strategies) else None
     summary, goals = report_grid(runs, args, overhead)
     print(f"\ngrid took {elapsed:.0f} s")
     fingerprint = check_fingerprint(fingerprint)
@@ -343,9 +346,21 @@ def report_grid(runs: List[dict], args: argparse.Namespace, overhead: Optional[d
     return summary, goals
 
 
+def _rename_old_names(saved: dict) -> None:
+    """Grids saved before the strategies took their names in ``swarm_opt.strategies.STRATEGIES`` called
+    LocalUpdates 'fedavg'."""
+    saved["args"]["strategies"] = ["local" if s == "fedavg" else s for s in saved["args"]["strategies"]]
+    for run in saved["runs"]:
+        run["strategy"] = "local" if run["strategy"] == "fedavg" else run["strategy"]
+    overhead = saved.get("paired_overhead") or {}
+    if "fedavg_round_s_median" in overhead:
+        overhead["local_round_s_median"] = overhead.pop("fedavg_round_s_median")
+
+
 def summarize_saved(args: argparse.Namespace) -> None:
     """Re-print the table and goals of a saved grid (and redraw its plot) without re-running it."""
     saved = json.loads(Path(args.summarize).read_text())
+    _rename_old_names(saved)
     for key in ("alphas", "seeds", "strategies", "peers", "steps"):
         setattr(args, key, saved["args"][key])
     print(f"from {args.summarize} (command: {saved['command']}; swarm_opt {saved['code']}; "
@@ -377,10 +392,10 @@ def goals_check(summary: dict, alphas: Sequence[float], overhead: Optional[dict]
         out["time_ratio_paired"] = r
         lines.append(f"SCAFFOLD / FedAvg time per round, alternating rounds in one process (8 peers' compute + "
                      f"in-process average, no network): {r:.3f}x (IQR {overhead['ratio_q25_q75'][0]:.3f}-"
-                     f"{overhead['ratio_q25_q75'][1]:.3f}; {overhead['fedavg_round_s_median']:.3f} vs "
+                     f"{overhead['ratio_q25_q75'][1]:.3f}; {overhead['local_round_s_median']:.3f} vs "
                      f"{overhead['scaffold_round_s_median']:.3f} s), goal <= 1.05: {'met' if r <= 1.05 else 'MISSED'}")
     for a in alphas:
-        s, f = summary[str(a)].get("scaffold"), summary[str(a)].get("fedavg")
+        s, f = summary[str(a)].get("scaffold"), summary[str(a)].get("local")
         if not (s and f):
             continue
         gain = 100 * (s["final_acc_mean"] - f["final_acc_mean"])
@@ -666,8 +681,8 @@ def run_real(args: argparse.Namespace) -> None:
               f"{args.peers * args.steps * args.batch_size}); replay with the swarm's step counts "
               f"({'exact' if s['replay_exact'] else 'approximate'}): last-{LAST} {100 * s['final_replay']:.2f} %, "
               f"max |real - replay| {100 * s['max_abs_diff_vs_replay']:.2f} pp")
-    if "scaffold" in stats and "fedavg" in stats:
-        a, b = stats["scaffold"], stats["fedavg"]
+    if "scaffold" in stats and "local" in stats:
+        a, b = stats["scaffold"], stats["local"]
         print(f"real swarm: SCAFFOLD - FedAvg = {100 * (a['final_real'] - b['final_real']):+.2f} pp "
               f"(sim {100 * (a['final_sim'] - b['final_sim']):+.2f} pp); round time "
               f"{a['round_s_median']:.2f} s vs {b['round_s_median']:.2f} s "
@@ -727,7 +742,7 @@ def main() -> None:
                         "benchmarks/results/noniid.json) and redraw its plot, without running anything")
     real = parser.add_argument_group("real peers (--real)")
     real.add_argument("--real", action="store_true", help="run real peer processes on loopback instead of the grid")
-    real.add_argument("--real-strategies", nargs="+", default=["fedavg", "scaffold"], choices=list(STRATEGIES))
+    real.add_argument("--real-strategies", nargs="+", default=["local", "scaffold"], choices=list(STRATEGIES))
     real.add_argument("--real-alpha", type=float, default=0.1)
     real.add_argument("--real-seed", type=int, default=0)
     real.add_argument("--real-rounds", type=int, default=15)

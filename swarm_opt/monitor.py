@@ -20,8 +20,6 @@ from hivemind.utils import get_dht_time
 from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records, progress_key, progress_validators
 from swarm_opt.trust import ClaimChecker
 
-_MAX_CLOCK_SKEW = 60.0
-
 
 @dataclass(frozen=True)
 class PeerView:

@@ -45,6 +45,8 @@ class OffloadedParameters:
 
     def __init__(self, params: List[Any], config: Offload) -> None:
         pin = config.pin_memory and torch.cuda.is_available()
+        # each group's "params" is read twice below: a generator (``{"params": m.parameters()}``) must become a list
+        params = [dict(item, params=_as_list(item["params"])) if isinstance(item, dict) else item for item in params]
         self.model: List[torch.Tensor] = []
         self._masters: Dict[int, torch.Tensor] = {}
         for p in _flat(params):
@@ -62,7 +64,7 @@ class OffloadedParameters:
 
     def _master_groups(self, params: List[Any]) -> List[Any]:
         if params and isinstance(params[0], dict):
-            return [dict(group, params=[self._masters[id(p)] for p in _as_list(group["params"])]) for group in params]
+            return [dict(group, params=[self._masters[id(p)] for p in group["params"]]) for group in params]
         return [self._masters[id(p)] for p in params]
 
     def pull(self) -> None:

@@ -95,8 +95,10 @@ class Optimizer(torch.optim.Optimizer):
     :param scheduler: a factory ``lambda opt: StepLR(opt, ...)`` (or an instance bound to the given optimizer);
         it steps once per global epoch, so every peer, late joiners included, uses the same learning rate.
     :param strategy: the algorithm; default ``GradientAveraging()`` (synchronous large-batch training).
-    :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``).
-    :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``).
+    :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``; default 5).
+    :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``; default 60).
+    :param timeouts: every timeout at once, ``Timeouts(...)``, instead of the two keywords above; the only way to
+        set ``state_download_timeout`` (how long a newcomer or a peer that fell behind tries to download the state).
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
@@ -116,14 +118,16 @@ class Optimizer(torch.optim.Optimizer):
         batch_size_per_step: Optional[int] = None,
         scheduler: Optional[Union[SchedulerFactory, Any]] = None,
         strategy: Optional[Strategy] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
+        matchmaking_time: Optional[float] = None,
+        averaging_timeout: Optional[float] = None,
+        timeouts: Optional[Timeouts] = None,
         compression: Optional[Compression] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
-        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
+                                       averaging_timeout=averaging_timeout)
         if not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
         strategy = GradientAveraging() if strategy is None else strategy
@@ -344,7 +348,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._averager.cancel_scheduled()
         try:
-            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _require_newer=True)
+            self.load_state_from_peers(_require_newer=True)  # within Timeouts.state_download_timeout
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
@@ -356,23 +360,26 @@ class Optimizer(torch.optim.Optimizer):
         ``StateDownloadError``."""
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
         self._settle_background_round()
-        deadline, delay, reason = time.monotonic() + timeout, 0.5, "no peer offered its state"
+        deadline, delay, attempts = time.monotonic() + timeout, 0.5, 0
         while True:
             remaining = deadline - time.monotonic()
             downloaded = self._averager.load_state(timeout=max(1.0, remaining), exclude=tuple(self._bad_donors))
-            if downloaded is not None:
+            attempts += 1
+            if downloaded is None:
+                reason = self._averager.last_download_failure
+            else:
                 try:
                     epoch = self._apply_downloaded_state(*downloaded, require_newer=_require_newer)
                     logger.info(f"Loaded the swarm's state at epoch {epoch}")
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
-                    logger.debug(reason)
+            logger.debug(f"State download attempt {attempts} failed: {reason}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StateDownloadError(
-                    f"could not download the swarm's state within {timeout:.0f} s: {reason}. "
-                    f"Check that initial_peers point to a live peer of run '{self.config.run_id}'"
+                    f"could not download the swarm's state within {timeout:.0f} s ({attempts} attempt(s); the "
+                    f"last: {reason}). Check that initial_peers point to a live peer of run '{self.config.run_id}'"
                 )
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 10.0)
@@ -528,6 +535,21 @@ def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> to
     if not any(group["params"] for group in inner.param_groups):
         raise ConfigError("the inner optimizer has no parameters to train")
     return inner
+
+
+def _make_timeouts(timeouts: Any, **given: Optional[float]) -> Timeouts:
+    """``timeouts=Timeouts(...)``, or the keywords ``matchmaking_time`` / ``averaging_timeout`` (as hivemind's), not
+    both: one of them would be silently ignored."""
+    given = {name: value for name, value in given.items() if value is not None}
+    if timeouts is None:
+        return Timeouts(**given)
+    if not isinstance(timeouts, Timeouts):
+        raise ConfigTypeError(f"timeouts must be swarm_opt.Timeouts(...) or None, got {timeouts!r}")
+    if given:
+        names = " and ".join(given)
+        raise ConfigError(f"{names} given both as keyword and in timeouts=Timeouts(...): pass "
+                          f"Timeouts({', '.join(f'{n}={v}' for n, v in given.items())}, ...) alone")
+    return timeouts
 
 
 def _make_offload(offload: Any, optimizer: Any, params: Optional[Iterable[Any]]) -> Optional[OffloadedParameters]:

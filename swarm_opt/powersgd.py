@@ -288,7 +288,7 @@ class PeerRound:
     """
 
     def __init__(self, grads: Sequence[torch.Tensor], residuals: Sequence[torch.Tensor],
-                 shares: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], *, weight: float, group_size: int,
+                 shares: Sequence[torch.Tensor], qs: Sequence[torch.Tensor], *, weight: float,
                  weight_estimate: Optional[float] = None, contributes: bool = True, redraw_seed: int = 0) -> None:
         self.grads, self.residuals, self.shares, self.qs = grads, residuals, shares, qs
         self.weight, self.contributes, self.redraw_seed = weight, contributes, redraw_seed
@@ -466,7 +466,7 @@ class _PowerSGDEngine(_Engine):
         with self._lineage.get_lock():
             own_lineage = tuple(self._lineage[:])
         winner = _winning_lineage([t.q_lineage for t in tags])
-        peer = PeerRound(grads, residuals, shares, self._q, weight=weight, group_size=group_size,
+        peer = PeerRound(grads, residuals, shares, self._q, weight=weight,
                          weight_estimate=self._last_total_weight, contributes=mine.q_lineage == winner == own_lineage,
                          redraw_seed=winner[1])
 

@@ -20,32 +20,33 @@ import torch
 from swarm_opt.cli import private_run
 from swarm_opt.errors import ConfigError
 from swarm_opt.node import StopRequest, children_ignore_sigint, start_dht
+from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, Strategy
 from swarm_opt.tasks import Task, evaluate, load_task
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("grad", "local", "fedprox", "scaffold", "diloco")
-INNER_OPTIMIZERS = ("sgd", "adam")
 _BAR_PERIOD = 0.2  # seconds between progress bar refreshes
 
 
-def make_strategy(args: argparse.Namespace):
-    import swarm_opt
+def _diloco_options(args: argparse.Namespace) -> Dict[str, Any]:
+    lr, momentum = args.outer_lr, args.outer_momentum
+    return {"outer_optimizer": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0)}
 
-    name = args.strategy
-    if name == "grad":
-        return swarm_opt.GradientAveraging()
-    if name == "local":
-        return swarm_opt.LocalUpdates()
-    if name == "fedprox":
-        return swarm_opt.FedProx(mu=args.fedprox_mu)
-    if name == "scaffold":
-        return swarm_opt.Scaffold()
-    if name == "diloco":
-        lr, momentum = args.outer_lr, args.outer_momentum
-        return swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum,
-                                                                           nesterov=momentum > 0))
-    raise ConfigError(f"unknown strategy '{name}'; choose one of {', '.join(STRATEGIES)}")
+
+#: the command-line options of the strategies that take any (every other one is built with its defaults)
+_STRATEGY_OPTIONS: Dict[type, Callable[[argparse.Namespace], Dict[str, Any]]] = {
+    FedProx: lambda args: {"mu": args.fedprox_mu},
+    DiLoCo: _diloco_options,
+}
+
+
+def make_strategy(args: argparse.Namespace) -> Strategy:
+    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), with its options."""
+    strategy = STRATEGIES.get(args.strategy)
+    if strategy is None:
+        raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
+    options = _STRATEGY_OPTIONS.get(strategy)
+    return strategy(**(options(args) if options is not None else {}))
 
 
 def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
+from swarm_opt.errors import IncompatibleStateError
 
 
 class Strategy(ABC):
@@ -84,8 +85,11 @@ class Strategy(ABC):
         return {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output; a state that does not fit raises ``IncompatibleStateError``."""
+        if not isinstance(state, dict):
+            raise IncompatibleStateError(f"{type(self).__name__} state must be a dict, got {type(state).__name__}")
         if state:
-            raise ValueError(f"{type(self).__name__} has no state, but got keys {sorted(state)}")
+            raise IncompatibleStateError(f"{type(self).__name__} has no state, but got keys {sorted(map(str, state))}")
 
 
 class HeldRound(ABC):

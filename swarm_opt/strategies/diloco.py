@@ -7,9 +7,9 @@ from typing import Any, Callable, Dict, Iterable, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigTypeError
+from swarm_opt.errors import ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.base import state_dtype
-from swarm_opt.strategies.local_updates import LocalUpdates, _load_tensors
+from swarm_opt.strategies.local_updates import LocalUpdates, _checked_tensors, _copy_into, _entry
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -73,5 +73,12 @@ class DiLoCo(LocalUpdates):
         return {"anchor": [x.clone() for x in self._anchor], "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        _load_tensors(self._anchor, state.get("anchor"), "DiLoCo anchor")
-        self.outer.load_state_dict(state["outer"])
+        outer = _entry(state, "outer")
+        if not isinstance(outer, dict):
+            raise IncompatibleStateError("DiLoCo outer: expected the outer optimizer's state_dict")
+        anchor = _checked_tensors(self._anchor, state.get("anchor"), "DiLoCo anchor")
+        try:  # torch checks the groups before it changes anything
+            self.outer.load_state_dict(outer)
+        except (KeyError, ValueError, TypeError) as e:
+            raise IncompatibleStateError(f"DiLoCo outer: the outer optimizer's state does not fit: {e!r}") from e
+        _copy_into(self._anchor, anchor)

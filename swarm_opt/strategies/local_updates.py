@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
 
 
@@ -123,13 +123,26 @@ class FedProx(LocalUpdates):
         return {"anchor": [x.clone() for x in self._anchor]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        _load_tensors(self._anchor, state.get("anchor"), "FedProx anchor")
+        _copy_into(self._anchor, _checked_tensors(self._anchor, _entry(state, "anchor"), "FedProx anchor"))
 
 
-def _load_tensors(into: List[torch.Tensor], values: Any, what: str) -> None:
+def _entry(state: Any, key: str) -> Any:
+    """``state[key]`` of a saved strategy state, which may come from another strategy or model (or a hostile peer)."""
+    if not isinstance(state, dict):
+        raise IncompatibleStateError(f"a strategy state must be a dict, got {type(state).__name__}")
+    return state.get(key)
+
+
+def _checked_tensors(into: List[torch.Tensor], values: Any, what: str) -> List[torch.Tensor]:
+    """Saved tensors that fit ``into`` one for one; a state loads only once every part of it was checked."""
     if not isinstance(values, list) or len(values) != len(into):
-        raise ValueError(f"{what}: expected {len(into)} tensors")
+        raise IncompatibleStateError(f"{what}: expected {len(into)} tensors")
     for dst, src in zip(into, values):
         if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
-            raise ValueError(f"{what}: a tensor does not match the model")
+            raise IncompatibleStateError(f"{what}: a tensor does not match the model")
+    return values
+
+
+def _copy_into(into: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+    for dst, src in zip(into, values):
         dst.copy_(src)

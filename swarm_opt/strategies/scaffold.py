@@ -18,14 +18,15 @@ swarm in one group per round, where partial groups only come from failures.)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Sequence
 
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigError
+from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.strategies.base import state_dtype
-from swarm_opt.strategies.local_updates import LocalUpdates, _load_tensors
+from swarm_opt.strategies.local_updates import LocalUpdates, _checked_tensors, _copy_into, _entry
 
 
 class Scaffold(LocalUpdates):
@@ -131,9 +132,14 @@ class Scaffold(LocalUpdates):
                 "anchor": [x.clone() for x in self._anchor.values()], "lr_sums": list(self._lr_sums)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        _load_tensors(list(self._d.values()), state.get("controls"), "Scaffold controls")
-        _load_tensors(list(self._anchor.values()), state.get("anchor"), "Scaffold anchor")
-        lr_sums = state.get("lr_sums")
-        if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups):
-            raise ValueError("Scaffold lr_sums: expected one number per param group")
+        lr_sums = _entry(state, "lr_sums")
+        if not isinstance(lr_sums, list) or len(lr_sums) != len(self._groups) \
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                           for v in lr_sums):
+            raise IncompatibleStateError("Scaffold lr_sums: expected one finite number >= 0 per param group")
+        controls, anchor = list(self._d.values()), list(self._anchor.values())
+        saved_controls = _checked_tensors(controls, state.get("controls"), "Scaffold controls")
+        saved_anchor = _checked_tensors(anchor, state.get("anchor"), "Scaffold anchor")
+        _copy_into(controls, saved_controls)
+        _copy_into(anchor, saved_anchor)
         self._lr_sums = [float(v) for v in lr_sums]

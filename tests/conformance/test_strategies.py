@@ -1,4 +1,8 @@
-"""Every strategy through the same checks: one registry, one file (as torch's optim_db does for optimizers)."""
+"""Every strategy through the same checks: one registry, one file (as torch's optim_db does for optimizers).
+
+Entries are keyed by ``Strategy.name`` (the keys of ``swarm_opt.strategies.STRATEGIES``), ``name+variant`` for a
+variant of one.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 
 import swarm_opt
+from swarm_opt.averaging import buffer_like
 from swarm_opt.simulation import average_in_process
 
 
@@ -25,21 +30,21 @@ def _outer(p):
 
 
 STRATEGIES = {
-    "GradientAveraging": StrategyInfo(swarm_opt.GradientAveraging),
-    "GradientAveraging+Overlap": StrategyInfo(
+    "grad": StrategyInfo(swarm_opt.GradientAveraging),
+    "grad+overlap": StrategyInfo(
         lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
         bad_arguments=((lambda: swarm_opt.GradientAveraging(overlap=True), TypeError, "Overlap"),)),
-    "LocalUpdates": StrategyInfo(
+    "local": StrategyInfo(
         lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.LocalUpdates(average_optimizer_state="exp_avg"), TypeError, "sequence"),)),
-    "FedProx": StrategyInfo(
+    "fedprox": StrategyInfo(
         lambda: swarm_opt.FedProx(mu=0.1),
         bad_arguments=((lambda: swarm_opt.FedProx(mu=-1), ValueError, "non-negative"),)),
-    "Scaffold": StrategyInfo(
+    "scaffold": StrategyInfo(
         swarm_opt.Scaffold,
         bad_arguments=((lambda: swarm_opt.Scaffold().bind([torch.nn.Parameter(torch.zeros(1))],
                                                           torch.optim.Adam([torch.zeros(1)])), ValueError, "SGD"),)),
-    "DiLoCo": StrategyInfo(
+    "diloco": StrategyInfo(
         lambda: swarm_opt.DiLoCo(outer_optimizer=_outer),
         inner=lambda p: torch.optim.AdamW(p, lr=0.01),
         bad_arguments=((lambda: swarm_opt.DiLoCo(outer_optimizer=torch.optim.SGD([torch.zeros(1)], lr=1)),
@@ -48,9 +53,9 @@ STRATEGIES = {
 
 
 class Peer:
-    def __init__(self, info: StrategyInfo, seed: int):
+    def __init__(self, info: StrategyInfo, seed: int, width: int = 8):
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
         self.inner = info.inner(list(self.model.parameters()))
         self.strategy = info.make()
         self.strategy.bind(list(self.model.parameters()), self.inner)
@@ -69,6 +74,14 @@ class Peer:
 
 
 names = pytest.mark.parametrize("name", list(STRATEGIES))
+
+
+def test_every_registered_strategy_has_an_entry_under_its_name():
+    assert {name.split("+")[0] for name in STRATEGIES} == set(swarm_opt.strategies.STRATEGIES)
+    for name, info in STRATEGIES.items():
+        strategy = info.make()
+        assert isinstance(strategy, swarm_opt.strategies.STRATEGIES[name.split("+")[0]])
+        assert strategy.name == name.split("+")[0]
 
 
 @names
@@ -90,15 +103,80 @@ def test_rounds_keep_peers_finite_and_in_sync(name):
         torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
 
 
+def _fail_a_round(strategy: swarm_opt.Strategy) -> List[torch.Tensor]:
+    """What the optimizer does with a round whose all-reduce failed (``Optimizer._run_round`` then
+    ``_conclude_round`` with no result): the averager asks for the weight and the values, then nothing is applied,
+    and a round held in the background is given back."""
+    buffers = [buffer_like(t) for t in strategy.tensors_to_average()]
+    with torch.no_grad():
+        if strategy.runs_rounds_in_background:
+            held = strategy.hold_round()
+            assert held.weight > 0
+            held.write(buffers)
+            held.give_back()
+        else:
+            assert strategy.averaging_weight() > 0
+            strategy.write_round(buffers)
+    return buffers
+
+
+def _round_values(strategy: swarm_opt.Strategy) -> List[torch.Tensor]:
+    """The values this peer would send in a round now."""
+    buffers = [buffer_like(t) for t in strategy.tensors_to_average()]
+    with torch.no_grad():
+        strategy.write_round(buffers)
+    return buffers
+
+
 @names
 def test_a_failed_round_is_a_no_op(name):
-    peer = Peer(STRATEGIES[name], 0)
+    peer, twin = Peer(STRATEGIES[name], 0), Peer(STRATEGIES[name], 0)  # the twin's rounds never fail
     peer.train(3)
-    before_params, before_state = peer.snapshot(), peer.strategy.state_dict()
-    with torch.no_grad():
-        peer.strategy.tensors_to_average()  # prepared and sent, but never applied
+    twin.train(3)
+    before_params, before_inner = peer.snapshot(), copy.deepcopy(peer.inner.state_dict())
+    before_state, before_weight = copy.deepcopy(peer.strategy.state_dict()), peer.strategy.averaging_weight()
+    sent = _fail_a_round(peer.strategy)
+    assert all(torch.isfinite(b).all() for b in sent)
     assert all(torch.equal(a, b) for a, b in zip(before_params, peer.snapshot()))
+    _assert_same_state(before_inner, peer.inner.state_dict())
     _assert_same_state(before_state, peer.strategy.state_dict())
+    assert peer.strategy.averaging_weight() == before_weight
+    # what no state_dict shows (accumulated gradients, a round's samples) is unchanged too: the peer goes on exactly
+    # as its twin, sends the same values and ends the next round with the same model
+    peer.train(2)
+    twin.train(2)
+    assert peer.strategy.averaging_weight() == twin.strategy.averaging_weight()
+    for a, b in zip(_round_values(peer.strategy), _round_values(twin.strategy)):
+        assert torch.equal(a, b)
+    average_in_process([peer.strategy])
+    average_in_process([twin.strategy])
+    for a, b in zip(peer.snapshot(), twin.snapshot()):
+        assert torch.equal(a, b)
+    _assert_same_state(peer.strategy.state_dict(), twin.strategy.state_dict())
+
+
+@names
+def test_a_foreign_saved_state_raises_incompatible_state_error(name):
+    peer = Peer(STRATEGIES[name], 0)
+    peer.train(2)
+    own = peer.strategy.state_dict()
+    other_model = Peer(STRATEGIES[name], 0, width=5)
+    other_model.train(2)
+    foreign = [{"unexpected": 1}, other_model.strategy.state_dict() or {"anchor": []}, [torch.zeros(1)]]
+    foreign += [dict(own, **{key: value}) for key in own for value in ("garbage", [torch.zeros(1)], {"state": {}},
+                                                                  [float("nan")])]
+    # another peer's state with one part broken: a state that does not fit loads none of its other parts either
+    others = [Peer(STRATEGIES[name], seed) for seed in (1, 2)]
+    for _ in range(2):
+        for p in others:
+            p.train(3)
+        average_in_process([p.strategy for p in others])
+    theirs = others[0].strategy.state_dict()
+    foreign += [dict(theirs, **{key: "garbage"}) for key in theirs]
+    for state in foreign:
+        with pytest.raises(swarm_opt.IncompatibleStateError):
+            peer.strategy.load_state_dict(state)
+        _assert_same_state(own, peer.strategy.state_dict())
 
 
 @names

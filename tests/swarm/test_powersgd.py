@@ -64,7 +64,7 @@ def reference_run(rank: Optional[int], lr: float) -> Tuple[List[torch.Tensor], L
             rounds = []
             for fb, g in zip(feedback, grads):
                 residuals, shares = fb.begin(epoch + 1, committed_attempt=epoch - 1, committed_round=epoch)
-                rounds.append(PeerRound([g], residuals, shares, qs, weight=float(BATCH * STEPS), group_size=PEERS,
+                rounds.append(PeerRound([g], residuals, shares, qs, weight=float(BATCH * STEPS),
                                         weight_estimate=total_weight))
             updates, qs, total_weight = simulate_round(rounds)
             for fb in feedback:

@@ -60,7 +60,7 @@ class Group:
                 self.dropped += self.residual(i)
             residuals, shares = self.feedback[i].begin(self.round + 1, *self.committed[i])
             rounds.append(PeerRound([grads[i]], residuals, shares, self.q, weight=weights[i],
-                                    group_size=len(members), weight_estimate=self.total_weight))
+                                    weight_estimate=self.total_weight))
         updates, self.q, self.total_weight = simulate_round(rounds)
         for i in members:
             self.feedback[i].stage(self.attempt)
@@ -269,7 +269,7 @@ def test_a_round_applies_the_projection_of_the_true_mean_even_with_a_stale_membe
     for i in range(peers):
         residuals, shares = feedback[i].begin(1, -1, 0)
         rounds.append(PeerRound([grads[i]], residuals, shares, stale if i == 2 else q, weight=weights[i],
-                                group_size=peers, contributes=i != 2))
+                                contributes=i != 2))
     updates, _, _ = simulate_round(rounds)
     mean = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
     p_hat = rounds[0].p_hats[0]

@@ -1,0 +1,65 @@
+"""One real peer in this process (a real DHT on loopback) downloading the swarm's state: the timeouts it honours and
+the reason a failed download gives."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import hivemind
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt import ConfigError, ConfigTypeError, StateDownloadError, Timeouts
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(scope="module")
+def dht():
+    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    yield node
+    node.shutdown()
+
+
+def make(dht, run_id, **timeouts):
+    model = torch.nn.Linear(4, 2)
+    return swarm_opt.Optimizer(dht=dht, run_id=run_id, target_batch_size=64, params=model.parameters(),
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **timeouts)
+
+
+def test_timeouts_are_given_as_keywords_or_as_one_timeouts_object_not_both(dht):
+    with make(dht, "timeouts_kw", matchmaking_time=1.0, averaging_timeout=7.0) as opt:
+        assert opt.timeouts == Timeouts(matchmaking_time=1.0, averaging_timeout=7.0)
+    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=7.0, state_download_timeout=3.0)
+    with make(dht, "timeouts_obj", timeouts=timeouts) as opt:
+        assert opt.timeouts is timeouts
+    with pytest.raises(ConfigError, match=r"averaging_timeout given both .* Timeouts\(averaging_timeout=7.0"):
+        make(dht, "timeouts_both", averaging_timeout=7.0, timeouts=timeouts)
+    with pytest.raises(ConfigTypeError, match="swarm_opt.Timeouts"):
+        make(dht, "timeouts_bad", timeouts={"averaging_timeout": 7.0})
+
+
+def test_catching_up_gives_up_after_state_download_timeout_not_averaging_timeout(dht, caplog):
+    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=60.0, state_download_timeout=2.0)
+    with make(dht, "catch_up_alone", timeouts=timeouts) as opt, caplog.at_level(logging.WARNING, "swarm_opt"):
+        opt._synced = False  # as a peer that missed a round of gradient averaging: it must download
+        started = time.monotonic()
+        opt._catch_up(opt.local_epoch + 3)  # nobody to download from
+        elapsed = time.monotonic() - started
+        assert opt.local_epoch == 0
+    assert 1.5 < elapsed < 15, elapsed
+    assert "could not download the swarm's state within 2 s" in caplog.text
+
+
+def test_a_failed_download_says_why(dht, monkeypatch):
+    with make(dht, "download_reason", timeouts=Timeouts(matchmaking_time=1.0, averaging_timeout=5.0)) as opt:
+        with pytest.raises(StateDownloadError, match="no peer sent its state"):
+            opt.load_state_from_peers(timeout=1.0)
+
+        def broken(timeout=None):
+            raise ConnectionResetError("the averager's connection to the p2p daemon was reset")
+        monkeypatch.setattr(opt._averager._engine, "load_state_from_peers", broken)
+        with pytest.raises(StateDownloadError, match="ConnectionResetError: the averager's connection .* was reset"):
+            opt.load_state_from_peers(timeout=1.0)

@@ -1,0 +1,39 @@
+"""Why a state download failed, kept by ``TensorAverager.load_state`` for the error the user sees."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from swarm_opt.averaging import TensorAverager
+
+
+class _Engine:
+    def __init__(self, outcome):
+        self.outcome = outcome
+
+    def load_state_from_peers(self, timeout=None, exclude=(), max_bytes=None):
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def _averager(outcome) -> TensorAverager:
+    averager = TensorAverager.__new__(TensorAverager)  # no network: only load_state's bookkeeping is under test
+    averager._engine = _Engine(outcome)
+    averager._state_bytes = 1024
+    return averager
+
+
+def test_each_kind_of_failed_download_keeps_its_reason():
+    cases = [(None, "no peer sent its state"),
+             (concurrent.futures.TimeoutError(), "no donor sent its state within 7 s"),
+             (BrokenPipeError("the averager process is gone"), "BrokenPipeError: the averager process is gone")]
+    for outcome, reason in cases:
+        averager = _averager(outcome)
+        assert averager.load_state(timeout=7.0) is None
+        assert reason in averager.last_download_failure
+
+
+def test_a_download_returns_what_the_donor_sent():
+    state = ({"epoch": 3}, [])
+    assert _averager(state).load_state(timeout=1.0) is state

@@ -1,0 +1,34 @@
+"""One registry of strategies, ``swarm_opt.strategies.STRATEGIES``, keyed by ``Strategy.name``, serves the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt.cli import build_parser, resolve_options
+from swarm_opt.volunteer import make_strategy
+
+
+def test_registry_keys_are_the_strategies_names():
+    assert list(swarm_opt.strategies.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco"]
+    for name, strategy in swarm_opt.strategies.STRATEGIES.items():
+        assert issubclass(strategy, swarm_opt.Strategy) and strategy.name == name
+
+
+def _train_args(*flags: str):
+    given = build_parser().parse_args(["train", "--run-id", "r", *flags])
+    return resolve_options("train", given, environ={})
+
+
+@pytest.mark.parametrize("name", list(swarm_opt.strategies.STRATEGIES))
+def test_the_command_line_builds_every_registered_strategy_by_its_name(name):
+    strategy = make_strategy(_train_args("--strategy", name))
+    assert type(strategy) is swarm_opt.strategies.STRATEGIES[name]
+
+
+def test_the_command_line_passes_each_strategy_its_options():
+    assert make_strategy(_train_args("--strategy", "fedprox", "--fedprox-mu", "0.5")).mu == 0.5
+    diloco = make_strategy(_train_args("--strategy", "diloco", "--outer-lr", "0.3", "--outer-momentum", "0"))
+    diloco.bind([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    assert diloco.outer.defaults["lr"] == 0.3 and diloco.outer.defaults["nesterov"] is False

@@ -375,6 +375,10 @@ class Optimizer(torch.optim.Optimizer):
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
             logger.debug(f"State download attempt {attempts} failed: {reason}")
+            if _require_newer and self._tracker.progress.epoch <= self._epoch:
+                # catching up, and the peers that were ahead left (or we caught up by a round): train on
+                logger.debug("The swarm is no longer ahead of this peer; not downloading its state")
+                return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise StateDownloadError(

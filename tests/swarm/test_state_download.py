@@ -4,6 +4,7 @@ the reason a failed download gives."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import hivemind
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt import ConfigError, ConfigTypeError, StateDownloadError, Timeouts
+from swarm_opt import ConfigError, ConfigTypeError, ProgressTracker, StateDownloadError, Timeouts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -41,16 +42,53 @@ def test_timeouts_are_given_as_keywords_or_as_one_timeouts_object_not_both(dht):
         make(dht, "timeouts_bad", timeouts={"averaging_timeout": 7.0})
 
 
+def _a_peer_ahead(opt, epoch: int) -> ProgressTracker:
+    """A peer of ``opt``'s run and model that reports ``epoch`` but serves no state (as one whose averager died)."""
+    ahead = ProgressTracker(opt._tracker.dht, opt.config.run_id, opt.config.target_batch_size,
+                            model_schema=opt.model_schema)
+    ahead.start()
+    ahead.report(epoch, 0)
+    deadline = time.monotonic() + 20
+    while opt._tracker.progress.epoch < epoch:
+        assert time.monotonic() < deadline, "the optimizer never saw the peer ahead"
+        time.sleep(0.1)
+    return ahead
+
+
+def _catch_up_seconds(opt) -> float:
+    opt._synced = False  # as a peer that missed a round of gradient averaging: it must download
+    started = time.monotonic()
+    opt._catch_up(opt._tracker.progress.epoch)  # what step() does when the swarm is ahead
+    return time.monotonic() - started
+
+
 def test_catching_up_gives_up_after_state_download_timeout_not_averaging_timeout(dht, caplog):
-    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=60.0, state_download_timeout=2.0)
-    with make(dht, "catch_up_alone", timeouts=timeouts) as opt, caplog.at_level(logging.WARNING, "swarm_opt"):
-        opt._synced = False  # as a peer that missed a round of gradient averaging: it must download
-        started = time.monotonic()
-        opt._catch_up(opt.local_epoch + 3)  # nobody to download from
-        elapsed = time.monotonic() - started
+    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=60.0, state_download_timeout=3.0)
+    with make(dht, "catch_up_timeout", timeouts=timeouts) as opt, caplog.at_level(logging.WARNING, "swarm_opt"):
+        ahead = _a_peer_ahead(opt, 3)
+        try:
+            elapsed = _catch_up_seconds(opt)
+        finally:
+            ahead.shutdown()
         assert opt.local_epoch == 0
-    assert 1.5 < elapsed < 15, elapsed
-    assert "could not download the swarm's state within 2 s" in caplog.text
+    assert 2.5 < elapsed < 20, elapsed
+    assert "could not download the swarm's state within 3 s" in caplog.text
+    assert "no peer sent its state" in caplog.text
+
+
+def test_catching_up_stops_when_the_peers_ahead_leave(dht, caplog):
+    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=5.0, state_download_timeout=60.0)
+    with make(dht, "catch_up_left", timeouts=timeouts) as opt, caplog.at_level(logging.WARNING, "swarm_opt"):
+        ahead = _a_peer_ahead(opt, 3)
+        leaving = threading.Timer(2.0, ahead.shutdown)  # withdraws its record, as a peer that finished its run
+        leaving.start()
+        try:
+            elapsed = _catch_up_seconds(opt)
+        finally:
+            leaving.join()
+        assert opt.local_epoch == 0
+    assert elapsed < 30, elapsed  # not the whole state_download_timeout
+    assert "could not download" not in caplog.text  # nothing failed: there is nothing to catch up with any more
 
 
 def test_a_failed_download_says_why(dht, monkeypatch):

@@ -34,6 +34,7 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
+from swarm_opt.aggregation import Aggregation, Mean, as_aggregation
 from swarm_opt.config import Timeouts
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class _Engine(DecentralizedAverager):
     from its groupmates')."""
 
     state_provider: Optional[StateProvider] = None
+    aggregation: Aggregation = Mean()  # how this peer's reducer combines the parts it receives (set before the fork)
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -141,7 +143,8 @@ class _Engine(DecentralizedAverager):
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes, **kwargs)
+                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
+                                    aggregation=self.aggregation, **kwargs)
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
@@ -333,6 +336,7 @@ class TensorAverager:
         templates: Sequence[torch.Tensor],
         timeouts: Timeouts,
         compression: Any = NoCompression(),
+        aggregation: Optional[Aggregation] = None,
         state_provider: Optional[StateProvider] = None,
         auxiliary: bool = False,
     ) -> None:
@@ -356,6 +360,7 @@ class TensorAverager:
             part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
+        self._engine.aggregation = as_aggregation(aggregation, compression)  # None: the codec's default (Mean())
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None

@@ -21,6 +21,7 @@ import torch
 from hivemind.dht import DHT
 from hivemind.utils import get_dht_time
 
+from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
@@ -98,6 +99,9 @@ class Optimizer(torch.optim.Optimizer):
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
+    :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
+        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``).
+        Every peer of a run passes the same.
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
@@ -117,6 +121,7 @@ class Optimizer(torch.optim.Optimizer):
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
         compression: Optional[Compression] = None,
+        aggregation: Optional[Aggregation] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
@@ -128,6 +133,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
         compression = as_codec(compression, strategy)
+        aggregation = as_aggregation(aggregation, compression)
 
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None:
@@ -156,7 +162,7 @@ class Optimizer(torch.optim.Optimizer):
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
-            compression=compression, state_provider=self._shareable_state,
+            compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
         )
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically

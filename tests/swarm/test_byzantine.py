@@ -1,0 +1,57 @@
+"""Hostile and broken peers in real loopback swarms: 4 peers, one of them sending absurd gradients or none at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.swarm.peer import make_data, make_model
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
+
+HONEST = (0, 1, 2)
+ATTACKER = 3
+
+
+def loss_of(params: list) -> float:
+    x, y = make_data()
+    model = make_model()
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+
+def run(swarm, epochs: int, attack: dict, **config) -> list:
+    for rank in range(4):
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=epochs, expect_peers=4,
+                    step_sleep=0.02, max_seconds=90, linger=5.0, attack=attack if rank == ATTACKER else None,
+                    **config)
+    swarm.wait(timeout=200)
+    return [swarm.result(rank) for rank in HONEST]
+
+
+@pytest.mark.parametrize("aggregation, args", [("CenteredClip", {}), ("TrimmedMean", {"fraction": 0.25})])
+def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args):
+    """An attacker sending its gradients x(-1000) (every member receives the robust estimate, the attacker too): the
+    honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss."""
+    epochs = 8
+    results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args)
+    initial = loss_of([p.detach() for p in make_model().parameters()])
+    for r in results:
+        assert r["epoch"] == epochs, swarm.round_events()
+        assert all(bool(torch.isfinite(p).all()) for p in r["params"])
+        assert loss_of(r["params"]) < initial - 0.2, (loss_of(r["params"]), initial)
+    for r in results[1:]:  # every member ends every round with the same values
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+
+
+def test_plain_mean_lets_the_attacker_steer(swarm):
+    """The same attack with the default ``Mean()``: its norm bound keeps the values finite, but a sign-flipped
+    gradient 10x an honest one outweighs the three honest ones: the honest peers' loss goes up."""
+    epochs = 8
+    results = run(swarm, epochs, {"scale": -1000.0})
+    initial = loss_of([p.detach() for p in make_model().parameters()])
+    for r in results:
+        assert all(bool(torch.isfinite(p).all()) for p in r["params"])
+        assert loss_of(r["params"]) > initial, (loss_of(r["params"]), initial)

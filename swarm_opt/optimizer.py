@@ -235,7 +235,10 @@ class Optimizer(torch.optim.Optimizer):
             self._catch_up(progress.epoch)
         elif progress.ready:
             self._run_round(progress)
-        elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+        elif progress.num_peers > 1 and self._samples > 0 and \
+                progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+            # only with something to contribute: a group waits for each of its members to send, and a peer that
+            # has no samples (all its steps skipped, e.g. non-finite gradients) would never start
             self._averager.schedule(progress.eta, self._epoch + 1)
         self._push_offloaded()
         self._step_returned = time.monotonic()
@@ -252,6 +255,7 @@ class Optimizer(torch.optim.Optimizer):
     # --- rounds -----------------------------------------------------------------------------------------------------
     def _run_round(self, progress: SwarmProgress) -> None:
         if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
+            self._averager.cancel_scheduled()  # and leave no group waiting for this peer
             return
         started, round_id = time.monotonic(), self._epoch + 1
         if progress.num_peers <= 1:  # a round alone: its mean is our own values

@@ -57,3 +57,17 @@ def test_the_default_mean_bounds_an_absurd_attacker_but_lets_it_steer(swarm):
         largest = max(float(p.abs().max()) for p in r["params"])
         assert largest < 100, largest  # the plain mean (max_norm_ratio=None) reaches 1e8
         assert loss_of(r["params"]) > initial, (loss_of(r["params"]), initial)
+
+
+def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
+    """A broken peer whose gradients are always NaN has its steps skipped (no samples): it must not join averaging
+    groups it would never send to, where its groupmates waited for it and failed the round."""
+    for rank in range(4):
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=10_000, expect_peers=4,
+                    step_sleep=0.02, max_seconds=30, linger=3.0, attack={"nan": True} if rank == ATTACKER else None)
+    swarm.wait(timeout=200)
+    for rank in HONEST:
+        assert swarm.result(rank)["epoch"] >= 5, swarm.round_events()
+        failures = [line for line in swarm.log(rank).splitlines()
+                    if "did not reach a majority" in line and ("did not start sending" in line or "partial" in line)]
+        assert not failures, "\n".join(failures)

@@ -31,12 +31,16 @@ def run(swarm, epochs: int, attack: dict, **config) -> list:
     return [swarm.result(rank) for rank in HONEST]
 
 
-@pytest.mark.parametrize("aggregation, args", [("CenteredClip", {}), ("TrimmedMean", {"fraction": 0.25})])
-def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args):
-    """An attacker sending its gradients x(-1000) (every member receives the robust estimate, the attacker too): the
-    honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss."""
+@pytest.mark.parametrize("aggregation, args, strategy", [("CenteredClip", {}, "grad"),
+                                                         ("TrimmedMean", {"fraction": 0.25}, "grad"),
+                                                         ("CenteredClip", {}, "local")])
+def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args, strategy):
+    """An attacker stepping on its gradients x(-1000) (every member receives the robust estimate, the attacker too):
+    the honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss. With local
+    updates the attacker's parameters are what is absurd."""
     epochs = 8
-    results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args)
+    results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args,
+                  strategy=strategy)
     initial = loss_of([p.detach() for p in make_model().parameters()])
     for r in results:
         assert r["epoch"] == epochs, swarm.round_events()

@@ -49,7 +49,8 @@ class Aggregation(ABC):
 
     @abstractmethod
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``parts``: (n, d) finite float64 copies, ``weights``: (n,) float64, each > 0; returns (d,) float64."""
+        """``parts``: (n, d) finite copies, ``weights``: (n,) each > 0, both float32 (float64 where float32
+        overflowed); returns (d,) in their dtype."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Mean(Aggregation):
         if self.max_norm_ratio is not None and len(parts) > 1:
             norms = parts.norm(dim=1)
             bound = self.max_norm_ratio * norms.median()
-            if bound > 0:
+            if bound > 0 and bool((norms > bound).any()):
                 parts = parts * (bound / norms).clamp(max=1.0).unsqueeze(1)
         return weights @ parts / weights.sum()
 
@@ -177,18 +178,35 @@ def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) 
 
 def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """What a reducer sends back for one part: ``aggregation`` over the usable copies (see the module docstring),
-    in float32 like hivemind's reducer. Raises ValueError when no copy is usable."""
-    stacked = torch.stack([p.reshape(-1) for p in parts]).double()
+    in float32 like hivemind's reducer. Raises ValueError when no copy is usable.
+
+    The arithmetic runs in float32 (one pass over the copies per step, as hivemind's sum), and again in float64 in
+    the rare case where float32 overflowed (norms of copies beyond about 1e19) and the result is not finite."""
+    stacked = torch.stack([p.reshape(-1) for p in parts]).float()
     shape = parts[0].shape
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
-    usable = torch.isfinite(stacked).all(dim=1)
+    usable = torch.tensor([_finite(row) for row in stacked], dtype=torch.bool)
     w = torch.where(usable & torch.isfinite(w) & (w >= 0), w, torch.zeros_like(w))
     if not bool((w > 0).any()):
         if not bool(usable.any()):
             raise ValueError("no member sent finite values for this part")
         w = usable.double()  # nobody claims a weight: the finite copies count equally
     keep = w > 0
-    return aggregation.combine(stacked[keep], w[keep]).float().reshape(shape)
+    if not bool(keep.all()):
+        stacked, w = stacked[keep], w[keep]
+    w = w / w.max()  # a weight of 1e300 is finite in float64, not in float32
+    result = aggregation.combine(stacked, w.float())
+    if not bool(torch.isfinite(result.sum())):
+        result = aggregation.combine(stacked.double(), w).float()
+    return result.reshape(shape)
+
+
+def _finite(row: torch.Tensor) -> bool:
+    """Whether every value of ``row`` is finite: a finite sum proves it; only an overflowing one needs min/max."""
+    if bool(torch.isfinite(row.sum())):
+        return True
+    low, high = torch.aminmax(row)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 def _capped(weights: torch.Tensor) -> torch.Tensor:

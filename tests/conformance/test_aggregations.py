@@ -1,8 +1,8 @@
 """Every aggregation through the same checks: one registry (``swarm_opt.AGGREGATIONS``), one file.
 
 What a reducer relies on whatever the aggregation: the result is bounded by the copies it combines (within their
-largest norm), deterministic (every member receives the same bytes, and a rerun gives the same), exact on agreeing
-copies and on a group of one, and never carries NaN/inf: an unusable copy is left out, not averaged in.
+largest norm), deterministic (every member receives the same bytes, and a rerun gives the same), agreeing copies kept
+(to float32 rounding), and never carries NaN/inf: an unusable copy is left out, not averaged in.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ class TestEveryAggregation:
                            reduce_part(aggregation, list(parts.clone()), weights))
 
     @pytest.mark.parametrize("n", GROUPS)
-    def test_exact_on_agreeing_copies(self, aggregation, n):
-        one = copies(1)[0]
-        assert torch.equal(reduce_part(aggregation, [one.clone() for _ in range(n)], [2.0] * n), one)
+    def test_agreeing_copies_kept(self, aggregation, n):
+        one = copies(1)[0]  # to float32 rounding: the reducer computes in float32, as hivemind's sum
+        assert torch.allclose(reduce_part(aggregation, [one.clone() for _ in range(n)], [2.0] * n), one,
+                              rtol=4 * torch.finfo(torch.float32).eps, atol=0)
 
     @pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
     def test_non_finite_copy_refused(self, aggregation, poison):

@@ -46,6 +46,7 @@ class AllOrNothingReducer(TensorPartReducer):
         self.aggregation = aggregation
         self._copies: Dict[int, Tuple[torch.Tensor, float]] = {}  # sender index -> its copy of the current part
         super().__init__(part_shapes, num_senders)
+        self.num_parts_taken = [0] * num_senders  # copies in the reduction, per sender (not just arrived)
         #: a sender failed before every part was reduced: the reduction was abandoned (a sender that fails later
         #: only missed some of its replies; every part was complete, and so is the result of everyone else)
         self.abandoned = False
@@ -63,7 +64,7 @@ class AllOrNothingReducer(TensorPartReducer):
 
     def on_sender_failed(self, sender_index: int) -> None:
         self.sender_failed_after[sender_index] = self.num_parts_received[sender_index]
-        if self.num_parts_received[sender_index] < self.num_parts and not self.finished.is_set():
+        if self.num_parts_taken[sender_index] < self.num_parts and not self.finished.is_set():
             self.abandoned = True
             self.finalize()  # waiting senders get an error instead of an average that lacks this sender
 
@@ -72,6 +73,9 @@ class AllOrNothingReducer(TensorPartReducer):
         if self.finished.is_set():  # checked here: hivemind only checks after waiting for earlier parts
             raise AllreduceException("the reduction was abandoned: a member of the group failed")
         assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts, "invalid part or sender"
+        if tensor_part.shape != self.part_shapes[part_index]:  # network input: its sender gets banned
+            raise AllreduceException(f"sender {sender_index} sent part {part_index} with shape "
+                                     f"{tuple(tensor_part.shape)}, expected {tuple(self.part_shapes[part_index])}")
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:  # a sender sends its parts in order: wait for the earlier ones
             finished = asyncio.ensure_future(self.finished.wait())
@@ -83,12 +87,10 @@ class AllOrNothingReducer(TensorPartReducer):
                 raise AllreduceException("the reduction was abandoned: a member of the group failed")
         if self.sender_failed_after[sender_index] != float("inf"):
             raise BannedException(f"sender {sender_index} was banned in background")
-        if tensor_part.shape != self.part_shapes[part_index]:  # network input: its sender gets banned
-            raise AllreduceException(f"sender {sender_index} sent part {part_index} with shape "
-                                     f"{tuple(tensor_part.shape)}, expected {tuple(self.part_shapes[part_index])}")
         assert part_index == self.current_part_index and sender_index not in self._copies, "a part sent twice"
         future = self.current_part_future
         self._copies[sender_index] = (tensor_part, weight)
+        self.num_parts_taken[sender_index] += 1
         if len(self._copies) == self.num_senders:
             self._combine_current_part()
         return await future

@@ -361,6 +361,8 @@ class TensorAverager:
         )
         self._engine.state_provider = state_provider
         self._engine.aggregation = as_aggregation(aggregation, compression)  # None: the codec's default (Mean())
+        self._aggregation = repr(self._engine.aggregation)  # told to the groupmates: a round needs the same everywhere
+        self._mismatches_reported: set = set()
         _start_child(self._engine)
         self._engine.wait_until_ready(timeout=60)
         self._scheduled: Optional[StepControl] = None
@@ -404,7 +406,8 @@ class TensorAverager:
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary},
+                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary,
+                        "aggregation": self._aggregation},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
@@ -463,6 +466,15 @@ class TensorAverager:
             return self._failed(f"the group mixed peers of rounds {sorted(map(str, rounds))}")
         if not contributors:
             return self._failed("a group of helpers only")
+        aggregations = {info.get("aggregation") if isinstance(info, dict) else None for info in gathered.values()}
+        if aggregations != {self._aggregation}:
+            # each member reduces its share with its own aggregation: a mixture, robust on some parts only
+            others = sorted(map(str, aggregations - {self._aggregation}))
+            if tuple(others) not in self._mismatches_reported:
+                self._mismatches_reported.add(tuple(others))
+                logger.error(f"Groupmates aggregate with {', '.join(others)}, this peer with {self._aggregation}: "
+                             f"every peer of a run must pass the same aggregation=; rounds with them are discarded")
+            return self._failed(f"the group mixed aggregations {others + [self._aggregation]}")
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")

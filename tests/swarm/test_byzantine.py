@@ -75,3 +75,16 @@ def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
         failures = [line for line in swarm.log(rank).splitlines()
                     if "did not reach a majority" in line and ("did not start sending" in line or "partial" in line)]
         assert not failures, "\n".join(failures)
+
+
+def test_peers_with_different_aggregations_refuse_to_average_and_say_why(swarm):
+    """Each member reduces its share with its own aggregation: a group that mixes them would be robust on some
+    parts only. Its rounds are discarded, and each peer says once what to fix."""
+    for rank, aggregation in enumerate(["CenteredClip", "Mean"]):
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=3, expect_peers=2,
+                    step_sleep=0.02, max_seconds=15, linger=1.0, aggregation=aggregation)
+    swarm.wait(timeout=120)
+    for rank in range(2):
+        assert swarm.result(rank)["epoch"] == 0, swarm.round_events()
+        errors = [line for line in swarm.log(rank).splitlines() if "must pass the same aggregation=" in line]
+        assert len(errors) == 1, swarm.log(rank)

@@ -8,6 +8,9 @@ complete, the reducer here stops instead: once a sender has failed it returns no
 gets complete averages or sees the reducer fail (and its round fails too). Parts completed before the failure
 are complete averages and are delivered as usual.
 
+A reducer also waits for every sender's copy of a part and combines them with the run's ``Aggregation`` (the
+weighted mean, or a robust estimate: ``swarm_opt.aggregation``) instead of summing them as they arrive.
+
 Two more changes: reducers send means, encoded once, so that every member ends a round with identical values
 (``AllOrNothingRunner``); and each member closes its stream to a reducer once it has every reply, the reducer
 keeping its side open until then, since the p2p daemon could lose a reply sent just before the stream closed

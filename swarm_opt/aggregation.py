@@ -30,6 +30,9 @@ combine parameters (and SCAFFOLD's control variates). ``PowerSGD`` averages fact
 weight, and the group's total weight as one more part: a robust estimate of those is no robust estimate of the
 gradients, and a norm bound would cut honest members with more samples; it averages with ``Mean(max_norm_ratio=
 None)`` and refuses the others.
+
+Every peer of a run passes the same aggregation (auxiliary peers too: they reduce shares): members tell theirs when
+they form a group, and a group that mixes them discards its round (``TensorAverager.all_reduce``).
 """
 
 from __future__ import annotations

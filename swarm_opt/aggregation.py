@@ -18,7 +18,8 @@ aggregation              what one part becomes (``n`` copies of ``d`` values)   
 
 What every aggregation does first: a copy with NaN/inf values, or whose weight is not a finite number ≥ 0, counts
 with weight 0 (a hostile or broken member; honest members never send such values, see ``TensorAverager``), and a
-copy of weight 0 takes no part at all. If every copy has weight 0 the finite ones count equally.
+copy of weight 0 takes no part at all. If no copy is left the part, and so the round, fails (hivemind divided by
+zero).
 
 Weights are claims of the senders (their samples), network input like the values: the robust aggregations count
 each member at most at the group's median weight, so that a member cannot buy influence by claiming a huge weight.
@@ -194,10 +195,8 @@ def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
     usable = torch.tensor([_finite(row) for row in stacked], dtype=torch.bool)
     w = torch.where(usable & torch.isfinite(w) & (w >= 0), w, torch.zeros_like(w))
-    if not bool((w > 0).any()):
-        if not bool(usable.any()):
-            raise ValueError("no member sent finite values for this part")
-        w = usable.double()  # nobody claims a weight: the finite copies count equally
+    if not bool((w > 0).any()):  # the round fails, as a group whose weights are all zero does nothing
+        raise ValueError("no member sent finite values with a weight above 0 for this part")
     keep = w > 0
     if not bool(keep.all()):
         stacked, w = stacked[keep], w[keep]

@@ -98,8 +98,9 @@ def test_unusable_copies_count_with_weight_zero():
         # a weight that is not a finite number >= 0 is a lie: the copy is left out
         for weight in (float("nan"), float("inf"), -1.0):
             assert torch.allclose(combine(aggregation, parts, [1.0, 1.0, weight]), parts[:2].mean(0), atol=1e-5)
-    # nobody claims a weight: the copies count equally (hivemind divided by zero)
-    assert torch.allclose(combine(swarm_opt.Mean(), parts, [0.0, 0.0, 0.0]), parts.mean(0), atol=1e-6)
+    # nothing left to combine: the part fails (hivemind divided by zero)
+    with pytest.raises(ValueError, match="weight above 0"):
+        combine(swarm_opt.Mean(), parts, [0.0, 0.0, 0.0])
     with pytest.raises(ValueError, match="finite"):
         combine(swarm_opt.Mean(), torch.full((2, 3), float("nan")))
 

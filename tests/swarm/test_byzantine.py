@@ -72,8 +72,8 @@ def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
     swarm.wait(timeout=200)
     for rank in HONEST:
         assert swarm.result(rank)["epoch"] >= 5, swarm.round_events()
-        failures = [line for line in swarm.log(rank).splitlines()
-                    if "did not reach a majority" in line and ("did not start sending" in line or "partial" in line)]
+        # the broken peer's mark: a group it joined waited for it and failed (other failures come from load)
+        failures = [line for line in swarm.log(rank).splitlines() if "did not start sending" in line]
         assert not failures, "\n".join(failures)
 
 
@@ -81,10 +81,12 @@ def test_peers_with_different_aggregations_refuse_to_average_and_say_why(swarm):
     """Each member reduces its share with its own aggregation: a group that mixes them would be robust on some
     parts only. Its rounds are discarded, and each peer says once what to fix."""
     for rank, aggregation in enumerate(["CenteredClip", "Mean"]):
-        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=3, expect_peers=2,
-                    step_sleep=0.02, max_seconds=15, linger=1.0, aggregation=aggregation)
+        # for a fixed time, not a number of epochs: a peer that started long before the other trains alone meanwhile
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=10_000, expect_peers=2,
+                    step_sleep=0.02, max_seconds=20, linger=1.0, aggregation=aggregation)
     swarm.wait(timeout=120)
     for rank in range(2):
-        assert swarm.result(rank)["epoch"] == 0, swarm.round_events()
+        reports = swarm.result(rank)["reports"]
+        assert all(r["group_size"] < 2 for r in reports), reports  # (a peer may train alone before the other joins)
         errors = [line for line in swarm.log(rank).splitlines() if "must pass the same aggregation=" in line]
         assert len(errors) == 1, swarm.log(rank)

@@ -1,6 +1,7 @@
 """swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind."""
 
 from swarm_opt._logging import tame_hivemind_logging
+from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
 from swarm_opt.auth import PrivateRun
 from swarm_opt.auxiliary import AuxiliaryPeer
 from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
@@ -46,6 +47,11 @@ __all__ = [
     "Int8Blockwise",
     "Uniform8Bit",
     "PowerSGD",
+    "Aggregation",
+    "AGGREGATIONS",
+    "Mean",
+    "TrimmedMean",
+    "CenteredClip",
     "SwarmConfig",
     "Timeouts",
     "TrackerConfig",

@@ -8,6 +8,9 @@ complete, the reducer here stops instead: once a sender has failed it returns no
 gets complete averages or sees the reducer fail (and its round fails too). Parts completed before the failure
 are complete averages and are delivered as usual.
 
+A reducer also waits for every sender's copy of a part and combines them with the run's ``Aggregation`` (the
+weighted mean, or a robust estimate: ``swarm_opt.aggregation``) instead of summing them as they arrive.
+
 Two more changes: reducers send means, encoded once, so that every member ends a round with identical values
 (``AllOrNothingRunner``); and each member closes its stream to a reducer once it has every reply, the reducer
 keeping its side open until then, since the p2p daemon could lose a reply sent just before the stream closed
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Dict, List, Tuple
+from typing import Any, AsyncIterator, Dict, List, Sequence, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
@@ -29,22 +32,42 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from swarm_opt.aggregation import Aggregation, Mean, reduce_part
+
 logger = logging.getLogger(__name__)
 _EXACT = runtime_pb2.CompressionType.NONE
 
 
 class AllOrNothingReducer(TensorPartReducer):
-    """A ``TensorPartReducer`` that never completes a part without every sender."""
+    """A ``TensorPartReducer`` that never completes a part without every sender, and combines the senders' copies
+    of a part with an ``Aggregation`` once it has them all (hivemind sums them as they arrive, which only a mean
+    allows). The combination runs in the event loop's executor: a robust one costs a few passes over the copies,
+    and the loop keeps moving the other parts meanwhile."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *,
+                 aggregation: Aggregation = Mean()) -> None:
+        self.aggregation = aggregation
+        self._copies: Dict[int, Tuple[torch.Tensor, float]] = {}  # sender index -> its copy of the current part
+        super().__init__(part_shapes, num_senders)
+        self.num_parts_taken = [0] * num_senders  # copies in the reduction, per sender (not just arrived)
         #: a sender failed before every part was reduced: the reduction was abandoned (a sender that fails later
         #: only missed some of its replies; every part was complete, and so is the result of everyone else)
         self.abandoned = False
 
+    def reset_accumulators(self) -> None:
+        """Start collecting the next part (hivemind's also allocates a sum); with no parts at all, finish."""
+        if self.current_part_index >= self.num_parts - 1:
+            self.finalize()
+            return
+        self.current_part_index += 1
+        self.current_part_accumulated_from = 0
+        self.current_part_future = asyncio.Future()
+        self.num_current_senders = self.num_senders  # all or nothing: every part waits for every sender
+        self.accumulator, self._copies = None, {}
+
     def on_sender_failed(self, sender_index: int) -> None:
         self.sender_failed_after[sender_index] = self.num_parts_received[sender_index]
-        if not self.finished.is_set():
+        if self.num_parts_taken[sender_index] < self.num_parts and not self.finished.is_set():
             self.abandoned = True
             self.finalize()  # waiting senders get an error instead of an average that lacks this sender
 
@@ -52,7 +75,53 @@ class AllOrNothingReducer(TensorPartReducer):
                               weight: float = 1.0) -> torch.Tensor:
         if self.finished.is_set():  # checked here: hivemind only checks after waiting for earlier parts
             raise AllreduceException("the reduction was abandoned: a member of the group failed")
-        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts, "invalid part or sender"
+        if tensor_part.shape != self.part_shapes[part_index]:  # network input: its sender gets banned
+            raise AllreduceException(f"sender {sender_index} sent part {part_index} with shape "
+                                     f"{tuple(tensor_part.shape)}, expected {tuple(self.part_shapes[part_index])}")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # a sender sends its parts in order: wait for the earlier ones
+            finished = asyncio.ensure_future(self.finished.wait())
+            try:
+                await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException("the reduction was abandoned: a member of the group failed")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index and sender_index not in self._copies, "a part sent twice"
+        future = self.current_part_future
+        self._copies[sender_index] = (tensor_part, weight)
+        self.num_parts_taken[sender_index] += 1
+        if len(self._copies) == self.num_senders:
+            self._combine_current_part()
+        return await future
+
+    def _combine_current_part(self) -> None:
+        """Every sender's copy is in: combine them in the executor, and collect the next part meanwhile. The last
+        part finishes the reduction only once combined (an auxiliary peer's runner ends when it is finished)."""
+        copies, future = self._copies, self.current_part_future
+        senders = sorted(copies)  # a fixed order: the result does not depend on who sent first
+        combining = asyncio.get_event_loop().run_in_executor(
+            None, reduce_part, self.aggregation, [copies[s][0] for s in senders], [copies[s][1] for s in senders])
+        last = self.current_part_index == self.num_parts - 1
+        combining.add_done_callback(lambda done: self._combined(done, future, last))
+        if not last:
+            self.reset_accumulators()
+        else:
+            self._copies = {}
+
+    def _combined(self, done: asyncio.Future, future: asyncio.Future, last: bool) -> None:
+        if not future.done():
+            if done.cancelled():
+                future.cancel()
+            elif done.exception() is not None:  # no usable copy (every one non-finite): the round fails
+                future.set_exception(AllreduceException(f"the part could not be reduced: {done.exception()}"))
+            else:
+                future.set_result(done.result())
+        if last:
+            self.finalize()
 
 
 class AllOrNothingRunner(AllReduceRunner):
@@ -67,10 +136,11 @@ class AllOrNothingRunner(AllReduceRunner):
     per sender).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, aggregation: Aggregation = Mean(), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         reducer = self.tensor_part_reducer  # replaced before anything could use it
-        self.tensor_part_reducer = AllOrNothingReducer(reducer.part_shapes, reducer.num_senders)
+        self.tensor_part_reducer = AllOrNothingReducer(reducer.part_shapes, reducer.num_senders,
+                                                       aggregation=aggregation)
         self.tensor_part_container.return_deltas = False  # the outputs are the group's means: members copy them
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
+from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.averaging import TensorAverager
 from swarm_opt.compression import Compression, as_codec
@@ -57,6 +58,7 @@ class AuxiliaryPeer:
     :param strategy: the trainers' strategy (a fresh instance with the same arguments); default
         ``GradientAveraging()``.
     :param compression: the trainers' codec; PowerSGD runs a protocol of its own, which helpers cannot join.
+    :param aggregation: the trainers' aggregation (``Mean()`` by default): this helper reduces parts with it.
     :param matchmaking_time: and ``averaging_timeout``: the trainers' values (see ``Timeouts``).
     """
 
@@ -68,6 +70,7 @@ class AuxiliaryPeer:
         params: Iterable[torch.Tensor],
         strategy: Optional[Strategy] = None,
         compression: Optional[Compression] = None,
+        aggregation: Optional[Aggregation] = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
     ) -> None:
@@ -85,6 +88,7 @@ class AuxiliaryPeer:
         if getattr(codec, "averaging_engine", None) is not None:
             raise ConfigError(f"{codec!r} averages through a protocol of its own that auxiliary peers cannot join; "
                               f"help runs that use an elementwise codec (Float16(), Int8Blockwise(), ...)")
+        aggregation = as_aggregation(aggregation, codec)
         params = [p for p in params]
         if not params:
             raise ConfigError("params is empty: pass the parameters of the model the trainers train")
@@ -98,8 +102,8 @@ class AuxiliaryPeer:
                                    max_extrapolation=TrackerConfig().max_extrapolation)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
-            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, auxiliary=True,
-            access=run_access(dht, progress_key(run_id)))
+            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, aggregation=aggregation,
+            auxiliary=True, access=run_access(dht, progress_key(run_id)))
         self._snapshot: Optional[RunSnapshot] = None
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0

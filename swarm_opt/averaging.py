@@ -37,6 +37,7 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
+from swarm_opt.aggregation import Aggregation, Mean, as_aggregation
 from swarm_opt.auth import RunAccess
 from swarm_opt.config import Timeouts
 
@@ -96,6 +97,7 @@ class _Engine(DecentralizedAverager):
 
     state_provider: Optional[StateProvider] = None
     access: Optional[RunAccess] = None  # a private run's checks (set before the fork)
+    aggregation: Aggregation = Mean()  # how this peer's reducer combines the parts it receives (set before the fork)
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -146,7 +148,8 @@ class _Engine(DecentralizedAverager):
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes, **kwargs)
+                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
+                                    aggregation=self.aggregation, **kwargs)
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
         if self.mode == AveragingMode.AUX:
@@ -400,6 +403,7 @@ class TensorAverager:
         templates: Sequence[torch.Tensor],
         timeouts: Timeouts,
         compression: Any = NoCompression(),
+        aggregation: Optional[Aggregation] = None,
         state_provider: Optional[StateProvider] = None,
         auxiliary: bool = False,
         access: Optional[RunAccess] = None,
@@ -424,6 +428,9 @@ class TensorAverager:
             part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
         )
         self._engine.state_provider = state_provider
+        self._engine.aggregation = as_aggregation(aggregation, compression)  # None: the codec's default (Mean())
+        self._aggregation = repr(self._engine.aggregation)  # told to the groupmates: a round needs the same everywhere
+        self._mismatches_reported: set = set()
         self._state_bytes = sum(b.numel() * b.element_size() for b in buffers)
         if access is not None:  # before the fork: the matchmaking of the averager process reads both
             self._engine.access = access
@@ -472,7 +479,8 @@ class TensorAverager:
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary},
+                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary,
+                        "aggregation": self._aggregation},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
@@ -531,6 +539,15 @@ class TensorAverager:
             return self._failed(f"the group mixed peers of rounds {sorted(map(str, rounds))}")
         if not contributors:
             return self._failed("a group of helpers only")
+        aggregations = {info.get("aggregation") if isinstance(info, dict) else None for info in gathered.values()}
+        if aggregations != {self._aggregation}:
+            # each member reduces its share with its own aggregation: a mixture, robust on some parts only
+            others = sorted(map(str, aggregations - {self._aggregation}))
+            if tuple(others) not in self._mismatches_reported:
+                self._mismatches_reported.add(tuple(others))
+                logger.error(f"Groupmates aggregate with {', '.join(others)}, this peer with {self._aggregation}: "
+                             f"every peer of a run must pass the same aggregation=; rounds with them are discarded")
+            return self._failed(f"the group mixed aggregations {others + [self._aggregation]}")
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
                 logger.warning("A peer sent non-finite values; the round is discarded and retried")

@@ -22,6 +22,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Compression, as_codec
@@ -102,6 +103,9 @@ class Optimizer(torch.optim.Optimizer):
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
+    :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
+        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``).
+        Every peer of a run passes the same.
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
@@ -122,6 +126,7 @@ class Optimizer(torch.optim.Optimizer):
         averaging_timeout: Optional[float] = None,
         timeouts: Optional[Timeouts] = None,
         compression: Optional[Compression] = None,
+        aggregation: Optional[Aggregation] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
@@ -134,6 +139,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
         compression = as_codec(compression, strategy)
+        aggregation = as_aggregation(aggregation, compression)
 
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None:
@@ -162,7 +168,7 @@ class Optimizer(torch.optim.Optimizer):
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
-            compression=compression, state_provider=self._shareable_state,
+            compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
             access=run_access(dht, progress_key(run_id)),
         )
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
@@ -238,7 +244,10 @@ class Optimizer(torch.optim.Optimizer):
             self._catch_up(progress.epoch)
         elif progress.ready:
             self._run_round(progress)
-        elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+        elif progress.num_peers > 1 and self._samples > 0 and \
+                progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+            # only with something to contribute: a group waits for each of its members to send, and a peer that
+            # has no samples (all its steps skipped, e.g. non-finite gradients) would never start
             self._averager.schedule(progress.eta, self._epoch + 1)
         self._push_offloaded()
         self._step_returned = time.monotonic()
@@ -255,6 +264,7 @@ class Optimizer(torch.optim.Optimizer):
     # --- rounds -----------------------------------------------------------------------------------------------------
     def _run_round(self, progress: SwarmProgress) -> None:
         if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
+            self._averager.cancel_scheduled()  # and leave no group waiting for this peer
             return
         started, round_id = time.monotonic(), self._epoch + 1
         if progress.num_peers <= 1:  # a round alone: its mean is our own values

@@ -95,6 +95,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import SizeAdaptiveCompression
 
+from swarm_opt.aggregation import Aggregation, Mean
 from swarm_opt.averaging import AveragingResult, _Engine
 from swarm_opt.compression import Codec, NoCompression
 from swarm_opt.errors import ConfigError, ConfigTypeError
@@ -172,6 +173,18 @@ class PowerSGD:
                 f"strategy=swarm_opt.GradientAveraging(); {type(strategy).__name__} averages model states, which are "
                 f"not low-rank. Use compression=swarm_opt.Float16() or swarm_opt.Int8Blockwise() with it"
             )
+
+    def check_aggregation(self, aggregation: Optional[Aggregation]) -> Aggregation:
+        """The plain weighted mean, the only aggregation of this protocol: its members send factors pre-scaled by
+        their weights, and the group's total weight as one more part (see ``swarm_opt.aggregation``)."""
+        plain = Mean(max_norm_ratio=None)
+        if aggregation is not None and aggregation != plain:
+            raise ConfigError(
+                f"{self!r} averages low-rank factors pre-scaled by each peer's weight, with the plain weighted mean: "
+                f"aggregation={aggregation!r} cannot apply to them. Leave aggregation unset with PowerSGD, or use "
+                f"compression=swarm_opt.Int8Blockwise() (or another elementwise codec) with {aggregation!r}"
+            )
+        return plain
 
     def compresses(self, shape: Sequence[int]) -> bool:
         """Whether a gradient of ``shape`` travels as factors (see ``is_compressed``)."""

@@ -202,6 +202,8 @@ def main(config_path: str) -> None:
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
+        aggregation=(getattr(swarm_opt, cfg["aggregation"])(**cfg.get("aggregation_args", {}))
+                     if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)
@@ -273,6 +275,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         version = opt.local_epoch
         loss = torch.nn.functional.cross_entropy(model(x[idx].to(dtype)).float(), y[idx])
         loss.backward()
+        attack(cfg, model)
         opt.step()
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
@@ -297,6 +300,25 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()]))
+
+
+def attack(cfg: dict, model: torch.nn.Module) -> None:
+    """A Byzantine peer: ``"attack": {"scale": -100}`` multiplies its gradients (a negative factor flips their sign),
+    ``{"nan": true}`` makes them NaN (a broken peer: swarm_opt skips its steps), ``{"noise": 10}`` replaces them
+    with Gaussian noise of that standard deviation. Before ``step()``: what the attacker sends is what it steps on."""
+    spec = cfg.get("attack")
+    if not spec:
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if spec.get("nan"):
+                p.grad.fill_(float("nan"))
+            elif "noise" in spec:
+                p.grad.normal_(0.0, float(spec["noise"]))
+            else:
+                p.grad.mul_(float(spec["scale"]))
 
 
 def _codec_args(args: dict) -> dict:

@@ -1,0 +1,198 @@
+"""Byzantine peers on MNIST-5k: how far 1 or 2 attackers among 8 peers move gradient averaging, with the plain mean,
+the default norm-bounded ``Mean()`` and the robust aggregations (``swarm_opt.aggregation``).
+
+Setup (kept small for a shared 2-core machine): MNIST-5k (``_common.load_mnist``: 4000 train / 1000 test), split IID
+into 8 equal shards; MLP 784-64-10; gradient averaging with a global batch of 8 × 32, SGD lr 0.1 momentum 0.9,
+``--epochs`` passes over the training set (default 4, ~60 global steps). Every global step, each of the 8 peers
+computes its gradient at the shared parameters; the attackers replace theirs; the reducer maths combine them exactly
+as a swarm's reducers do: the flattened gradients are cut into the parts a ``TensorAverager`` would use (a part never
+spans two tensors, about 1/16 of the model), and each part goes through ``swarm_opt.aggregation.reduce_part``. Every
+peer applies the same result (what the all-reduce guarantees), so one model stands for all.
+
+In-process, not 8 real peers: the maths per part are the reducer's own, and the swarm tests (tests/swarm/
+test_byzantine.py) show the same code inside real all-reduces; 8 peer processes per run x 50 runs would not fit the
+machine. Not simulated: a lying reducer (not contained by this aggregation option).
+
+Attacks (weights: every attacker claims the same samples as an honest peer):
+  sign      -g (its gradient, sign flipped)
+  x100      100 g
+  noise     Gaussian noise, std 1 per coordinate (honest gradients are ~1e-2)
+  nan       NaN everywhere (a broken peer; a real honest peer sits such rounds out, a hostile one sends them)
+  alie      "a little is enough" (Baruch et al. 2019): every attacker sends mean - z·std of the honest gradients,
+            coordinate-wise, z = 1
+
+Reported: final test accuracy (mean over ``--seeds``) per attack, attackers and aggregation, against the honest-only
+run with the same aggregation; and the reducer's compute per round (all parts of one global step) and per 2 MiB part
+(8 senders), the cost each aggregation adds to a round.
+
+    python benchmarks/byzantine.py                   # 5 attacks x {1, 2} attackers x 4 aggregations, 2 seeds
+    python benchmarks/byzantine.py --epochs 2 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from _common import command_line, load_mnist, table, write_json  # also puts the repo on sys.path for swarm_opt
+
+import swarm_opt
+from swarm_opt.aggregation import reduce_part
+
+PEERS = 8
+AGGREGATIONS: Dict[str, swarm_opt.Aggregation] = {
+    "plain mean": swarm_opt.Mean(max_norm_ratio=None),
+    "Mean() (norm-bounded)": swarm_opt.Mean(),
+    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25),
+    "CenteredClip()": swarm_opt.CenteredClip(),
+}
+
+
+def attack_sign(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    return -g
+
+
+def attack_x100(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    return 100 * g
+
+
+def attack_noise(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    return torch.randn_like(g)
+
+
+def attack_nan(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(g, float("nan"))
+
+
+def attack_alie(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    return honest.mean(0) - 1.0 * honest.std(0)
+
+
+ATTACKS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sign": attack_sign, "x100": attack_x100, "noise": attack_noise, "nan": attack_nan, "alie": attack_alie}
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(784, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+
+def part_bounds(model: torch.nn.Module) -> List[tuple]:
+    """(start, end) of each part in the flattened gradient, cut as ``TensorAverager`` cuts: parts of about 1/16 of
+    the model, never spanning two tensors."""
+    sizes = [p.numel() for p in model.parameters()]
+    part = max(256, sum(sizes) // 16)
+    bounds, offset = [], 0
+    for size in sizes:
+        for start in range(0, size, part):
+            bounds.append((offset + start, offset + min(size, start + part)))
+        offset += size
+    return bounds
+
+
+def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequence[tuple]) -> torch.Tensor:
+    return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), [32.0] * len(grads)) for a, b in bounds])
+
+
+def run(aggregation: swarm_opt.Aggregation, attack: Optional[str], attackers: int, seed: int, epochs: int,
+        data: tuple) -> dict:
+    x, y, xt, yt = data
+    model = make_model(seed)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    bounds = part_bounds(model)
+    g = torch.Generator().manual_seed(seed)
+    shards = torch.randperm(len(x), generator=g).reshape(PEERS, -1)
+    steps = epochs * shards.shape[1] // 32
+    reduce_s: List[float] = []
+    for _ in range(steps):
+        grads = []
+        for rank in range(PEERS):
+            idx = shards[rank, torch.randint(0, shards.shape[1], (32,), generator=g)]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+        stacked = torch.stack(grads)
+        if attack is not None:
+            honest = stacked[attackers:].clone()
+            for rank in range(attackers):
+                stacked[rank] = ATTACKS[attack](stacked[rank], honest)
+        t0 = time.perf_counter()
+        mean = reduce(aggregation, stacked, bounds)
+        reduce_s.append(time.perf_counter() - t0)
+        offset = 0
+        for p in params:
+            p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
+            offset += p.numel()
+        opt.step()
+    with torch.no_grad():
+        finite = all(bool(torch.isfinite(p).all()) for p in params)
+        acc = float((model(xt).argmax(1) == yt).float().mean()) if finite else 0.0
+    return {"accuracy": acc, "finite": finite, "steps": steps, "reduce_s_per_round": statistics.median(reduce_s)}
+
+
+def part_cost(repeats: int = 5) -> Dict[str, float]:
+    """Seconds to reduce one 2 MiB part (524,288 fp32 values) from 8 senders, median of ``repeats``."""
+    parts = list(torch.randn(PEERS, 2**19))
+    out = {}
+    for name, aggregation in AGGREGATIONS.items():
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            reduce_part(aggregation, parts, [1.0] * PEERS)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    parser.add_argument("--attackers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--out", default="byzantine.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = load_mnist(0)
+    started = time.monotonic()
+    results: Dict[str, Dict[str, dict]] = {}
+    cases = [("honest", None, 0)] + [(f"{a} x{m}", a, m) for m in args.attackers for a in args.attacks]
+    for label, attack, attackers in cases:
+        results[label] = {}
+        for name, aggregation in AGGREGATIONS.items():
+            runs = [run(aggregation, attack, attackers, seed, args.epochs, data) for seed in args.seeds]
+            results[label][name] = {
+                "accuracy": statistics.fmean(r["accuracy"] for r in runs),
+                "per_seed": [r["accuracy"] for r in runs], "finite": all(r["finite"] for r in runs),
+                "reduce_s_per_round": statistics.fmean(r["reduce_s_per_round"] for r in runs),
+            }
+        print(f"  {label}: " + ", ".join(f"{n} {100 * v['accuracy']:.1f}" for n, v in results[label].items())
+              + f"  [{time.monotonic() - started:.0f} s]", flush=True)
+    honest = {name: results["honest"][name]["accuracy"] for name in AGGREGATIONS}
+    rows = [[label] + [f"{100 * v['accuracy']:.1f}" + ("" if v["finite"] else " (inf)") +
+                       ("" if label == "honest" else f" ({100 * (v['accuracy'] - honest[n]):+.1f})")
+                       for n, v in results[label].items()] for label in results]
+    print(f"\nMNIST-5k, {PEERS} peers, {args.epochs} epochs, seeds {args.seeds}: test accuracy % "
+          f"(in brackets: pp against the honest-only run with the same aggregation)\n")
+    print(table(["attack x attackers", *AGGREGATIONS], rows))
+    costs = part_cost()
+    per_round = {n: statistics.fmean(results[label][n]["reduce_s_per_round"] for label in results)
+                 for n in AGGREGATIONS}
+    print("\nreducer compute: " + ", ".join(
+        f"{n} {1e3 * per_round[n]:.1f} ms/round ({1e3 * costs[n]:.0f} ms per 2 MiB part of 8 senders)"
+        for n in AGGREGATIONS))
+    worst = {n: min(results[label][n]["accuracy"] - honest[n] for label in results if label != "honest")
+             for n in AGGREGATIONS}
+    print("worst drop against honest-only: " + ", ".join(f"{n} {100 * w:+.1f} pp" for n, w in worst.items()))
+    path = write_json(args.out, {"benchmark": "byzantine", "args": vars(args), "results": results,
+                                 "reduce_s_per_round": per_round, "part_cost_s": costs, "worst_drop": worst,
+                                 "elapsed_s": time.monotonic() - started})
+    print(f"wrote {path}\nreproduce: {command_line()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""How a reducer combines the members' copies of one averaged part: pass one as
+``swarm_opt.Optimizer(aggregation=swarm_opt.CenteredClip())``.
+
+In the butterfly all-reduce each member reduces one share of the averaged tensors for the whole group: it receives
+every member's copy of each part of its share, combines them here, and sends every member the same encoded result
+(``swarm_opt._allreduce``). Replacing the weighted mean with a robust estimate therefore costs no extra round trip,
+and every member still ends a round with identical values.
+
+=======================  ===========================================================================  ==============
+aggregation              what one part becomes (``n`` copies of ``d`` values)                          cost per part
+=======================  ===========================================================================  ==============
+``Mean()`` (default)     the weighted mean; a copy whose norm exceeds ``max_norm_ratio`` × the         O(n·d)
+                         group's median norm is scaled down to that norm first
+``TrimmedMean(f)``       per coordinate, drop the ``⌈f·n⌉`` lowest and highest values, mean the rest   O(n·d·log n)
+``CenteredClip(τ, l)``   ``l`` steps of ``v += mean_i clip(x_i − v, τ·r)`` from the coordinate-wise   O(n·d·(l + log n))
+                         median, ``r`` the median distance of the copies to it
+=======================  ===========================================================================  ==============
+
+What every aggregation does first: a copy with NaN/inf values, or whose weight is not a finite number ≥ 0, counts
+with weight 0 (a hostile or broken member; honest members never send such values, see ``TensorAverager``), and a
+copy of weight 0 takes no part at all. If no copy is left the part, and so the round, fails (hivemind divided by
+zero).
+
+Weights are claims of the senders (their samples), network input like the values: the robust aggregations count
+each member at most at the group's median weight, so that a member cannot buy influence by claiming a huge weight.
+
+Codecs: the aggregations combine what the reducer decodes, so they work with every elementwise codec
+(``NoCompression``, ``Float16``, ``Int8Blockwise``, ``Uniform8Bit``), and with every strategy: gradient averaging
+combines gradients; the parameter-averaging strategies (``LocalUpdates``, ``FedProx``, ``Scaffold``, ``DiLoCo``)
+combine parameters (and SCAFFOLD's control variates). ``PowerSGD`` averages factors pre-scaled by each member's
+weight, and the group's total weight as one more part: a robust estimate of those is no robust estimate of the
+gradients, and a norm bound would cut honest members with more samples; it averages with ``Mean(max_norm_ratio=
+None)`` and refuses the others.
+
+Every peer of a run passes the same aggregation (auxiliary peers too: they reduce shares): members tell theirs when
+they form a group, and a group that mixes them discards its round (``TensorAverager.all_reduce``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple, Type
+
+import torch
+
+from swarm_opt.errors import ConfigError, ConfigTypeError
+
+
+class Aggregation(ABC):
+    """Combines ``n`` members' copies of one part into the value every member receives."""
+
+    @abstractmethod
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``parts``: (n, d) finite copies, ``weights``: (n,) each > 0, both float32 (float64 where float32
+        overflowed); returns (d,) in their dtype."""
+
+
+@dataclass(frozen=True)
+class Mean(Aggregation):
+    """The weighted mean, with the norm of each copy bounded by ``max_norm_ratio`` × the group's median norm.
+
+    Why the bound is on by default: one member's finite but absurd values (gradients 10⁶× too large) would
+    otherwise set the whole group's result, and overflow its parameters. The median norm (the lower median, so that
+    in a group of two the larger copy is bounded by the smaller) is an honest member's while a majority is honest.
+    Honest copies of one part have norms of the same order (gradients of the same model on the same task, or
+    parameters that were averaged last round), far below 10×, so the bound changes nothing for them. It does not
+    make the mean robust (a member within the bound still moves it by up to ``max_norm_ratio``/n times an honest
+    norm): use ``CenteredClip`` or ``TrimmedMean`` for that. A part whose median norm is 0 is not bounded.
+
+    :param max_norm_ratio: a number > 1 (default 10), or None for the plain weighted mean.
+    """
+
+    max_norm_ratio: Optional[float] = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_norm_ratio is not None:
+            _check_number("Mean(max_norm_ratio=...)", self.max_norm_ratio, "10, or None for no bound")
+            if not 1.0 < self.max_norm_ratio < math.inf:
+                raise ConfigError(f"Mean(max_norm_ratio={self.max_norm_ratio!r}) must be a number > 1 (e.g. 10), or "
+                                  f"None for the plain weighted mean")
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.max_norm_ratio is not None and len(parts) > 1:
+            norms = parts.norm(dim=1)
+            bound = self.max_norm_ratio * norms.median()
+            if bound > 0 and bool((norms > bound).any()):
+                parts = parts * (bound / norms).clamp(max=1.0).unsqueeze(1)
+        return weights @ parts / weights.sum()
+
+
+@dataclass(frozen=True)
+class TrimmedMean(Aggregation):
+    """Per coordinate, the mean of the copies left once the ``k = ⌈fraction·n⌉`` lowest and highest values are
+    dropped (``k`` at most ``(n − 1)/2``: three members keep their median, two their mean).
+
+    With at most ``k`` hostile members every result lies between honest values. Rounded up so that a group smaller
+    than the swarm (a member missing from a round) still trims: 0.25 drops one value per side in groups of 2 to 4,
+    two in groups of 5 to 8. Costs one sort of ``n`` values per coordinate.
+
+    :param fraction: the share of members assumed hostile, in [0, 0.5); default 0.25.
+    """
+
+    fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        _check_number("TrimmedMean(fraction=...)", self.fraction, "0.25")
+        if not 0.0 <= self.fraction < 0.5:
+            raise ConfigError(f"TrimmedMean(fraction={self.fraction!r}) must be in [0, 0.5), the share of members "
+                              f"assumed hostile (e.g. 0.25): at 0.5 nothing would be left")
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n = len(parts)
+        drop = min(math.ceil(self.fraction * n), (n - 1) // 2)
+        weights = _capped(weights)
+        if drop == 0:
+            return weights @ parts / weights.sum()
+        if bool((weights == weights[0]).all()):  # equal weights (after the cap): the values alone
+            return _sort_columns(parts)[drop:n - drop].mean(dim=0)
+        values, order = parts.sort(dim=0)
+        kept_weights = weights[order[drop:n - drop]]
+        return (values[drop:n - drop] * kept_weights).sum(dim=0) / kept_weights.sum(dim=0)
+
+
+@dataclass(frozen=True)
+class CenteredClip(Aggregation):
+    """CenteredClip (Karimireddy, He and Jaggi 2021; the BTARD all-reduce of Gorbunov et al. 2022): from ``v`` at the
+    coordinate-wise median, ``iterations`` times ``v ← v + Σ w_i clip(x_i − v, τ·r) / Σ w_i``, where ``clip(z, c)``
+    scales ``z`` down to norm ``c`` and ``r`` is the median distance of the copies to the coordinate-wise median.
+
+    ``tau`` is relative to ``r`` so that one value fits parts of any scale (gradients, parameters): honest copies lie
+    at about the same distance from the median, so with ``tau`` ≥ 2 they are not clipped and, without outliers, the
+    result is their weighted mean (weights capped at the median) after one iteration; a copy far outside moves the
+    result by at most ``tau·r·w_i/Σw`` per iteration. Costs O(n·d·(iterations + log n)) per part (a sort for the
+    median, then one pass over the copies per iteration).
+
+    :param tau: clipping radius in units of ``r``, > 0; default 2.
+    :param iterations: steps from the median, 1 to 100; default 3.
+    """
+
+    tau: float = 2.0
+    iterations: int = 3
+
+    def __post_init__(self) -> None:
+        _check_number("CenteredClip(tau=...)", self.tau, "2.0")
+        if not 0.0 < self.tau < math.inf:
+            raise ConfigError(f"CenteredClip(tau={self.tau!r}) must be a number > 0 (e.g. 2.0): the clipping radius "
+                              f"in units of the median distance of the copies to their median")
+        if isinstance(self.iterations, bool) or not isinstance(self.iterations, int):
+            raise ConfigTypeError(f"CenteredClip(iterations=...) must be an int, e.g. 3; got {self.iterations!r}")
+        if not 1 <= self.iterations <= 100:
+            raise ConfigError(f"CenteredClip(iterations={self.iterations}) must be 1 to 100 (e.g. 3)")
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        weights = _capped(weights)
+        weights = weights / weights.sum()
+        center = _median(parts)
+        radius = self.tau * (parts - center).norm(dim=1).median()
+        if radius == 0:  # most copies equal the median: it is the answer
+            return center
+        for _ in range(self.iterations):
+            offsets = parts - center
+            scale = (radius / offsets.norm(dim=1)).clamp(max=1.0)  # a copy at the centre: radius/0 = inf → 1
+            center = center + (weights * scale) @ offsets
+        return center
+
+
+#: every aggregation, once; the conformance tests iterate over it
+AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip)
+
+
+def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) -> Aggregation:
+    """``aggregation=``'s object for a run averaging with ``compression`` (None means ``Mean()``); anything else is
+    refused, naming the choices. A codec with an averaging protocol of its own (PowerSGD) has the last word
+    (``check_aggregation``)."""
+    if aggregation is not None and not isinstance(aggregation, Aggregation):
+        choices = ", ".join(f"swarm_opt.{a.__name__}()" for a in AGGREGATIONS)
+        hint = f" (pass an instance: {aggregation.__name__}())" if isinstance(aggregation, type) else ""
+        raise ConfigTypeError(f"aggregation must be one of {choices}; got {aggregation!r}{hint}")
+    check = getattr(compression, "check_aggregation", None)
+    if check is not None:
+        return check(aggregation)
+    return Mean() if aggregation is None else aggregation
+
+
+def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """What a reducer sends back for one part: ``aggregation`` over the usable copies (see the module docstring),
+    in float32 like hivemind's reducer. Raises ValueError when no copy is usable.
+
+    The arithmetic runs in float32 (one pass over the copies per step, as hivemind's sum), and again in float64 in
+    the rare case where float32 overflowed (norms of copies beyond about 1e19) and the result is not finite."""
+    stacked = torch.stack([p.reshape(-1) for p in parts]).float()
+    shape = parts[0].shape
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    usable = torch.tensor([_finite(row) for row in stacked], dtype=torch.bool)
+    w = torch.where(usable & torch.isfinite(w) & (w >= 0), w, torch.zeros_like(w))
+    if not bool((w > 0).any()):  # the round fails, as a group whose weights are all zero does nothing
+        raise ValueError("no member sent finite values with a weight above 0 for this part")
+    keep = w > 0
+    if not bool(keep.all()):
+        stacked, w = stacked[keep], w[keep]
+    w = w / w.max()  # a weight of 1e300 is finite in float64, not in float32
+    result = aggregation.combine(stacked, w.float())
+    if not bool(torch.isfinite(result.sum())):
+        result = aggregation.combine(stacked.double(), w).float()
+    return result.reshape(shape)
+
+
+def _finite(row: torch.Tensor) -> bool:
+    """Whether every value of ``row`` is finite: a finite sum proves it; only an overflowing one needs min/max."""
+    if bool(torch.isfinite(row.sum())):
+        return True
+    low, high = torch.aminmax(row)
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _capped(weights: torch.Tensor) -> torch.Tensor:
+    """Weights bounded by their median: a claim of a huge weight buys no more than a typical member's."""
+    return weights.clamp(max=float(weights.median()))
+
+
+def _median(parts: torch.Tensor) -> torch.Tensor:
+    """The coordinate-wise median (the mean of the two middle values for an even count)."""
+    values = _sort_columns(parts)
+    n = len(parts)
+    return (values[(n - 1) // 2] + values[n // 2]) / 2
+
+
+_NETWORK_MAX = 16  # up to this many copies an odd-even transposition sort beats torch.sort along a short dimension
+
+
+def _sort_columns(values: torch.Tensor) -> torch.Tensor:
+    """``values`` sorted along dim 0. For a few copies, n passes of elementwise min/max over adjacent rows (n²·d
+    operations in large vectorised passes): torch.sort of millions of 8-element columns is about twice as slow."""
+    n = len(values)
+    if n > _NETWORK_MAX:
+        return values.sort(dim=0).values
+    values = values.clone()
+    for start in [i % 2 for i in range(n)]:
+        pairs = (n - start) // 2
+        if pairs:
+            low, high = values[start:start + 2 * pairs:2], values[start + 1:start + 2 * pairs:2]
+            new_low = torch.minimum(low, high)
+            high.copy_(torch.maximum(low, high))
+            low.copy_(new_low)
+    return values
+
+
+def _check_number(name: str, value: object, example: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{name} must be a number, e.g. {example}; got {value!r}")

@@ -1,0 +1,173 @@
+"""The aggregations' maths (no network): what each estimator returns on known input, how far one outlier moves it,
+and how the reducer feeds them (every sender's copy at once, unusable copies left out)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+
+import swarm_opt
+from swarm_opt._allreduce import AllOrNothingReducer
+from swarm_opt.aggregation import as_aggregation, reduce_part
+from swarm_opt.errors import ConfigError, ConfigTypeError
+
+
+def honest(n: int, d: int = 1000, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(d, generator=g) + 0.1 * torch.randn(n, d, generator=g)
+
+
+def combine(aggregation, parts: torch.Tensor, weights=None) -> torch.Tensor:
+    weights = [1.0] * len(parts) if weights is None else weights
+    return reduce_part(aggregation, list(parts), weights)
+
+
+def test_mean_is_the_weighted_mean():
+    parts = honest(4)
+    weights = [1.0, 2.0, 3.0, 4.0]
+    expected = (torch.tensor(weights).unsqueeze(1) * parts).sum(0) / 10
+    assert torch.allclose(combine(swarm_opt.Mean(), parts, weights), expected, atol=1e-6)
+
+
+def test_mean_bounds_the_norm_of_one_absurd_copy():
+    parts = honest(4)
+    parts[3] *= 1e6
+    plain = combine(swarm_opt.Mean(max_norm_ratio=None), parts)
+    bounded = combine(swarm_opt.Mean(), parts)
+    honest_norm = float(parts[:3].norm(dim=1).max())
+    assert float(plain.norm()) > 1e5 * honest_norm
+    # the absurd copy counts as at most 10x the median norm: the mean of 4 lies within (3 + 10) / 4 honest norms
+    assert float(bounded.norm()) <= (3 + 10) / 4 * honest_norm * 1.01
+
+
+def test_mean_bound_leaves_honest_copies_alone():
+    parts = honest(5)
+    assert torch.allclose(combine(swarm_opt.Mean(), parts), parts.mean(0), atol=1e-6)
+
+
+def test_trimmed_mean_exact_on_known_input():
+    parts = torch.tensor([[1.0, 10.0], [2.0, -50.0], [3.0, 20.0], [100.0, 30.0]])
+    # fraction 0.25 of 4: drop the lowest and the highest value of each coordinate
+    assert torch.equal(combine(swarm_opt.TrimmedMean(0.25), parts), torch.tensor([2.5, 15.0]))
+    # weights of the kept copies apply: coordinate 0 keeps 2 (w=1) and 3 (w=3) -> 2.75
+    assert torch.allclose(combine(swarm_opt.TrimmedMean(0.25), parts, [3.0, 1.0, 3.0, 3.0])[:1], torch.tensor([2.75]))
+    # ... each capped at the median weight (3): a claim of 300 counts as 3
+    assert torch.allclose(combine(swarm_opt.TrimmedMean(0.25), parts, [3.0, 1.0, 300.0, 3.0])[:1],
+                          torch.tensor([2.75]))
+    # rounded up, at most (n - 1) / 2 per side: 3 members keep their median, 2 their mean
+    assert torch.equal(combine(swarm_opt.TrimmedMean(0.25), parts[:3]), torch.tensor([2.0, 10.0]))
+    assert torch.equal(combine(swarm_opt.TrimmedMean(0.25), parts[:2]), torch.tensor([1.5, -20.0]))
+    assert torch.allclose(combine(swarm_opt.TrimmedMean(0.0), parts), parts.mean(0))
+
+
+def test_centered_clip_converges_to_the_mean_without_outliers():
+    parts = honest(8)
+    assert torch.allclose(combine(swarm_opt.CenteredClip(), parts), parts.mean(0), atol=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", [swarm_opt.CenteredClip(), swarm_opt.TrimmedMean(0.25)], ids=repr)
+@pytest.mark.parametrize("attack", ["huge", "sign", "far"])
+def test_one_outlier_has_bounded_influence(aggregation, attack):
+    parts = honest(8)
+    truth = parts[:7].mean(0)
+    spread = float((parts[:7] - truth).norm(dim=1).median())
+    parts[7] = {"huge": parts[7] * 1e6, "sign": -parts[7] * 100, "far": parts[7] + 1e3}[attack]
+    # the outlier moves the result by at most about tau·r/n (CenteredClip) or within the honest range (trimmed)
+    error = float((combine(aggregation, parts) - truth).norm())
+    assert error < spread, (error, spread)
+    assert float((combine(swarm_opt.Mean(max_norm_ratio=None), parts) - truth).norm()) > 10 * spread
+
+
+def test_a_huge_weight_buys_no_influence_in_robust_aggregations():
+    parts = honest(5)
+    parts[4] += 100.0
+    for aggregation in (swarm_opt.CenteredClip(), swarm_opt.TrimmedMean(0.2)):
+        result = combine(aggregation, parts, [1.0, 1.0, 1.0, 1.0, 1e12])
+        assert float((result - parts[:4].mean(0)).norm()) < 5.0, aggregation
+
+
+def test_unusable_copies_count_with_weight_zero():
+    parts = honest(3)
+    poisoned = parts.clone()
+    poisoned[2, 5] = float("nan")
+    for aggregation in (swarm_opt.Mean(), swarm_opt.CenteredClip(), swarm_opt.TrimmedMean(0.0)):
+        assert torch.allclose(combine(aggregation, poisoned), parts[:2].mean(0), atol=1e-5)
+        # a weight that is not a finite number >= 0 is a lie: the copy is left out
+        for weight in (float("nan"), float("inf"), -1.0):
+            assert torch.allclose(combine(aggregation, parts, [1.0, 1.0, weight]), parts[:2].mean(0), atol=1e-5)
+    # nothing left to combine: the part fails (hivemind divided by zero)
+    with pytest.raises(ValueError, match="weight above 0"):
+        combine(swarm_opt.Mean(), parts, [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="finite"):
+        combine(swarm_opt.Mean(), torch.full((2, 3), float("nan")))
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: swarm_opt.Mean(max_norm_ratio=1.0), ConfigError, "> 1"),
+    (lambda: swarm_opt.Mean(max_norm_ratio="10"), ConfigTypeError, "number"),
+    (lambda: swarm_opt.TrimmedMean(fraction=0.5), ConfigError, r"\[0, 0.5\)"),
+    (lambda: swarm_opt.TrimmedMean(fraction=True), ConfigTypeError, "number"),
+    (lambda: swarm_opt.CenteredClip(tau=0), ConfigError, "> 0"),
+    (lambda: swarm_opt.CenteredClip(tau=float("inf")), ConfigError, "> 0"),
+    (lambda: swarm_opt.CenteredClip(iterations=0), ConfigError, "1 to 100"),
+    (lambda: swarm_opt.CenteredClip(iterations=2.0), ConfigTypeError, "int"),
+    (lambda: as_aggregation(swarm_opt.CenteredClip), ConfigTypeError, r"pass an instance: CenteredClip\(\)"),
+    (lambda: as_aggregation("mean"), ConfigTypeError, "aggregation must be one of"),
+    (lambda: as_aggregation(swarm_opt.CenteredClip(), swarm_opt.PowerSGD(rank=2)), ConfigError,
+     "Leave aggregation unset with PowerSGD"),
+])
+def test_bad_arguments_name_the_fix(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_powersgd_averages_with_the_plain_mean():
+    assert as_aggregation(None, swarm_opt.PowerSGD(rank=2)) == swarm_opt.Mean(max_norm_ratio=None)
+    assert as_aggregation(None, swarm_opt.Float16()) == swarm_opt.Mean()
+
+
+async def _reduce(aggregation, copies: torch.Tensor, weights) -> list:
+    reducer = AllOrNothingReducer([torch.Size([copies.shape[2]])] * copies.shape[1], num_senders=len(copies),
+                                  aggregation=aggregation)
+
+    async def sender(index: int) -> list:
+        return [await reducer.accumulate_part(index, part, copies[index, part], weight=weights[index])
+                for part in range(copies.shape[1])]
+
+    results = await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(copies)))), timeout=10)
+    assert reducer.finished.is_set() and not reducer.abandoned
+    return results
+
+
+def test_the_reducer_combines_every_senders_copy_and_answers_all_alike():
+    g = torch.Generator().manual_seed(3)
+    copies = torch.randn(4, 3, 50, generator=g)  # 4 senders, 3 parts of 50 values
+    copies[2] *= 1e6  # an attacker
+    results = asyncio.run(_reduce(swarm_opt.CenteredClip(), copies, [1.0, 2.0, 1e9, 1.0]))
+    for part in range(3):
+        expected = reduce_part(swarm_opt.CenteredClip(), list(copies[:, part]), [1.0, 2.0, 1e9, 1.0])
+        assert all(torch.equal(r[part], expected) for r in results)  # the same tensor for every sender
+        assert float(expected.norm()) < 100
+
+
+async def _wrong_shape() -> object:
+    """Sender 1 sent its only part; sender 0 sends one of the wrong shape, and gets banned (what hivemind's handler
+    does with an exception). What does sender 1 get?"""
+    reducer = AllOrNothingReducer([torch.Size([4])], num_senders=2)
+    waiting = asyncio.ensure_future(reducer.accumulate_part(1, 0, torch.ones(4)))
+    await asyncio.sleep(0)
+    with pytest.raises(AllreduceException, match="shape"):
+        await reducer.accumulate_part(0, 0, torch.ones(1))  # broadcastable: hivemind's sum would have taken it
+    reducer.on_sender_failed(0)
+    try:
+        return await asyncio.wait_for(waiting, timeout=5)
+    except (AllreduceException, asyncio.CancelledError) as e:
+        return e
+
+
+def test_the_reducer_refuses_a_part_of_the_wrong_shape():
+    result = asyncio.run(_wrong_shape())
+    assert not isinstance(result, torch.Tensor), result  # the round fails, instead of hanging or averaging it

@@ -25,12 +25,13 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.compression import NoCompression
+from hivemind.compression import NoCompression, deserialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils import MPFuture, get_dht_time
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_opt._allreduce import AllOrNothingRunner
 from swarm_opt._fork import die_with_parent, without_tensor_memory
@@ -39,6 +40,7 @@ from swarm_opt.config import Timeouts
 logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
+MemberInfo = Callable[[], Dict[str, Any]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
 _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
@@ -257,6 +259,48 @@ class _Engine(DecentralizedAverager):
     def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
         """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""
 
+    def load_state_from(self, donors: Sequence[PeerID], timeout: float
+                        ) -> Optional[Tuple[Any, List[torch.Tensor]]]:  # runs in the host process
+        """Download the state of the first of ``donors`` that serves it within ``timeout`` each (hivemind's
+        ``load_state_from_peers`` only asks the donors of highest priority on the DHT)."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_load_state_from_donors", [],
+                               dict(donors=[peer.to_bytes() for peer in donors], timeout=timeout, future=future)))
+        return future.result(timeout=timeout * len(donors) + 5.0)
+
+    async def _load_state_from_donors(self, future: MPFuture, donors: List[bytes], timeout: float
+                                      ) -> None:  # runs in the averager process
+        try:
+            for donor in map(PeerID, donors):
+                try:
+                    state = await asyncio.wait_for(self._download_state(donor, timeout), timeout)
+                except Exception as e:
+                    logger.debug("Could not download the state of %s: %r", donor, e)
+                    continue
+                if state is not None:
+                    future.set_result(state)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_state(self, donor: PeerID, timeout: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
+        """One donor's state as hivemind streams it: metadata in the first message, each tensor in parts."""
+        stub = type(self).get_stub(self._p2p, donor, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts = None, [], []
+        async with contextlib.aclosing(stream):
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if metadata is None else (metadata, tensors)
+
     def get_current_state(self):  # runs in the host process, in hivemind's state-fetching thread
         provider = self.state_provider
         if provider is None:
@@ -334,9 +378,13 @@ class TensorAverager:
         timeouts: Timeouts,
         compression: Any = NoCompression(),
         state_provider: Optional[StateProvider] = None,
+        member_info: MemberInfo = dict,
         auxiliary: bool = False,
     ) -> None:
         self.timeouts = timeouts
+        #: what this peer sends its groupmates along with each round, besides the round itself (e.g. a digest of its
+        #: parameters); called once per round, when its matchmaking starts
+        self.member_info = member_info
         self.auxiliary = auxiliary
         #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
         self.step_period = 0.0
@@ -399,7 +447,8 @@ class TensorAverager:
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary},
+                gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
+                        "aux": self.auxiliary},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
@@ -483,9 +532,12 @@ class TensorAverager:
         if control is not None and not control.done():
             control.cancel()
 
-    def load_state(self, timeout: float) -> Optional[Tuple[Any, List[torch.Tensor]]]:
-        """Download (metadata, tensors) from the best donor; ``None`` if nobody answered."""
+    def load_state(self, timeout: float, donors: Sequence[PeerID] = ()) -> Optional[Tuple[Any, List[torch.Tensor]]]:
+        """Download (metadata, tensors) from the first of ``donors`` that answers, or without donors from the best
+        donor of the DHT; ``None`` if nobody answered."""
         try:
+            if donors:
+                return self._engine.load_state_from(donors, timeout=timeout)
             return self._engine.load_state_from_peers(timeout=timeout)
         except Exception as e:
             logger.debug("State download failed: %r", e)

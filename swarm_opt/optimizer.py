@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.dht import DHT
@@ -24,6 +25,7 @@ from hivemind.utils import get_dht_time
 from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.digest import digest_tolerance, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress
@@ -148,6 +150,8 @@ class Optimizer(torch.optim.Optimizer):
         self._background: Optional[_BackgroundRound] = None  # a round averaging while training goes on
         self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
+        self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
+        self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
         self.model_schema = model_schema(self._params, strategy.name)
 
@@ -156,10 +160,11 @@ class Optimizer(torch.optim.Optimizer):
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
-            compression=compression, state_provider=self._shareable_state,
+            compression=compression, state_provider=self._shareable_state, member_info=self._member_info,
         )
         self._tracker.start()
-        # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically
+        # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
+        # their first round's digests tell them apart and all but one group download (see _check_agreement)
         self._synced = self._tracker.progress.epoch == 0
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
@@ -231,6 +236,8 @@ class Optimizer(torch.optim.Optimizer):
             self._run_round(progress)
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
+        if self._resync_donors:
+            self._resync()
         self._push_offloaded()
         self._step_returned = time.monotonic()
         return loss
@@ -302,6 +309,46 @@ class Optimizer(torch.optim.Optimizer):
             self.last_round = RoundReport(round_id, result.group_size, num_peers, samples, weight,
                                           time.monotonic() - started, caught_up=False, helpers=len(result.helpers))
             self._advance_epoch(self.last_round, progress.samples_per_second)
+        self._check_agreement(result)
+
+    def _member_info(self) -> Dict[str, Any]:
+        """What this peer sends its groupmates with each round: the digest of the parameters the round's update
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``)."""
+        if not self.strategy.shares_parameters:
+            return {}
+        with self._state_lock:
+            return {"digest": parameter_digest(self._params)}
+
+    def _check_agreement(self, result: AveragingResult) -> None:
+        """After a committed round: if this peer's parameters (as they were before the round) differ from those of
+        its group's majority, download a majority member's state at the next opportunity (``_resync``)."""
+        if not self.strategy.shares_parameters:
+            return
+        digests = {peer: digest for peer, info in result.gathered.items()
+                   if isinstance(info, dict) and (digest := valid_digest(info.get("digest"))) is not None}
+        me = self._averager.peer_id
+        if me not in digests or len(digests) < 2:
+            return
+        agreeing = majority(digests, self._digest_tolerance)
+        if me in agreeing:
+            return
+        self._resync_donors = tuple(random.sample(agreeing, len(agreeing)))  # spread the downloads
+        if self._epoch == 1:  # founders that were not seeded identically: expected, said once
+            logger.info(f"This peer's initial parameters differ from those of {len(agreeing)} of its "
+                        f"{len(digests) - 1} groupmates (founders seeded differently); downloading theirs")
+        else:
+            logger.warning(f"This peer's parameters before epoch {self._epoch} differed from those of its group's "
+                           f"majority ({len(agreeing)} of {len(digests)} members agree); downloading their state")
+
+    def _resync(self) -> None:
+        """Replace our state with that of a member of the majority of our last round (it applied the same round)."""
+        donors, self._resync_donors = self._resync_donors, ()
+        self._averager.cancel_scheduled()
+        try:
+            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _min_epoch=self._epoch,
+                                       _donors=donors)
+        except StateDownloadError as e:
+            logger.warning(f"{e}; training on, the next round compares the parameters again")
 
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
@@ -339,12 +386,13 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._averager.cancel_scheduled()
         try:
-            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _require_newer=True)
+            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _min_epoch=self._epoch + 1)
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
 
-    def load_state_from_peers(self, timeout: Optional[float] = None, *, _require_newer: bool = False) -> None:
+    def load_state_from_peers(self, timeout: Optional[float] = None, *, _min_epoch: int = 0,
+                              _donors: Sequence[Any] = ()) -> None:
         """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
 
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
@@ -354,10 +402,10 @@ class Optimizer(torch.optim.Optimizer):
         deadline, delay, reason = time.monotonic() + timeout, 0.5, "no peer offered its state"
         while True:
             remaining = deadline - time.monotonic()
-            downloaded = self._averager.load_state(timeout=max(1.0, remaining))
+            downloaded = self._averager.load_state(timeout=max(1.0, remaining), donors=_donors)
             if downloaded is not None:
                 try:
-                    epoch = self._apply_downloaded_state(*downloaded, require_newer=_require_newer)
+                    epoch = self._apply_downloaded_state(*downloaded, min_epoch=_min_epoch)
                     logger.info(f"Loaded the swarm's state at epoch {epoch}")
                     return
                 except IncompatibleStateError as e:
@@ -382,7 +430,7 @@ class Optimizer(torch.optim.Optimizer):
         logger.info(f"Sending our state (epoch {metadata['epoch']}) to a peer that joins or catches up")
         return metadata, tensors
 
-    def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], *, require_newer: bool) -> int:
+    def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], *, min_epoch: int) -> int:
         if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
             raise IncompatibleStateError("unknown state format")
         if metadata.get("schema") != self.model_schema:
@@ -390,8 +438,8 @@ class Optimizer(torch.optim.Optimizer):
         epoch = metadata.get("epoch")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise IncompatibleStateError(f"bad epoch {epoch!r}")
-        if require_newer and epoch <= self._epoch:
-            raise IncompatibleStateError(f"the donor is at epoch {epoch}, not ahead of ours ({self._epoch})")
+        if epoch < min_epoch:
+            raise IncompatibleStateError(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
         try:
             state = unflatten(metadata.get("skeleton"), list(tensors))
         except ValueError as e:

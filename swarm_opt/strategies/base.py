@@ -71,6 +71,13 @@ class Strategy(ABC):
         Only called if ``runs_rounds_in_background``."""
         raise NotImplementedError(f"{type(self).__name__} does not average in the background")
 
+    @property
+    def shares_parameters(self) -> bool:
+        """Whether every member must start each round with the same parameters (true when rounds average updates,
+        not the parameters themselves): members then compare digests of their parameters, and one outside its
+        group's majority downloads the state of a member of the majority (``swarm_opt.digest``)."""
+        return False
+
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from
         its local state (it will be averaged back in next round); False if the peer must download the swarm's

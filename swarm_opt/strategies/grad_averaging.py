@@ -55,6 +55,10 @@ class GradientAveraging(Strategy):
     def runs_rounds_in_background(self) -> bool:
         return self.overlap is not None
 
+    @property
+    def shares_parameters(self) -> bool:
+        return True
+
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
         self._mean = [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params]

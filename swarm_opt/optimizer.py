@@ -232,8 +232,10 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish_background_round()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready:
-            self._run_round(progress)
+        elif progress.ready or (progress.num_peers > 1 and contributed_share(
+                samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
+                swarm_rate=progress.samples_per_second, target_batch_size=progress.target_batch_size)):
+            self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
         if self._resync_donors:
@@ -264,14 +266,27 @@ class Optimizer(torch.optim.Optimizer):
         if self.strategy.runs_rounds_in_background:
             with torch.no_grad(), self._state_lock:
                 held = self.strategy.hold_round()
-            self._background = _BackgroundRound(
-                lambda: self._averager.all_reduce(held.write, held.weight, round_id, round_is_over),
-                held, progress, round_id, self._samples, started)
+            def run() -> Optional[AveragingResult]:
+                self._await_target(round_id)
+                return self._averager.all_reduce(held.write, held.weight, round_id, round_is_over)
+            self._background = _BackgroundRound(run, held, progress, round_id, self._samples, started)
             return
+        self._await_target(round_id)
         with torch.no_grad():
             result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
                                                round_id, round_is_over)
         self._conclude_round(result, progress, round_id, started, held=None)
+
+    def _await_target(self, round_id: int) -> None:
+        """Having computed its share before the swarm reached the target, wait (not computing) until the target is
+        due within ``matchmaking_time``, so that this peer looks for its group when the others do; bounded by
+        ``averaging_timeout`` in case the others' speeds were overrated."""
+        deadline = time.monotonic() + self.timeouts.averaging_timeout
+        progress = self._tracker.progress
+        while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
+               and progress.eta - get_dht_time() > self.timeouts.matchmaking_time):
+            time.sleep(0.02)
+            progress = self._tracker.progress
 
     def _finish_background_round(self) -> None:
         background, self._background = self._background, None
@@ -584,6 +599,19 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
             raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
         return made
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
+
+
+def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float,
+                      target_batch_size: int) -> bool:
+    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
+    compute speed), to the nearest step of ``batch_size``: it then waits for the round rather than computing another
+    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
+    step on the union of its batches), so without this each peer's step in flight when the swarm reaches the target
+    would still be averaged, and the global batch would grow by up to one step per peer. Shares come from compute
+    speeds, which change little from epoch to epoch, not from the samples the others reported, which lag behind."""
+    if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:  # the others' speeds are not known yet
+        return False
+    return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
 
 
 def _is_majority(group_size: int, num_peers: int) -> bool:

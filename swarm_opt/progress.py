@@ -164,19 +164,30 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tu
 
 
 class _Throughput:
-    """Samples per second within the current epoch, ignoring the time spent averaging between epochs."""
+    """Samples per second of compute: a moving average over the intervals between two reports of one epoch that
+    added samples (one training step each), so that neither the time spent in rounds nor a wait before training
+    dilutes it; peers extrapolate each other, and share the global batch, at this speed."""
 
     def __init__(self) -> None:
-        self._start = time.monotonic()
         self._last = 0.0
+        self._mark: Optional[tuple] = None  # (samples, monotonic time) when this epoch's samples last grew
+        # the first interval holds the wait before training: its rate is a lower bound, replaced by the next one
+        self._provisional = True
 
     def restart(self) -> None:
-        self._start = time.monotonic()
+        self._mark = None
 
     def update(self, samples: int) -> float:
-        elapsed = time.monotonic() - self._start
-        if samples > 0 and elapsed > 1e-3:
-            self._last = samples / elapsed
+        now = time.monotonic()
+        if self._mark is None or samples < self._mark[0]:
+            self._mark = (samples, now)
+        elif samples > self._mark[0] and now - self._mark[1] > 1e-4:
+            rate = (samples - self._mark[0]) / (now - self._mark[1])
+            if self._provisional or self._last == 0:
+                self._provisional, self._last = self._last == 0, rate
+            else:
+                self._last = 0.7 * self._last + 0.3 * rate
+            self._mark = (samples, now)
         return self._last
 
 
@@ -231,6 +242,12 @@ class ProgressTracker:
                 self._wake.set()
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
+
+    @property
+    def samples_per_second(self) -> float:
+        """This peer's own compute speed, as it publishes it."""
+        with self._lock:
+            return self._throughput.update(self._samples)
 
     @property
     def progress(self) -> SwarmProgress:

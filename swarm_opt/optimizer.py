@@ -232,10 +232,13 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish_background_round()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready or (progress.num_peers > 1 and contributed_share(
+        elif progress.ready if progress.num_peers <= 1 else contributed_share(
                 samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
-                swarm_rate=progress.samples_per_second, target_batch_size=progress.target_batch_size)):
-            self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
+                swarm_rate=progress.samples_per_second, num_peers=progress.num_peers,
+                target_batch_size=progress.target_batch_size):
+            # with others, not progress.ready: the samples of a peer that stopped at its share are still extrapolated
+            # at its speed for a while, so the swarm would look ready early and the peers still computing stop short
+            self._run_round(progress)
         elif progress.num_peers > 1 and progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
         if self._resync_donors:
@@ -601,17 +604,22 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
 
 
-def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float,
+def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float, num_peers: int,
                       target_batch_size: int) -> bool:
     """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
     compute speed), to the nearest step of ``batch_size``: it then waits for the round rather than computing another
     step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
     step on the union of its batches), so without this each peer's step in flight when the swarm reaches the target
     would still be averaged, and the global batch would grow by up to one step per peer. Shares come from compute
-    speeds, which change little from epoch to epoch, not from the samples the others reported, which lag behind."""
-    if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:  # the others' speeds are not known yet
+    speeds, which change little from epoch to epoch, not from the samples the others reported, which lag behind;
+    until the speeds are known (a run's first steps), the ``num_peers`` peers take equal shares."""
+    if samples <= 0:
         return False
-    return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
+    if own_rate <= 0 or swarm_rate <= own_rate * 1.01:  # the others' speeds are not known yet
+        share = target_batch_size / max(1, num_peers)
+    else:
+        share = target_batch_size * own_rate / swarm_rate
+    return samples + batch_size / 2 >= share
 
 
 def _is_majority(group_size: int, num_peers: int) -> bool:

@@ -171,23 +171,20 @@ class _Throughput:
     def __init__(self) -> None:
         self._last = 0.0
         self._mark: Optional[tuple] = None  # (samples, monotonic time) when this epoch's samples last grew
-        # the first interval holds the wait before training: its rate is a lower bound, replaced by the next one
-        self._provisional = True
+        self._training = False  # the first step's interval is skipped: it holds the wait before training
 
     def restart(self) -> None:
         self._mark = None
 
     def update(self, samples: int) -> float:
-        now = time.monotonic()
-        if self._mark is None or samples < self._mark[0]:
+        now, mark = time.monotonic(), self._mark
+        if mark is None or samples < mark[0]:
             self._mark = (samples, now)
-        elif samples > self._mark[0] and now - self._mark[1] > 1e-4:
-            rate = (samples - self._mark[0]) / (now - self._mark[1])
-            if self._provisional or self._last == 0:
-                self._provisional, self._last = self._last == 0, rate
-            else:
-                self._last = 0.7 * self._last + 0.3 * rate
-            self._mark = (samples, now)
+        elif samples > mark[0]:
+            if self._training and now - mark[1] > 1e-4:
+                rate = (samples - mark[0]) / (now - mark[1])
+                self._last = rate if self._last == 0 else 0.7 * self._last + 0.3 * rate
+            self._training, self._mark = True, (samples, now)
         return self._last
 
 

@@ -14,15 +14,17 @@ from swarm_opt.progress import _Throughput
 @pytest.mark.parametrize("samples, expected", [(4, False), (8, False), (12, True), (16, True)])
 def test_a_peer_stops_at_its_share_to_the_nearest_step(samples, expected):
     # a quarter of the swarm's speed: a share of 10.5 of a global batch of 42, in steps of 4 (stop at 12, not 8)
-    assert contributed_share(samples=samples, batch_size=4, own_rate=10.0, swarm_rate=40.0,
+    assert contributed_share(samples=samples, batch_size=4, own_rate=10.0, swarm_rate=40.0, num_peers=2,
                              target_batch_size=42) is expected
 
 
-def test_without_the_others_speeds_only_the_target_counts():
-    for swarm_rate in (0.0, 10.0):  # nobody else's speed known yet: the share is the whole batch, i.e. no early stop
-        assert not contributed_share(samples=40, batch_size=4, own_rate=10.0, swarm_rate=swarm_rate,
-                                     target_batch_size=42)
-    assert not contributed_share(samples=40, batch_size=4, own_rate=0.0, swarm_rate=40.0, target_batch_size=42)
+def test_until_the_speeds_are_known_peers_take_equal_shares():
+    for own_rate, swarm_rate in ((10.0, 0.0), (10.0, 10.0), (0.0, 40.0)):  # nobody else's speed, or ours, unknown
+        share = dict(own_rate=own_rate, swarm_rate=swarm_rate, num_peers=4, target_batch_size=42)
+        assert not contributed_share(samples=8, batch_size=4, **share)  # a quarter is 10.5: 8 + 2 < 10.5
+        assert contributed_share(samples=12, batch_size=4, **share)
+    assert not contributed_share(samples=0, batch_size=4, own_rate=10.0, swarm_rate=40.0, num_peers=4,
+                                 target_batch_size=42)
 
 
 def test_shares_add_up_to_the_target_whatever_the_speeds():
@@ -31,7 +33,7 @@ def test_shares_add_up_to_the_target_whatever_the_speeds():
     for speed, batch in zip(speeds, batches):
         samples = batch
         while not contributed_share(samples=samples, batch_size=batch, own_rate=speed, swarm_rate=sum(speeds),
-                                    target_batch_size=target):
+                                    num_peers=len(speeds), target_batch_size=target):
             samples += batch
         total += samples
     assert target <= total <= 1.2 * target

@@ -1,11 +1,17 @@
-"""swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind."""
+"""swarm_opt: a peer-to-peer collaborative optimizer for PyTorch, built on hivemind.
 
-from swarm_opt._logging import tame_hivemind_logging
-from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
-from swarm_opt.auth import PrivateRun
-from swarm_opt.auxiliary import AuxiliaryPeer
-from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
-from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
+The public names are imported on first use (PEP 562): ``import swarm_opt`` loads neither torch nor hivemind, so that
+the command line answers ``--help`` at once; ``swarm_opt.Optimizer`` (or ``from swarm_opt import Optimizer``) loads
+what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
+
+from swarm_opt._logging import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
+from swarm_opt._logging import tame_hivemind_logging_when_imported
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
     ConfigError,
@@ -15,15 +21,51 @@ from swarm_opt.errors import (
     StateDownloadError,
     SwarmOptError,
 )
-from swarm_opt.offload import Offload
-from swarm_opt.optimizer import Optimizer
-from swarm_opt.powersgd import PowerSGD
-from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
+
+if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
+    from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
+    from swarm_opt.auth import PrivateRun
+    from swarm_opt.auxiliary import AuxiliaryPeer
+    from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
+    from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
+    from swarm_opt.offload import Offload
+    from swarm_opt.optimizer import Optimizer
+    from swarm_opt.powersgd import PowerSGD
+    from swarm_opt.progress import ProgressTracker, SwarmProgress
+    from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
 
 __version__ = "0.1.0"
 
-tame_hivemind_logging()
+_LAZY: Dict[str, str] = {
+    **dict.fromkeys(("AGGREGATIONS", "Aggregation", "CenteredClip", "Mean", "TrimmedMean"), "swarm_opt.aggregation"),
+    "PrivateRun": "swarm_opt.auth",
+    "AuxiliaryPeer": "swarm_opt.auxiliary",
+    **dict.fromkeys(("BestMetric", "Checkpointer", "load_checkpoint"), "swarm_opt.checkpoint"),
+    **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "Uniform8Bit"),
+                    "swarm_opt.compression"),
+    "Offload": "swarm_opt.offload",
+    "Optimizer": "swarm_opt.optimizer",
+    "PowerSGD": "swarm_opt.powersgd",
+    **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
+    **dict.fromkeys(("DiLoCo", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold", "Strategy"),
+                    "swarm_opt.strategies"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'swarm_opt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+tame_hivemind_logging_when_imported()
 
 __all__ = [
     "Optimizer",

@@ -7,9 +7,16 @@ reports what matters itself, in one line, so hivemind's records are re-emitted a
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.util
 import logging
 import multiprocessing
+import sys
 import warnings
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Optional
 
 _ASYNCIO_SHUTDOWN_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
                            "Task exception was never retrieved", "Future exception was never retrieved",
@@ -68,3 +75,35 @@ def tame_hivemind_logging() -> None:
     asyncio_logger = logging.getLogger("asyncio")
     if not any(isinstance(f, _DropHivemindAsyncioNoise) for f in asyncio_logger.filters):
         asyncio_logger.addFilter(_DropHivemindAsyncioNoise())
+
+
+class _TameOnImport(importlib.abc.MetaPathFinder):
+    """Tames hivemind's logging right after hivemind is first imported, by whoever imports it: ``import swarm_opt``
+    stays cheap (no hivemind, no torch), yet a DHT that the user starts before touching any swarm_opt class forks
+    with hivemind's chatter already routed (its process inherits the handlers). One shot: it leaves sys.meta_path
+    as soon as it has seen the import."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Optional[ModuleSpec]:
+        if fullname != "hivemind":
+            return None
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the finders that would have found it without us
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            load(module)
+            tame_hivemind_logging()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's loader instance only
+        return spec
+
+
+def tame_hivemind_logging_when_imported() -> None:
+    """``tame_hivemind_logging()`` now if hivemind is imported already, otherwise as soon as it is."""
+    if "hivemind" in sys.modules:
+        tame_hivemind_logging()
+    elif not any(isinstance(finder, _TameOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TameOnImport())

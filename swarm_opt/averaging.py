@@ -44,6 +44,7 @@ from swarm_opt.config import Timeouts
 logger = logging.getLogger(__name__)
 
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
+MemberInfo = Callable[[], Dict[str, Any]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
 _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
@@ -185,27 +186,24 @@ class _Engine(DecentralizedAverager):
             yield message
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, *,
-                              exclude: Sequence[bytes] = (), max_bytes: int = 2**62) -> Any:
-        """hivemind's, with the donor's peer id in the result ``(metadata, tensors, donor)``, donors to skip (they
-        served a state that failed our checks), and at most ``max_bytes`` accepted from a donor."""
+                              donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (), max_bytes: int = 2**62
+                              ) -> Any:
+        """hivemind's, with the donor's peer id in the result ``(metadata, tensors, donor)``, the donors to ask in
+        order (hivemind only asks those of highest priority on the DHT, which may be the ones to avoid), donors to
+        skip (they served a state that failed our checks), and at most ``max_bytes`` accepted from a donor."""
         future = MPFuture()
-        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future,
+        self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future, donors=tuple(donors),
                                                                    exclude=tuple(exclude), max_bytes=max_bytes)))
         return future.result(timeout=timeout) if wait else future
 
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
-                                     exclude: Sequence[bytes] = (), max_bytes: int = 2**62) -> None:
+                                     donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (),
+                                     max_bytes: int = 2**62) -> None:
         try:
-            found = await self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True,
-                                       return_future=True)
-            donors = {PeerID(peer_id): (float(info.value), random.random())  # random: spreads newcomers over donors
-                      for peer_id, info in (found.value.items() if isinstance(found, ValueWithExpiration)
-                                            and isinstance(found.value, dict) else ())
-                      if isinstance(peer_id, bytes) and peer_id not in exclude
-                      and isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
-                      and math.isfinite(info.value)}
+            candidates = [PeerID(peer) for peer in donors if peer not in exclude] if donors else \
+                await self._listed_donors(exclude)
             chunk_timeout = self.next_chunk_timeout or self.request_timeout
-            for donor in sorted(donors, key=donors.get, reverse=True):
+            for donor in candidates:
                 if donor == self.peer_id or future.done():
                     continue
                 try:
@@ -220,20 +218,34 @@ class _Engine(DecentralizedAverager):
             if not future.done():
                 future.set_result(None)
 
+    async def _listed_donors(self, exclude: Sequence[bytes]) -> List[PeerID]:
+        """The donors listed on the DHT, most advanced first (ties in random order: newcomers spread over them)."""
+        found = await self.dht.get(f"{self._matchmaking.group_key_manager.prefix}.all_averagers", latest=True,
+                                   return_future=True)
+        donors = {PeerID(peer_id): (float(info.value), random.random())
+                  for peer_id, info in (found.value.items() if isinstance(found, ValueWithExpiration)
+                                        and isinstance(found.value, dict) else ())
+                  if isinstance(peer_id, bytes) and peer_id not in exclude
+                  and isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))
+                  and math.isfinite(info.value)}
+        return sorted(donors, key=donors.get, reverse=True)
+
     async def _download_from(self, donor: PeerID, timeout: float, max_bytes: int) -> Optional[Tuple[Any, list]]:
+        """One donor's state as hivemind streams it: metadata in the first message, each tensor in parts."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors, received = None, [], [], 0
-        async for message in aiter_with_timeout(stream, timeout=timeout):
-            received += message.ByteSize()
-            if received > max_bytes:
-                raise ValueError(f"the donor sent more than {max_bytes} bytes")
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # the first part of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
+        async with contextlib.aclosing(stream):
+            async for message in aiter_with_timeout(stream, timeout=timeout):
+                received += message.ByteSize()
+                if received > max_bytes:
+                    raise ValueError(f"the donor sent more than {max_bytes} bytes")
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # the first part of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return None if metadata is None else (metadata, tensors)
@@ -405,10 +417,14 @@ class TensorAverager:
         compression: Any = NoCompression(),
         aggregation: Optional[Aggregation] = None,
         state_provider: Optional[StateProvider] = None,
+        member_info: MemberInfo = dict,
         auxiliary: bool = False,
         access: Optional[RunAccess] = None,
     ) -> None:
         self.timeouts = timeouts
+        #: what this peer sends its groupmates along with each round, besides the round itself (e.g. a digest of its
+        #: parameters); called once per round, when its matchmaking starts
+        self.member_info = member_info
         self.auxiliary = auxiliary
         #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
         self.step_period = 0.0
@@ -479,8 +495,8 @@ class TensorAverager:
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={"round": round_id, "step_period": self.step_period, "aux": self.auxiliary,
-                        "aggregation": self._aggregation},
+                gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
+                        "aux": self.auxiliary, "aggregation": self._aggregation},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
@@ -573,14 +589,16 @@ class TensorAverager:
         if control is not None and not control.done():
             control.cancel()
 
-    def load_state(self, timeout: float, exclude: Sequence[bytes] = ()) -> Optional[Tuple[Any, List[torch.Tensor],
-                                                                                          bytes]]:
-        """Download (metadata, tensors, donor's peer id) from the best donor not in ``exclude``; ``None`` if none
-        sent its state, with why in ``last_download_failure``. A donor may send at most 16x the averaged tensors'
-        size, plus 64 MiB (optimizer state)."""
+    def load_state(self, timeout: float, *, donors: Sequence[bytes] = (), exclude: Sequence[bytes] = ()
+                   ) -> Optional[Tuple[Any, List[torch.Tensor], bytes]]:
+        """Download (metadata, tensors, donor's peer id) from the first of ``donors`` that serves its state, or
+        without donors from the best donor listed on the DHT, never from one in ``exclude``; ``None`` if none sent
+        its state, with why in ``last_download_failure``. A donor may send at most 16x the averaged tensors' size,
+        plus 64 MiB (optimizer state)."""
         try:
-            downloaded = self._engine.load_state_from_peers(timeout=timeout, exclude=exclude,
-                                                            max_bytes=16 * self._state_bytes + 2**26)
+            downloaded = self._engine.load_state_from_peers(
+                timeout=timeout, donors=[d.to_bytes() if isinstance(d, PeerID) else d for d in donors],
+                exclude=exclude, max_bytes=16 * self._state_bytes + 2**26)
         except concurrent.futures.TimeoutError:
             return self._download_failed(f"no donor sent its state within {timeout:.0f} s")
         except Exception as e:  # the averager process or its connection broke: say how

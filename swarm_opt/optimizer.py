@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.dht import DHT
@@ -27,10 +28,11 @@ from swarm_opt.auth import run_access
 from swarm_opt.averaging import AveragingResult, TensorAverager
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
-from swarm_opt.serialization import flatten, params_digest, unflatten
+from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import HeldRound, Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -160,6 +162,8 @@ class Optimizer(torch.optim.Optimizer):
         self._background: Optional[_BackgroundRound] = None  # a round averaging while training goes on
         self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
+        self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
+        self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
         self.model_schema = model_schema(self._params, strategy.name)
 
@@ -169,12 +173,13 @@ class Optimizer(torch.optim.Optimizer):
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
-            access=run_access(dht, progress_key(run_id)),
+            member_info=self._member_info, access=run_access(dht, progress_key(run_id)),
         )
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
-        # founders of a run (nobody ahead of epoch 0) share one initial model by seeding it identically
+        # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
+        # their first round's digests tell them apart and all but one group download (see _check_agreement)
         self._synced = self._tracker.progress.epoch == 0
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
@@ -242,13 +247,20 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish_background_round()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready:
+        elif progress.ready if progress.num_peers <= 1 else contributed_share(
+                samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
+                swarm_rate=progress.samples_per_second, num_peers=progress.num_peers,
+                target_batch_size=progress.target_batch_size):
+            # with others, not progress.ready: the samples of a peer that stopped at its share are still extrapolated
+            # at its speed for a while, so the swarm would look ready early and the peers still computing stop short
             self._run_round(progress)
         elif progress.num_peers > 1 and self._samples > 0 and \
                 progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             # only with something to contribute: a group waits for each of its members to send, and a peer that
             # has no samples (all its steps skipped, e.g. non-finite gradients) would never start
             self._averager.schedule(progress.eta, self._epoch + 1)
+        if self._resync_donors:
+            self._resync()
         self._push_offloaded()
         self._step_returned = time.monotonic()
         return loss
@@ -276,14 +288,27 @@ class Optimizer(torch.optim.Optimizer):
         if self.strategy.runs_rounds_in_background:
             with torch.no_grad(), self._state_lock:
                 held = self.strategy.hold_round()
-            self._background = _BackgroundRound(
-                lambda: self._averager.all_reduce(held.write, held.weight, round_id, round_is_over),
-                held, progress, round_id, self._samples, started)
+            def run() -> Optional[AveragingResult]:
+                self._await_target(round_id)
+                return self._averager.all_reduce(held.write, held.weight, round_id, round_is_over)
+            self._background = _BackgroundRound(run, held, progress, round_id, self._samples, started)
             return
+        self._await_target(round_id)
         with torch.no_grad():
             result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
                                                round_id, round_is_over)
         self._conclude_round(result, progress, round_id, started, held=None)
+
+    def _await_target(self, round_id: int) -> None:
+        """Having computed its share before the swarm reached the target, wait (not computing) until the target is
+        due within ``matchmaking_time``, so that this peer looks for its group when the others do; bounded by
+        ``averaging_timeout`` in case the others' speeds were overrated."""
+        deadline = time.monotonic() + self.timeouts.averaging_timeout
+        progress = self._tracker.progress
+        while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
+               and progress.eta - get_dht_time() > self.timeouts.matchmaking_time):
+            time.sleep(0.02)
+            progress = self._tracker.progress
 
     def _finish_background_round(self) -> None:
         background, self._background = self._background, None
@@ -321,6 +346,46 @@ class Optimizer(torch.optim.Optimizer):
             self.last_round = RoundReport(round_id, result.group_size, num_peers, samples, weight,
                                           time.monotonic() - started, caught_up=False, helpers=len(result.helpers))
             self._advance_epoch(self.last_round, progress.samples_per_second)
+        self._check_agreement(result)
+
+    def _member_info(self) -> Dict[str, Any]:
+        """What this peer sends its groupmates with each round: the digest of the parameters the round's update
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``)."""
+        if not self.strategy.shares_parameters:
+            return {}
+        with self._state_lock:
+            return {"digest": parameter_digest(self._params)}
+
+    def _check_agreement(self, result: AveragingResult) -> None:
+        """After a committed round: if this peer's parameters (as they were before the round) differ from those of
+        its group's majority, download a majority member's state at the next opportunity (``_resync``)."""
+        if not self.strategy.shares_parameters:
+            return
+        digests = {peer: digest for peer, info in result.gathered.items()
+                   if isinstance(info, dict) and (digest := valid_digest(info.get("digest"))) is not None}
+        me = self._averager.peer_id
+        if me not in digests or len(digests) < 2:
+            return
+        agreeing = majority(digests, self._digest_tolerance)
+        if me in agreeing:
+            return
+        self._resync_donors = tuple(random.sample(agreeing, len(agreeing)))  # spread the downloads
+        if self._epoch == 1:  # founders that were not seeded identically: expected, said once
+            logger.info(f"This peer's initial parameters differ from those of {len(agreeing)} of its "
+                        f"{len(digests) - 1} groupmates (founders seeded differently); downloading theirs")
+        else:
+            logger.warning(f"This peer's parameters before epoch {self._epoch} differed from those of its group's "
+                           f"majority ({len(agreeing)} of {len(digests)} members agree); downloading their state")
+
+    def _resync(self) -> None:
+        """Replace our state with that of a member of the majority of our last round (it applied the same round)."""
+        donors, self._resync_donors = self._resync_donors, ()
+        self._averager.cancel_scheduled()
+        try:
+            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _min_epoch=self._epoch,
+                                       _donors=donors)
+        except StateDownloadError as e:
+            logger.warning(f"{e}; training on, the next round compares the parameters again")
 
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
@@ -358,12 +423,13 @@ class Optimizer(torch.optim.Optimizer):
             return
         self._averager.cancel_scheduled()
         try:
-            self.load_state_from_peers(_require_newer=True)  # within Timeouts.state_download_timeout
+            self.load_state_from_peers(_min_epoch=self._epoch + 1)  # within Timeouts.state_download_timeout
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
 
-    def load_state_from_peers(self, timeout: Optional[float] = None, *, _require_newer: bool = False) -> None:
+    def load_state_from_peers(self, timeout: Optional[float] = None, *, _min_epoch: int = 0,
+                              _donors: Sequence[Any] = ()) -> None:
         """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
 
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
@@ -373,19 +439,20 @@ class Optimizer(torch.optim.Optimizer):
         deadline, delay, attempts = time.monotonic() + timeout, 0.5, 0
         while True:
             remaining = deadline - time.monotonic()
-            downloaded = self._averager.load_state(timeout=max(1.0, remaining), exclude=tuple(self._bad_donors))
+            downloaded = self._averager.load_state(timeout=max(1.0, remaining), donors=_donors,
+                                                   exclude=tuple(self._bad_donors))
             attempts += 1
             if downloaded is None:
                 reason = self._averager.last_download_failure
             else:
                 try:
-                    epoch = self._apply_downloaded_state(*downloaded, require_newer=_require_newer)
+                    epoch = self._apply_downloaded_state(*downloaded, min_epoch=_min_epoch)
                     logger.info(f"Loaded the swarm's state at epoch {epoch}")
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
             logger.debug(f"State download attempt {attempts} failed: {reason}")
-            if _require_newer and self._tracker.progress.epoch <= self._epoch:
+            if _min_epoch > self._epoch and self._tracker.progress.epoch <= self._epoch:
                 # catching up, and the peers that were ahead left (or we caught up by a round): train on
                 logger.debug("The swarm is no longer ahead of this peer; not downloading its state")
                 return
@@ -409,7 +476,7 @@ class Optimizer(torch.optim.Optimizer):
         return metadata, tensors
 
     def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], donor: bytes, *,
-                                require_newer: bool) -> int:
+                                min_epoch: int) -> int:
         if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
             raise IncompatibleStateError("unknown state format")
         if metadata.get("schema") != self.model_schema:
@@ -417,8 +484,8 @@ class Optimizer(torch.optim.Optimizer):
         epoch = metadata.get("epoch")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise IncompatibleStateError(f"bad epoch {epoch!r}")
-        if require_newer and epoch <= self._epoch:
-            raise IncompatibleStateError(f"the donor is at epoch {epoch}, not ahead of ours ({self._epoch})")
+        if epoch < min_epoch:
+            raise IncompatibleStateError(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
         try:
             state = unflatten(metadata.get("skeleton"), list(tensors))
         except ValueError as e:
@@ -427,9 +494,10 @@ class Optimizer(torch.optim.Optimizer):
             raise IncompatibleStateError("state without parameters")
         params = state["params"]
         _check_tensors_fit(params, self._params)
-        digest = params_digest(params) if self.strategy.params_change_only_in_rounds else None
-        expected = self._tracker.majority_params_digest(epoch)
-        if digest is not None and expected is not None and digest != expected:
+        digest = parameter_digest(params) if self.strategy.shares_parameters else None
+        expected = self._tracker.majority_params_digest(epoch, self._digest_tolerance)
+        if digest is not None and expected is not None \
+                and not digests_agree(digest, expected, self._digest_tolerance):
             self._bad_donors.add(donor)
             logger.warning(f"Skipping donor {PeerID(donor)} from now on: its parameters at epoch {epoch} differ from "
                            f"those the majority of peers at that epoch hold")
@@ -454,12 +522,13 @@ class Optimizer(torch.optim.Optimizer):
         self._push_offloaded()
         return epoch
 
-    def _params_digest(self) -> Optional[str]:
-        """What peers at our epoch compare (None where parameters change between rounds)."""
-        if not self.strategy.params_change_only_in_rounds:
+    def _params_digest(self) -> Optional[List[float]]:
+        """What a newcomer compares a downloaded state with (None where peers at an epoch hold different parameters):
+        published with our progress at each new epoch."""
+        if not self.strategy.shares_parameters:
             return None
         with self._state_lock:
-            return params_digest(self._params)
+            return parameter_digest(self._params)
 
     # --- checkpoints ------------------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -592,6 +661,24 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
             raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
         return made
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
+
+
+def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float, num_peers: int,
+                      target_batch_size: int) -> bool:
+    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
+    compute speed), to the nearest step of ``batch_size``: it then waits for the round rather than computing another
+    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
+    step on the union of its batches), so without this each peer's step in flight when the swarm reaches the target
+    would still be averaged, and the global batch would grow by up to one step per peer. Shares come from compute
+    speeds, which change little from epoch to epoch, not from the samples the others reported, which lag behind;
+    until the speeds are known (a run's first steps), the ``num_peers`` peers take equal shares."""
+    if samples <= 0:
+        return False
+    if own_rate <= 0 or swarm_rate <= own_rate * 1.01:  # the others' speeds are not known yet
+        share = target_batch_size / max(1, num_peers)
+    else:
+        share = target_batch_size * own_rate / swarm_rate
+    return samples + batch_size / 2 >= share
 
 
 def _is_majority(group_size: int, num_peers: int) -> bool:

@@ -16,9 +16,8 @@ import math
 import os
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -26,6 +25,7 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt.config import TrackerConfig
+from swarm_opt.digest import majority, valid_digest
 from swarm_opt.trust import ClaimChecker
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,9 @@ class ProgressRecord(pydantic.BaseModel):
     client_mode: pydantic.StrictBool
     model_schema: pydantic.constr(max_length=64, strict=True)  # type: ignore[valid-type]
     target_batch_size: pydantic.conint(ge=1, strict=True)  # type: ignore[valid-type]
-    # the digest of the peer's parameters at this epoch, for strategies whose parameters change only in rounds
-    params_digest: pydantic.constr(max_length=32, strict=True) = ""  # type: ignore[valid-type]
+    # the digest of the peer's parameters at this epoch (``swarm_opt.digest``), where every peer at an epoch holds
+    # the same parameters (``Strategy.shares_parameters``): what a newcomer checks a downloaded state against
+    params_digest: Optional[pydantic.conlist(pydantic.StrictFloat, max_items=8)] = None  # type: ignore[valid-type]
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
@@ -169,19 +170,27 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tu
 
 
 class _Throughput:
-    """Samples per second within the current epoch, ignoring the time spent averaging between epochs."""
+    """Samples per second of compute: a moving average over the intervals between two reports of one epoch that
+    added samples (one training step each), so that neither the time spent in rounds nor a wait before training
+    dilutes it; peers extrapolate each other, and share the global batch, at this speed."""
 
     def __init__(self) -> None:
-        self._start = time.monotonic()
         self._last = 0.0
+        self._mark: Optional[tuple] = None  # (samples, monotonic time) when this epoch's samples last grew
+        self._training = False  # the first step's interval is skipped: it holds the wait before training
 
     def restart(self) -> None:
-        self._start = time.monotonic()
+        self._mark = None
 
     def update(self, samples: int) -> float:
-        elapsed = time.monotonic() - self._start
-        if samples > 0 and elapsed > 1e-3:
-            self._last = samples / elapsed
+        now, mark = time.monotonic(), self._mark
+        if mark is None or samples < mark[0]:
+            self._mark = (samples, now)
+        elif samples > mark[0]:
+            if self._training and now - mark[1] > 1e-4:
+                rate = (samples - mark[0]) / (now - mark[1])
+                self._last = rate if self._last == 0 else 0.7 * self._last + 0.3 * rate
+            self._training, self._mark = True, (samples, now)
         return self._last
 
 
@@ -212,7 +221,7 @@ class ProgressTracker:
         self._peer_id = dht.peer_id.to_bytes()
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
-        self._params_digest = ""
+        self._params_digest: Optional[List[float]] = None
         self._epoch_started: Optional[float] = None
         self._throughput = _Throughput()
         self._checker = ClaimChecker(config.trust)
@@ -229,14 +238,14 @@ class ProgressTracker:
         self.refresh()
         self._thread.start()
 
-    def report(self, epoch: int, samples: int, params_digest: Optional[str] = None) -> None:
+    def report(self, epoch: int, samples: int, params_digest: Optional[List[float]] = None) -> None:
         """Record local progress; published by the background thread (at once when the epoch changed). A new epoch
         forgets the parameters' digest unless it comes along."""
         with self._lock:
             if epoch != self._epoch:
                 self._throughput.restart()
                 self._epoch_started = get_dht_time()
-                self._params_digest = ""
+                self._params_digest = None
                 self._wake.set()
             if params_digest is not None:
                 self._params_digest = params_digest
@@ -244,15 +253,20 @@ class ProgressTracker:
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
 
-    def majority_params_digest(self, epoch: int) -> Optional[str]:
+    def majority_params_digest(self, epoch: int, tolerance: float) -> Optional[Tuple[float, ...]]:
         """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
         if any: what a state downloaded at that epoch must match."""
         with self._lock:
-            digests = [r.params_digest for r in self._others if r.epoch == epoch and r.params_digest]
-        if len(digests) < 2:
-            return None
-        digest, count = Counter(digests).most_common(1)[0]
-        return digest if 2 * count > len(digests) else None
+            digests = {(r.peer_id, r.instance): valid_digest(r.params_digest) for r in self._others if r.epoch == epoch}
+        digests = {peer: digest for peer, digest in digests.items() if digest is not None}
+        agreeing = majority(digests, tolerance)
+        return digests[agreeing[0]] if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests) else None
+
+    @property
+    def samples_per_second(self) -> float:
+        """This peer's own compute speed, as it publishes it."""
+        with self._lock:
+            return self._throughput.update(self._samples)
 
     @property
     def progress(self) -> SwarmProgress:

@@ -6,8 +6,7 @@ numbers, strings, lists and tagged dicts/tuples/tensor references, and ``unflatt
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -72,13 +71,3 @@ def _hashable(key: Any) -> Any:
         raise ValueError("dict keys must be scalars or tuples of them") from None
     return key
 
-
-def params_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """A short fingerprint of tensors' exact bytes (shapes and dtypes included): peers holding the same version of
-    an epoch's parameters have the same digest. One pass over the bytes (BLAKE2b), about a millisecond per 4 MB."""
-    digest = hashlib.blake2b(digest_size=16)
-    for tensor in tensors:
-        t = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{tuple(t.shape)}:{t.dtype};".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()

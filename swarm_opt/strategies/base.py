@@ -22,9 +22,6 @@ class Strategy(ABC):
 
     #: a short stable name; peers only average with peers running the same strategy
     name: str = "strategy"
-    #: True if the parameters change only when a round is applied, so that every peer at an epoch holds the same
-    #: parameters: peers then publish their digest, and a state downloaded from a donor must match the majority's
-    params_change_only_in_rounds: bool = False
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
@@ -74,6 +71,13 @@ class Strategy(ABC):
         """Set this round's values aside for averaging in the background; later local steps start the next round.
         Only called if ``runs_rounds_in_background``."""
         raise NotImplementedError(f"{type(self).__name__} does not average in the background")
+
+    @property
+    def shares_parameters(self) -> bool:
+        """Whether every member must start each round with the same parameters (true when rounds average updates,
+        not the parameters themselves): members then compare digests of their parameters, and one outside its
+        group's majority downloads the state of a member of the majority (``swarm_opt.digest``)."""
+        return False
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from

@@ -45,7 +45,6 @@ class GradientAveraging(Strategy):
     """
 
     name = "grad"
-    params_change_only_in_rounds = True
 
     def __init__(self, *, overlap: Optional[Overlap] = None) -> None:
         if overlap is not None and not isinstance(overlap, Overlap):
@@ -55,6 +54,10 @@ class GradientAveraging(Strategy):
     @property
     def runs_rounds_in_background(self) -> bool:
         return self.overlap is not None
+
+    @property
+    def shares_parameters(self) -> bool:
+        return True
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)

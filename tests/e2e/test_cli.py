@@ -38,6 +38,21 @@ def test_help_lists_the_planned_commands():
     assert result.stderr == ""
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["train", "--help"], ["dht", "--help"],
+                                  ["monitor", "--help"]])
+def test_help_does_not_import_torch_or_hivemind(args):
+    """Asking the command line for help must be instant: torch and hivemind are imported only by the commands."""
+    code = ("import sys\nfrom swarm_opt.cli import main\nstatus = main(sys.argv[1:])\n"
+            "heavy = sorted(m for m in ('torch', 'hivemind', 'numpy') if m in sys.modules)\n"
+            "print('HEAVY:', ','.join(heavy), file=sys.stderr)\nsys.exit(status)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=90,
+                            cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(("usage: swarm-opt", "swarm-opt ")), result.stdout
+    assert result.stderr == "HEAVY: \n", result.stderr
+
+
 @pytest.mark.parametrize("args, fragment", [
     ([], "a command is required"),
     (["bogus"], "invalid choice: 'bogus'"),

@@ -24,8 +24,8 @@ def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
     return x, y
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
+def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dtype)
 
 
@@ -180,7 +180,7 @@ def main(config_path: str) -> None:
         torch.nn.init.zeros_(model.weight)
         inner = lambda p: torch.optim.SGD(p, lr=cfg.get("lsq_lr", 0.05))  # noqa: E731
     else:
-        model = make_model(dtype)
+        model = make_model(dtype, cfg.get("model_seed", 0))
         inner = make_inner(cfg["inner"])
     if cfg.get("auxiliary"):  # a helper: reduces parts of every round, trains nothing
         helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=cfg.get("run_id", "test_run"),
@@ -277,6 +277,12 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         loss.backward()
         attack(cfg, model)
         opt.step()
+        if opt.local_epoch == cfg.get("perturb_at_epoch") and not os.path.exists(cfg["out"] + ".perturbed"):
+            with torch.no_grad():  # stands for a bit flip or a bug: this peer alone now holds other parameters
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+            with open(cfg["out"] + ".perturbed", "w") as f:
+                f.write(str(opt.local_epoch))
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round

@@ -51,3 +51,19 @@ def _drop_unawaited_coroutine(module: str) -> list:
 def test_coroutines_hivemind_abandons_at_shutdown_are_not_reported_but_the_users_are():
     assert _drop_unawaited_coroutine("hivemind.dht.dht") == []
     assert len(_drop_unawaited_coroutine("my_training_script")) == 1
+
+
+def test_hivemind_imported_after_swarm_opt_is_tamed_too():
+    """``import swarm_opt`` does not import hivemind; hivemind's logging is tamed whenever it is imported later,
+    so that a DHT started before any swarm_opt class is used forks quiet."""
+    import subprocess
+    import sys
+
+    code = ("import sys, logging, swarm_opt\n"
+            "assert 'hivemind' not in sys.modules and 'torch' not in sys.modules\n"
+            "import hivemind\n"
+            "handlers = logging.getLogger('hivemind').handlers\n"
+            "print(sorted(type(h).__name__ for h in handlers), logging.getLogger('hivemind').propagate)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "['_Downgrade'] False\n", result.stdout

@@ -11,7 +11,7 @@ class _Engine:
     def __init__(self, outcome):
         self.outcome = outcome
 
-    def load_state_from_peers(self, timeout=None, exclude=(), max_bytes=None):
+    def load_state_from_peers(self, timeout=None, donors=(), exclude=(), max_bytes=None):
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         return self.outcome

@@ -106,3 +106,13 @@ def swarm(tmp_path: Path):
         yield s
     finally:
         s.kill_all()
+
+
+@pytest.fixture(scope="module")
+def dht():
+    """One DHT node on loopback for the in-process peers of a test module."""
+    import hivemind
+
+    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    yield node
+    node.shutdown()

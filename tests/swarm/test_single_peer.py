@@ -15,13 +15,6 @@ from swarm_opt import ConfigError, ConfigTypeError
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
 
-@pytest.fixture(scope="module")
-def dht():
-    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    yield node
-    node.shutdown()
-
-
 def make(dht, run_id, model=None, **kwargs):
     model = model or torch.nn.Linear(4, 2)
     kwargs.setdefault("optimizer", lambda p: torch.optim.SGD(p, lr=0.1))

@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 
-import hivemind
 import pytest
 import torch
 
@@ -15,13 +14,6 @@ import swarm_opt
 from swarm_opt import ConfigError, ConfigTypeError, ProgressTracker, StateDownloadError, Timeouts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def dht():
-    node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    yield node
-    node.shutdown()
 
 
 def make(dht, run_id, **timeouts):

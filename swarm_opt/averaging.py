@@ -535,10 +535,11 @@ class TensorAverager:
                         raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
                     if time.monotonic() > deadline:
                         raise
-        except Exception as e:  # matchmaking or all-reduce failed: the caller keeps its local state
+        except (Exception, asyncio.CancelledError) as e:  # matchmaking or all-reduce failed, or the round was
+            # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
             logger.debug("Averaging round failed: %r", e)
             control.cancel()
-            return self._failed(_reason(e))
+            return self._failed(_reason(e) if not isinstance(e, asyncio.CancelledError) else "the round was cancelled")
         finally:
             with self._lock:
                 self._running = None

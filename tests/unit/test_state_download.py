@@ -37,3 +37,43 @@ def test_each_kind_of_failed_download_keeps_its_reason():
 def test_a_download_returns_what_the_donor_sent():
     state = ({"epoch": 3}, [])
     assert _averager(state).load_state(timeout=1.0) is state
+
+
+class _CancelledControl:
+    """A scheduled round whose future raises what hivemind's raise when the round is cancelled under it."""
+
+    stage = None
+
+    def __init__(self):
+        self.weight, self.cancelled = None, False
+
+    def allow_allreduce(self):
+        pass
+
+    def result(self, timeout=None):
+        import asyncio
+
+        raise asyncio.CancelledError()
+
+    def cancel(self):
+        self.cancelled = True
+
+    def done(self):
+        return self.cancelled
+
+
+def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_training_loop():
+    import contextlib
+    import threading
+
+    import torch
+
+    from swarm_opt.config import Timeouts
+
+    averager = TensorAverager.__new__(TensorAverager)
+    control = _CancelledControl()
+    averager._engine = type("E", (), {"get_tensors": lambda self: contextlib.nullcontext([torch.zeros(2)])})()
+    averager._lock, averager._running, averager.timeouts = threading.Lock(), None, Timeouts()
+    averager.schedule = lambda when, round_id: setattr(averager, "_scheduled", control)
+    assert averager.all_reduce(lambda buffers: None, 1.0, round_id=3) is None
+    assert averager.last_failure == "the round was cancelled" and control.cancelled

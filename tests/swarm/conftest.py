@@ -24,14 +24,16 @@ class Swarm:
         self.procs: Dict[int, subprocess.Popen] = {}
         self.initial_peers: List[str] = []
 
-    def start(self, rank: int, **config) -> subprocess.Popen:
+    def start(self, rank: int, *, script: Path = PEER_SCRIPT, **config) -> subprocess.Popen:
+        """Start ``script`` (default peer.py) with ``config`` as its JSON config; the first peer's DHT addresses
+        (it writes them to OUT.maddrs) become everyone's initial peers."""
         out = self.tmp / f"peer{rank}.pt"
         config = dict(rank=rank, out=str(out), initial_peers=self.initial_peers, **config)
         path = self.tmp / f"peer{rank}.json"
         path.write_text(json.dumps(config))
         log = open(self.tmp / f"peer{rank}.log", "w")
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), str(path)], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, cwd=str(REPO))
         self.procs[rank] = proc
         if not self.initial_peers:

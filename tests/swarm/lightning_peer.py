@@ -36,6 +36,8 @@ def main(config_path: str) -> None:
     from swarm_opt.lightning import SwarmCallback
 
     cfg = json.load(open(config_path))
+    if cfg.get("initial_peers_file"):  # started together with the first peer: wait for its addresses
+        cfg["initial_peers"] = _read_addresses(cfg["initial_peers_file"])
     L.seed_everything(0, verbose=False)  # founders share one initial model
     module, loader = build(cfg)
     torch.manual_seed(1000 + cfg["rank"])  # each peer its own data order
@@ -54,6 +56,15 @@ def main(config_path: str) -> None:
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("gradient_clip_val"),
         limit_val_batches=cfg.get("limit_val_batches", 0), num_sanity_val_steps=0)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
+
+
+def _read_addresses(path: str) -> list:
+    deadline = time.monotonic() + 90
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the first peer did not write {path}")
+        time.sleep(0.1)
+    return json.load(open(path))
 
 
 def build(cfg: dict):
@@ -95,7 +106,7 @@ class LockstepModule(L.LightningModule):
             self.x, self.y = x[order], y[order]
         self.steps_per_round = cfg.get("steps_per_round")
         self.steps_in_round, self.waiting, self.cursor = 0, False, 0
-        self.overflow_at = cfg.get("overflow_at_step", -1)
+        self.overflow_at = cfg.get("overflow_at_step", {}).get(str(cfg["rank"]), -1)  # {rank: micro-batch}
         self.micro = 0
 
     def training_step(self, batch, batch_idx):
@@ -139,8 +150,9 @@ class Recorder(L.Callback):
         self.rounds, self.params, self.last_round = [], {}, None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        with open(self.cfg["out"] + ".maddrs", "w") as f:
+        with open(self.cfg["out"] + ".maddrs.tmp", "w") as f:  # others read it as soon as it exists: atomically
             json.dump([str(a) for a in self.swarm.dht.get_visible_maddrs()], f)
+        os.replace(self.cfg["out"] + ".maddrs.tmp", self.cfg["out"] + ".maddrs")
         opt = trainer.optimizers[0]
         assert isinstance(opt, __import__("swarm_opt").Optimizer), type(opt)
         wait_until = time.monotonic() + 30

@@ -1,0 +1,145 @@
+"""SwarmCallback in real loopback swarms: three Lightning peers, each a Trainer in its own process
+(``tests/swarm/lightning_peer.py``, launched and reaped by ``conftest.py``'s ``Swarm``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from swarm_opt.strategies import GradientAveraging, Scaffold  # noqa: E402
+from tests.swarm.conftest import PEER_SCRIPT, Swarm  # noqa: E402
+from tests.swarm.test_strategies import _check_lockstep, _simulate  # noqa: E402
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+SCRIPT = PEER_SCRIPT.with_name("lightning_peer.py")
+PEERS = 3
+#: rounds start once every peer reported its steps (no extrapolation); matchmaking long enough for all to join
+LOCKSTEP = dict(steps_per_round=4, max_extrapolation=0.0, matchmaking_time=2.0, averaging_timeout=20.0)
+
+
+def run(swarm: Swarm, timeout: float = 150, **config) -> list:
+    swarm.start_together(list(range(PEERS)), script=SCRIPT, expect_peers=PEERS, **config)
+    swarm.wait(timeout=timeout)
+    return [swarm.result(r) for r in range(PEERS)]
+
+
+def assert_same_params_at_each_epoch(results: list, epochs: int) -> None:
+    for epoch in range(epochs + 1):
+        held = [r["params"][epoch] for r in results if epoch in r["params"]]
+        for params in held[1:]:
+            for p, q in zip(params, held[0]):
+                assert torch.equal(p, q), f"peers disagree at global epoch {epoch}"
+    assert all(r["epoch"] == epochs for r in results)
+    assert all(torch.isfinite(p).all() for r in results for p in r["final"])
+
+
+def assert_quiet(swarm: Swarm) -> None:
+    """No traceback, and no warning or error from swarm_opt or hivemind, in any peer's output."""
+    for rank in swarm.procs:
+        for line in swarm.log(rank).splitlines():
+            assert "Traceback" not in line, swarm.log(rank)
+            if re.search(r" (WARNING|ERROR) (swarm_opt|hivemind)", line) or re.search(
+                    r"(swarm_opt|hivemind)\S*\.py:\d+: \w*Warning", line):
+                pytest.fail(f"peer {rank}: {line}")
+
+
+@pytest.mark.parametrize("module", ["boring", "demo"])
+def test_lightning_demo_modules_train_unchanged_and_peers_agree(swarm, module):
+    """BoringModel (its own data, SGD + StepLR) and DemoModel (Adam) as Lightning ships them: every peer holds the
+    same parameters at every global epoch, the scheduler stepped once per global epoch, metrics were logged."""
+    epochs = 4
+    results = run(swarm, module=module, batch_size=8, target_batch_size=48, epochs=epochs, limit_val_batches=2)
+    assert_same_params_at_each_epoch(results, epochs)
+    assert all(len(r["params"]) >= 2 for r in results)  # each peer saw several epochs, not only the last one
+    for r in results:
+        assert r["logged"]["swarm/epoch"] >= epochs - 1 and r["logged"]["swarm/peers"] >= 1
+        if module == "boring":  # StepLR(step_size=1, gamma=0.1), stepped on the global epoch
+            assert r["lr"] == pytest.approx(0.1 * 0.1 ** epochs)
+    assert_quiet(swarm)
+
+
+@pytest.mark.parametrize("strategy, cls", [("grad", GradientAveraging), ("scaffold", Scaffold)])
+def test_a_lightning_swarm_computes_what_the_plain_loop_computes(swarm, strategy, cls):
+    """Lockstep (4 optimizer steps per peer per round) on the heterogeneous least-squares problems of the plain
+    swarm tests: the Lightning peers end with the parameters of the plain training loop of the same strategy code
+    (``test_strategies._simulate``, which the plain-loop swarms are tested against)."""
+    epochs = 4
+    results = run(swarm, module="lsq", strategy=strategy, batch_size=16, target_batch_size=PEERS * 16 * 4,
+                  epochs=epochs, **LOCKSTEP)
+    history = _check_lockstep(results, epochs)
+    expected = _simulate(cls, range(PEERS), rounds=epochs, steps=4, history=history)
+    assert expected.norm() > 0.5  # it trained
+    for r in results:
+        torch.testing.assert_close(r["w"], expected, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
+    if strategy == "scaffold":
+        assert all(r["rounds"][-1]["d"].abs().max() > 1e-3 for r in results)  # the controls are in use
+
+
+def test_accumulating_four_batches_of_8_equals_batches_of_32(swarm, tmp_path):
+    """One optimizer step over 4 micro-batches counts 32 samples and averages their gradient; with gradient
+    clipping on, in lockstep, the swarm ends where a swarm with batches of 32 ends."""
+    common = dict(module="mlp", float64=True, target_batch_size=PEERS * 32 * 4, epochs=3, gradient_clip_val=0.5,
+                  **LOCKSTEP)
+    accumulated = run(swarm, batch_size=8, accumulate=4, **common)
+    plain_swarm = Swarm(tmp_path / "batch32")
+    (tmp_path / "batch32").mkdir()
+    try:
+        plain = run(plain_swarm, batch_size=32, **common)
+    finally:
+        plain_swarm.kill_all()
+    for results in (accumulated, plain):
+        _check_lockstep(results, 3)
+    for a, b in zip(accumulated[0]["final"], plain[0]["final"]):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
+    assert accumulated[0]["global_step"] > 0
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_skips_an_overflowing_step_and_keeps_the_swarm_finite(swarm, precision):
+    """Peer 0's 5th step has an infinite loss. With 16-mixed, Lightning's GradScaler skips the step (step() is never
+    called, the scale backs off); with bf16-mixed swarm_opt skips it. Either way it never reaches the swarm: every
+    peer stays finite and identical at every epoch. (On CPU Lightning replaces precision='16-mixed' by bf16 with a
+    warning, so the test passes the fp16 MixedPrecision plugin itself.)"""
+    epochs = 3
+    results = run(swarm, module="mlp", precision=precision, batch_size=16, target_batch_size=192, epochs=epochs,
+                  step_sleep=0.01, overflow_at_step={"0": 5})
+    assert_same_params_at_each_epoch(results, epochs)
+    if precision == "16-mixed":
+        assert results[0]["scale"] < 65536.0  # the scaler found the overflow and backed off
+    assert_quiet(swarm)
+
+
+def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swarm, tmp_path):
+    """Peer 2 saves a Lightning checkpoint (trainer.save_checkpoint) at every global epoch; it is SIGKILLed
+    mid-run and restarted with ckpt_path=: it resumes, catches up with the swarm and ends with everyone's
+    parameters. The survivors never stall."""
+    epochs = 10
+    common = dict(script=SCRIPT, module="mlp", batch_size=16, target_batch_size=192, epochs=epochs,
+                  step_sleep=0.02, checkpoint=True)
+    swarm.start_together(list(range(PEERS)), expect_peers=PEERS, **common)
+    deadline = time.monotonic() + 90
+    while "epoch 3:" not in swarm.log(2) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "peer2.pt.ckpt").exists(), swarm.log(2)
+    swarm.kill(2)
+    killed_at = time.time()
+    shutil.copy(tmp_path / "peer2.pt.ckpt", tmp_path / "resume.ckpt")
+    time.sleep(3)  # the swarm moves on meanwhile
+    swarm.start(3, expect_peers=1, resume=str(tmp_path / "resume.ckpt"), **common)
+    swarm.wait(timeout=150)
+    survivors = [swarm.result(r) for r in (0, 1)]
+    resumed = swarm.result(3)
+    assert "Restoring states from the checkpoint" in swarm.log(3)
+    first = resumed["rounds"][0]
+    assert first["epoch"] >= 3  # it went on from its checkpoint's epoch or later, never from scratch
+    assert_same_params_at_each_epoch(survivors + [resumed], epochs)
+    for r in survivors:  # never stalled: no gap between two of their epochs longer than a few rounds
+        times = [killed_at] + [rnd["time"] for rnd in r["rounds"] if rnd["time"] > killed_at]
+        assert max(b - a for a, b in zip(times, times[1:])) < 20, r["rounds"]

@@ -96,9 +96,10 @@ def test_accumulating_four_batches_of_8_equals_batches_of_32(swarm, tmp_path):
         plain_swarm.kill_all()
     for results in (accumulated, plain):
         _check_lockstep(results, 3)
+        committed = [rnd for r in results for rnd in r["rounds"] if not rnd["caught_up"]]
+        assert committed and all(rnd["samples"] == 4 * 32 for rnd in committed)  # 4 steps of 32 samples each
     for a, b in zip(accumulated[0]["final"], plain[0]["final"]):
-        torch.testing.assert_close(a, b, atol=1e-9, rtol=0)
-    assert accumulated[0]["global_step"] > 0
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

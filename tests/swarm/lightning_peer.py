@@ -37,7 +37,8 @@ def main(config_path: str) -> None:
 
     cfg = json.load(open(config_path))
     if cfg.get("initial_peers_file"):  # started together with the first peer: wait for its addresses
-        cfg["initial_peers"] = _read_addresses(cfg["initial_peers_file"])
+        _wait_for_file(cfg["initial_peers_file"])
+        cfg["initial_peers"] = json.load(open(cfg["initial_peers_file"]))
     L.seed_everything(0, verbose=False)  # founders share one initial model
     module, loader = build(cfg)
     torch.manual_seed(1000 + cfg["rank"])  # each peer its own data order
@@ -55,16 +56,18 @@ def main(config_path: str) -> None:
         precision=None if plugins else precision, plugins=plugins,
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("gradient_clip_val"),
         limit_val_batches=cfg.get("limit_val_batches", 0), num_sanity_val_steps=0)
+    if cfg.get("resume"):  # started early (imports are slow): resume once the test put the checkpoint there
+        open(cfg["out"] + ".ready", "w").close()
+        _wait_for_file(cfg["resume"])
     trainer.fit(module, train_dataloaders=loader, ckpt_path=cfg.get("resume"))
 
 
-def _read_addresses(path: str) -> list:
+def _wait_for_file(path: str) -> None:
     deadline = time.monotonic() + 90
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the first peer did not write {path}")
+            raise TimeoutError(f"{path} did not appear")
         time.sleep(0.1)
-    return json.load(open(path))
 
 
 def build(cfg: dict):
@@ -173,7 +176,12 @@ class Recorder(L.Callback):
             if self.cfg.get("checkpoint"):
                 trainer.save_checkpoint(self.cfg["out"] + ".ckpt.tmp")
                 os.replace(self.cfg["out"] + ".ckpt.tmp", self.cfg["out"] + ".ckpt")
-        if opt.local_epoch >= self.cfg["epochs"] or time.monotonic() - START > self.cfg.get("max_seconds", 120):
+            together = [r for r in self.rounds if not r["caught_up"] and r["group_size"] > 1]
+            if len(together) >= self.cfg.get("signal_after_rounds", float("inf")):
+                open(self.cfg["until_file"], "a").close()  # e.g. a restarted peer trained with the others again
+        until = self.cfg.get("until_file")  # with it, the run goes on past `epochs` until that file exists
+        done = opt.local_epoch >= self.cfg["epochs"] and (until is None or os.path.exists(until))
+        if done or time.monotonic() - START > self.cfg.get("max_seconds", 120):
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:

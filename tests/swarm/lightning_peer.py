@@ -129,7 +129,7 @@ class LockstepModule(L.LightningModule):
             elif self.steps_per_round is None:
                 lo = int(torch.randint(0, len(self.x) - bs, (1,)))
             x, y = self.x[lo:lo + bs], self.y[lo:lo + bs]
-            loss = torch.nn.functional.cross_entropy(self.net(x.to(self.net[0].weight.dtype)).float(), y)
+            loss = torch.nn.functional.cross_entropy(self.net(x.to(self.net[0].weight.dtype)), y)
         if self.waiting:
             time.sleep(self.cfg.get("wait_sleep", 0.005))
             return loss * float("nan")

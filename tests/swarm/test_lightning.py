@@ -12,8 +12,10 @@ import torch
 
 pytest.importorskip("lightning")
 
+from swarm_opt.simulation import average_in_process  # noqa: E402
 from swarm_opt.strategies import GradientAveraging, Scaffold  # noqa: E402
 from tests.swarm.conftest import PEER_SCRIPT, Swarm  # noqa: E402
+from tests.swarm.peer import make_data, make_model  # noqa: E402
 from tests.swarm.test_strategies import _check_lockstep, _simulate  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
@@ -82,24 +84,51 @@ def test_a_lightning_swarm_computes_what_the_plain_loop_computes(swarm, strategy
         assert all(r["rounds"][-1]["d"].abs().max() > 1e-3 for r in results)  # the controls are in use
 
 
-def test_accumulating_four_batches_of_8_equals_batches_of_32(swarm, tmp_path):
-    """One optimizer step over 4 micro-batches counts 32 samples and averages their gradient; with gradient
-    clipping on, in lockstep, the swarm ends where a swarm with batches of 32 ends."""
-    common = dict(module="mlp", float64=True, target_batch_size=PEERS * 32 * 4, epochs=3, gradient_clip_val=0.5,
-                  **LOCKSTEP)
-    accumulated = run(swarm, batch_size=8, accumulate=4, **common)
-    plain_swarm = Swarm(tmp_path / "batch32")
-    (tmp_path / "batch32").mkdir()
-    try:
-        plain = run(plain_swarm, batch_size=32, **common)
-    finally:
-        plain_swarm.kill_all()
-    for results in (accumulated, plain):
-        _check_lockstep(results, 3)
-        committed = [rnd for r in results for rnd in r["rounds"] if not rnd["caught_up"]]
-        assert committed and all(rnd["samples"] == 4 * 32 for rnd in committed)  # 4 steps of 32 samples each
-    for a, b in zip(accumulated[0]["final"], plain[0]["final"]):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
+def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, history: dict) -> list:
+    """What the lockstep ``mlp`` peers of ``lightning_peer.py`` compute, as a plain loop with gradient averaging in
+    one process: per step ``batch_size`` consecutive samples of the peer's data, gradient clipping, ``local_step``;
+    per round one in-process average (``history``: the rounds where some peers caught up by downloading)."""
+    peers = []
+    for rank in range(PEERS):
+        model = make_model(torch.float64)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        strategy = GradientAveraging()
+        strategy.bind(list(model.parameters()), inner)
+        x, y = make_data()
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1000 + rank))
+        peers.append((model, inner, strategy, x[order].to(torch.float64), y[order]))
+    for epoch in range(1, rounds + 1):
+        for step in range(steps):
+            for model, inner, strategy, x, y in peers:
+                lo = ((epoch - 1) * steps + step) * batch_size
+                inner.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[lo:lo + batch_size]), y[lo:lo + batch_size]).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                strategy.local_step(batch_size)
+        members, downloaders = history.get(epoch, (list(range(PEERS)), []))
+        average_in_process([s for _, _, s, _, _ in peers], groups=[members])
+        donor = next(m for m in members if m not in downloaders)
+        for rank in downloaders:
+            peers[rank][0].load_state_dict(peers[donor][0].state_dict())
+            peers[rank][1].load_state_dict(peers[donor][1].state_dict())
+            peers[rank][2].reset()
+    return [p.detach() for p in peers[0][0].parameters()]
+
+
+def test_accumulating_four_batches_of_8_equals_the_plain_loop_with_batches_of_32(swarm):
+    """One optimizer step over 4 micro-batches of 8 counts 32 samples and averages their gradient: in lockstep,
+    with gradient clipping on, the Lightning swarm ends with the parameters of the plain loop with batches of 32."""
+    results = run(swarm, module="mlp", float64=True, batch_size=8, accumulate=4, target_batch_size=PEERS * 32 * 4,
+                  epochs=3, gradient_clip_val=0.5, **LOCKSTEP)
+    history = _check_lockstep(results, 3)
+    committed = [rnd for r in results for rnd in r["rounds"] if not rnd["caught_up"]]
+    assert committed and all(rnd["samples"] == 4 * 32 for rnd in committed)  # 4 optimizer steps of 32 samples
+    expected = plain_loop_mlp(rounds=3, steps=4, batch_size=32, clip=0.5, history=history)
+    for r in results:
+        for got, want in zip(r["final"], expected):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
+    unclipped = plain_loop_mlp(rounds=3, steps=4, batch_size=32, clip=float("inf"), history=history)
+    assert max((a - b).abs().max() for a, b in zip(unclipped, expected)) > 1e-3  # clipping was in effect
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

@@ -18,6 +18,7 @@ import logging
 from typing import Any, Dict, List, Optional, Sequence
 
 try:
+    from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core.optimizer import _MockOptimizer
     from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -112,7 +113,7 @@ class SwarmCallback(Callback):
         return self._dht
 
     # --- Lightning hooks ------------------------------------------------------------------------------------------
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         if not pl_module.automatic_optimization:
@@ -126,7 +127,7 @@ class SwarmCallback(Callback):
                 f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
                 f"the same run_id")
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         inner = _single_optimizer(trainer.strategy.optimizers)
         scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
         self._check_restored_identity()
@@ -147,18 +148,20 @@ class SwarmCallback(Callback):
         trainer.strategy.lr_scheduler_configs = []  # the swarm optimizer steps it, on the global epoch
         self._pending_samples = 0
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._pending_samples += self._batch_size(batch)
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        # the coming step() consumes every micro-batch since the last one (accumulate_grad_batches); if the loss
-        # scaler skips it (overflow), step() is never called and these samples count nowhere
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # the coming step() consumes every micro-batch since the last one (accumulate_grad_batches). Lightning calls
+        # step() without a sample count, so the swarm optimizer reads it from its config. If the loss scaler skips
+        # the step (overflow), step() is never called and these samples count nowhere
         swarm = self._optimizer
         if swarm is not None and self._pending_samples > 0:
             swarm.config = dataclasses.replace(swarm.config, batch_size_per_step=self._pending_samples)
         self._pending_samples = 0
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
         swarm = self._optimizer
         if swarm is None:
             return
@@ -168,11 +171,11 @@ class SwarmCallback(Callback):
         pl_module.log("swarm/peers", float(progress.num_peers), prog_bar=True, **log)
         pl_module.log("swarm/samples_per_second", float(progress.samples_per_second), **log)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             self._leave()
 
-    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._leave()  # Lightning calls no teardown hook after an exception or a Ctrl-C
 
     # --- checkpoints ----------------------------------------------------------------------------------------------

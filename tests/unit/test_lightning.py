@@ -9,6 +9,7 @@ import importlib
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -158,7 +159,9 @@ def test_several_optimizers_are_refused_by_lightning_itself():
 
 def test_lightning_distributed_strategies_are_refused(monkeypatch, no_leftovers):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29517")
+    with socket.socket() as probe:  # a free port for the one-process group Lightning's DDP sets up first
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
     with pytest.raises(ConfigError, match="DDPStrategy.*Trainer\\(devices=1\\).*one peer per device"):
         trainer(callback(), strategy="ddp").fit(BoringModel())
     if torch.distributed.is_initialized():

@@ -149,7 +149,12 @@ def run(args: argparse.Namespace) -> None:
                                                     out_real=f"lightning_scaffold_{loop}")
                     script = noniid.__file__ if loop == "plain" else __file__
                     started = time.monotonic()
-                    peers = noniid.run_swarm(swarm_args, name, tmp, script=script)
+                    try:
+                        peers = noniid.run_swarm(swarm_args, name, tmp, script=script)
+                    except RuntimeError as e:  # a peer died: keep the other runs, say which one failed and why
+                        print(f"  alpha={alpha} {loop} {name}: FAILED: {str(e).splitlines()[0][:200]}", flush=True)
+                        runs[str(alpha)][loop][name] = dict(failed=str(e)[-2000:])
+                        continue
                     per_round = noniid.swarm_per_round(peers, args.rounds)
                     # the same code in one process with this run's own schedule (steps per peer per round): a
                     # difference between the loops' accuracies that the replays share is the schedule's, not a bug
@@ -179,6 +184,8 @@ def stats(per_round: List[dict], replay: dict) -> dict:
 
 
 def report(runs: dict, args: argparse.Namespace) -> None:
+    runs = {alpha: loops for alpha, loops in runs.items()
+            if not any("failed" in r for loop in loops.values() for r in loop.values())}  # tables need all four
     for alpha, loops in runs.items():
         headers = ["round"] + [f"{loop} {name}" for loop in LOOPS for name in NAMES]
         rows = [[r + 1] + [f"{100 * (loops[loop][name]['per_round'][r]['accuracy_mean'] or 0):.2f}"

@@ -193,7 +193,7 @@ def report(runs: dict, args: argparse.Namespace) -> None:
         print(f"\nalpha = {alpha}: test accuracy (%) per round")
         print(table(headers, rows))
     headers = ["alpha", "loop", "FedAvg %", "SCAFFOLD %", "gain pp", "round s FedAvg", "round s SCAFFOLD",
-               "SCAFFOLD / FedAvg", "vs plain (FedAvg, SCAFFOLD)", "max |real - replay| pp"]
+               "SCAFFOLD / FedAvg", "vs plain (FedAvg, SCAFFOLD)", "replay gap pp"]
     rows = []
     for alpha, loops in runs.items():
         for loop in LOOPS:

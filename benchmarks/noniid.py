@@ -512,12 +512,14 @@ def worker(args: argparse.Namespace) -> None:
         dht.shutdown()
 
 
-def run_swarm(args: argparse.Namespace, name: str, tmp: Path) -> List[dict]:
+def run_swarm(args: argparse.Namespace, name: str, tmp: Path, script: str = __file__) -> List[dict]:
+    """``args.peers`` real peers of strategy ``name``, each ``script --worker`` (this file's ``worker``, or another
+    benchmark's worker with the same arguments and files), from the start signal to their results."""
     procs, logs = [], []
     try:
         for rank in range(args.peers):
             log = tmp / f"{name}_peer{rank}.log"
-            worker_args = [__file__, "--worker", "--rank", str(rank), "--tmp", str(tmp), "--strategy-name", name,
+            worker_args = [script, "--worker", "--rank", str(rank), "--tmp", str(tmp), "--strategy-name", name,
                            "--seed", str(args.real_seed), "--rounds", str(args.real_rounds), "--peers", str(args.peers),
                            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
                            "--matchmaking-time", str(args.matchmaking_time),

@@ -24,25 +24,43 @@ class Swarm:
         self.procs: Dict[int, subprocess.Popen] = {}
         self.initial_peers: List[str] = []
 
-    def start(self, rank: int, **config) -> subprocess.Popen:
+    def start(self, rank: int, *, script: Path = PEER_SCRIPT, **config) -> subprocess.Popen:
+        """Start ``script`` (default peer.py) with ``config`` as its JSON config; the first peer's DHT addresses
+        (it writes them to OUT.maddrs) become everyone's initial peers."""
+        proc = self._launch(rank, script, dict(initial_peers=self.initial_peers, **config))
+        if not self.initial_peers:
+            self._wait_for_addresses(rank)
+        return proc
+
+    def start_together(self, ranks: List[int], *, script: Path, **config) -> None:
+        """Start peers at once, for scripts slow to import (Lightning): the others wait inside ``script`` for the
+        first one's addresses (config ``initial_peers_file``, its OUT.maddrs) instead of being started after it."""
+        first = self.tmp / f"peer{ranks[0]}.pt.maddrs"
+        self._launch(ranks[0], script, dict(initial_peers=[], **config))
+        for rank in ranks[1:]:
+            self._launch(rank, script, dict(initial_peers=[], initial_peers_file=str(first), **config))
+        self._wait_for_addresses(ranks[0])
+
+    def _launch(self, rank: int, script: Path, config: dict) -> subprocess.Popen:
         out = self.tmp / f"peer{rank}.pt"
-        config = dict(rank=rank, out=str(out), initial_peers=self.initial_peers, **config)
+        config = dict(rank=rank, out=str(out), **config)
         path = self.tmp / f"peer{rank}.json"
         path.write_text(json.dumps(config))
         log = open(self.tmp / f"peer{rank}.log", "w")
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, str(PEER_SCRIPT), str(path)], stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env, cwd=str(REPO))
         self.procs[rank] = proc
-        if not self.initial_peers:
-            maddrs = Path(str(out) + ".maddrs")
-            deadline = time.monotonic() + 60
-            while not maddrs.exists() or not maddrs.read_text():
-                assert proc.poll() is None, self.log(rank)
-                assert time.monotonic() < deadline, "first peer did not start its DHT"
-                time.sleep(0.1)
-            self.initial_peers = json.loads(maddrs.read_text())
         return proc
+
+    def _wait_for_addresses(self, rank: int) -> None:
+        maddrs = self.tmp / f"peer{rank}.pt.maddrs"
+        deadline = time.monotonic() + 60
+        while not maddrs.exists() or not maddrs.read_text():
+            assert self.procs[rank].poll() is None, self.log(rank)
+            assert time.monotonic() < deadline, "first peer did not start its DHT"
+            time.sleep(0.1)
+        self.initial_peers = json.loads(maddrs.read_text())
 
     def log(self, rank: int) -> str:
         return (self.tmp / f"peer{rank}.log").read_text()

@@ -1,0 +1,245 @@
+"""``SwarmCallback``: any ``LightningModule`` becomes a swarm peer through one Lightning callback.
+
+An adapter over ``swarm_opt.Optimizer`` with no algorithm of its own. At ``on_fit_start`` it starts a DHT (unless it
+was given one) and replaces the module's optimizer with a ``swarm_opt.Optimizer`` around it, so that Lightning's
+loop, precision plugins, gradient clipping and checkpoints drive the swarm optimizer as they would any optimizer.
+The module's LR scheduler moves to the swarm optimizer, which steps it once per global epoch. Lightning then
+checkpoints and restores the swarm optimizer's whole state (inner optimizer, global epoch, scheduler, strategy
+state) as its own optimizer state; the callback's own state names the run and strategy it belongs to.
+
+``lightning`` is an optional dependency: ``pip install swarm_opt[lightning]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+try:
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.utilities.data import extract_batch_size
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+except ImportError as e:  # pragma: no cover - exercised by a test that hides lightning
+    raise ImportError("swarm_opt.lightning needs PyTorch Lightning: pip install swarm_opt[lightning]") from e
+
+import torch
+
+from swarm_opt.compression import Compression
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt.optimizer import Optimizer
+from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.grad_averaging import GradientAveraging
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SwarmCallback"]
+
+
+class SwarmCallback(Callback):
+    """Train a ``LightningModule`` as one peer of a swarm: ``Trainer(callbacks=[SwarmCallback(...)])``.
+
+    The keyword names are those of ``swarm_opt.Optimizer`` (see it for ``run_id``, ``target_batch_size``,
+    ``strategy``, ``compression``, ``matchmaking_time``, ``averaging_timeout`` and ``tracker``), plus:
+
+    :param initial_peers: multiaddrs of live peers of the run (``[]`` for the first peer); the callback starts a
+        DHT listening on ``host_maddrs`` and stops it at teardown.
+    :param host_maddrs: where the DHT the callback starts listens (default: any interface, any free port).
+    :param dht: a started ``hivemind.DHT`` to use instead; it stays the caller's (not stopped at teardown).
+    :param batch_size: samples per batch; by default read from each batch, as Lightning does for logging.
+
+    Nothing happens at construction (no DHT, no process; the callback pickles). Refused at setup, each with the
+    alternative: manual optimization, several optimizers, Lightning's distributed strategies (DDP, FSDP, ...: run
+    one single-device peer per device instead), ``ReduceLROnPlateau`` and several LR schedulers.
+    """
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        target_batch_size: int,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        dht: Optional[Any] = None,
+        batch_size: Optional[int] = None,
+        strategy: Optional[Strategy] = None,
+        compression: Optional[Compression] = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        tracker: Optional[TrackerConfig] = None,
+    ) -> None:
+        self.config = SwarmConfig(run_id, target_batch_size, batch_size)
+        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        if isinstance(initial_peers, str):
+            raise ConfigTypeError("initial_peers must be a list of multiaddrs, e.g. initial_peers=[ADDRESS]")
+        self.initial_peers = parse_maddrs(initial_peers, option="initial_peers", need_peer_id=True)
+        self.host_maddrs = parse_maddrs(host_maddrs, option="host_maddrs")
+        if dht is not None:
+            import hivemind
+
+            if not isinstance(dht, hivemind.DHT):
+                raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+            if self.initial_peers:
+                raise ConfigError("pass either dht (a DHT you started, already joined to the swarm) or "
+                                  "initial_peers (the callback starts its own DHT), not both")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. swarm_opt.Scaffold(), got {strategy!r}")
+        if tracker is not None and not isinstance(tracker, TrackerConfig):
+            raise ConfigTypeError(f"tracker must be swarm_opt.TrackerConfig(...), got {tracker!r}")
+        self.strategy = GradientAveraging() if strategy is None else strategy  # a template: each fit binds a copy
+        self.compression = compression
+        self.tracker = tracker
+        self._given_dht = dht
+        self._dht: Optional[Any] = None  # the DHT in use during fit (ours or the caller's)
+        self._optimizer: Optional[Optimizer] = None
+        self._pending_samples = 0  # samples of the micro-batches since the last optimizer step
+        self._restored: Optional[Dict[str, Any]] = None
+
+    # --- what a running fit exposes -------------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> Optional[Optimizer]:
+        """The swarm optimizer of the fit in progress (also ``trainer.optimizers[0]``); None outside ``fit``."""
+        return self._optimizer
+
+    @property
+    def dht(self) -> Optional[Any]:
+        """The DHT in use during ``fit``: e.g. ``dht.get_visible_maddrs()`` are the addresses other peers join."""
+        return self._dht
+
+    # --- Lightning hooks ------------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ConfigError(
+                "SwarmCallback drives Lightning's automatic optimization; with automatic_optimization = False, "
+                "build swarm_opt.Optimizer(...) in configure_optimizers yourself and call "
+                "opt.step(batch_size=...) in training_step, without the callback")
+        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+            raise ConfigError(
+                f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: each process is "
+                f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
+                f"the same run_id")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        inner = _single_optimizer(trainer.strategy.optimizers)
+        scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
+        self._check_restored_identity()
+        self._dht = self._given_dht if self._given_dht is not None else start_dht(
+            initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
+        try:
+            with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
+                self._optimizer = Optimizer(
+                    dht=self._dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
+                    optimizer=inner, scheduler=scheduler, strategy=copy.deepcopy(self.strategy),
+                    matchmaking_time=self.timeouts.matchmaking_time,
+                    averaging_timeout=self.timeouts.averaging_timeout,
+                    compression=self.compression, tracker=self.tracker)
+        except BaseException:
+            self._leave()
+            raise
+        trainer.strategy.optimizers = [self._optimizer]
+        trainer.strategy.lr_scheduler_configs = []  # the swarm optimizer steps it, on the global epoch
+        self._pending_samples = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._pending_samples += self._batch_size(batch)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # the coming step() consumes every micro-batch since the last one (accumulate_grad_batches). Lightning calls
+        # step() without a sample count, so the swarm optimizer reads it from its config. If the loss scaler skips
+        # the step (overflow), step() is never called and these samples count nowhere
+        swarm = self._optimizer
+        if swarm is not None and self._pending_samples > 0:
+            swarm.config = dataclasses.replace(swarm.config, batch_size_per_step=self._pending_samples)
+        self._pending_samples = 0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        swarm = self._optimizer
+        if swarm is None:
+            return
+        progress = swarm.progress
+        log = dict(on_step=True, on_epoch=False, batch_size=1)
+        pl_module.log("swarm/epoch", float(swarm.local_epoch), prog_bar=True, **log)
+        pl_module.log("swarm/peers", float(progress.num_peers), prog_bar=True, **log)
+        pl_module.log("swarm/samples_per_second", float(progress.samples_per_second), **log)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._leave()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._leave()  # Lightning calls no teardown hook after an exception or a Ctrl-C
+
+    # --- checkpoints ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Which run and strategy a checkpoint belongs to; the swarm optimizer's state itself is Lightning's
+        ``optimizer_states`` entry (``trainer.optimizers[0]`` is the swarm optimizer)."""
+        state: Dict[str, Any] = {"run_id": self.config.run_id, "strategy": self.strategy.name}
+        if self._optimizer is not None:
+            state["global_epoch"] = self._optimizer.local_epoch
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self._restored = dict(state_dict)
+
+    def _check_restored_identity(self) -> None:
+        restored, self._restored = self._restored, None
+        if restored and restored.get("strategy") != self.strategy.name:
+            raise IncompatibleStateError(
+                f"the checkpoint was written by a swarm training with strategy '{restored.get('strategy')}', this "
+                f"callback uses '{self.strategy.name}': resume with the checkpoint's strategy, or start without "
+                f"ckpt_path")
+
+    # --- helpers --------------------------------------------------------------------------------------------------
+    def _batch_size(self, batch: Any) -> int:
+        if self.config.batch_size_per_step is not None:
+            return self.config.batch_size_per_step
+        try:
+            return extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            raise ConfigError(f"could not read the number of samples from a batch of type {type(batch).__name__}; "
+                              f"pass SwarmCallback(batch_size=N), the samples per batch") from None
+
+    def _leave(self) -> None:
+        """Leave the swarm and stop what this callback started; safe to call twice."""
+        swarm, self._optimizer = self._optimizer, None
+        dht, self._dht = self._dht, None
+        if swarm is not None:
+            swarm.shutdown()
+        if dht is not None and dht is not self._given_dht:
+            dht.shutdown()
+
+
+def _single_optimizer(optimizers: List[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    if len(optimizers) != 1:
+        raise ConfigError(
+            f"SwarmCallback trains exactly one optimizer, configure_optimizers returned {len(optimizers)}: return "
+            f"one optimizer, with a param group per set of parameters that needs its own settings")
+    if isinstance(optimizers[0], _MockOptimizer):
+        raise ConfigError("configure_optimizers returned no optimizer: return the torch optimizer that SwarmCallback "
+                          "should wrap, e.g. torch.optim.SGD(self.parameters(), lr=0.1)")
+    if isinstance(optimizers[0], Optimizer):
+        raise ConfigError("configure_optimizers returned a swarm_opt.Optimizer: return the plain torch optimizer "
+                          "(e.g. torch.optim.SGD(self.parameters(), lr=0.1)); SwarmCallback wraps it")
+    return optimizers[0]
+
+
+def _single_scheduler(configs: List[Any]) -> Optional[Any]:
+    if not configs:
+        return None
+    if len(configs) > 1:
+        raise ConfigError(f"SwarmCallback steps one LR scheduler per global epoch, configure_optimizers returned "
+                          f"{len(configs)}: chain them into one, e.g. torch.optim.lr_scheduler.SequentialLR")
+    if configs[0].reduce_on_plateau:
+        raise ConfigError("ReduceLROnPlateau needs a metric each step, which the swarm's global epochs do not "
+                          "provide: use a schedule such as StepLR or CosineAnnealingLR, which step on the global "
+                          "epoch")
+    return configs[0].scheduler

@@ -88,7 +88,7 @@ def test_a_failed_download_says_why(dht, monkeypatch):
         with pytest.raises(StateDownloadError, match="no peer sent its state"):
             opt.load_state_from_peers(timeout=1.0)
 
-        def broken(timeout=None):
+        def broken(timeout=None, **_):
             raise ConnectionResetError("the averager's connection to the p2p daemon was reset")
         monkeypatch.setattr(opt._averager._engine, "load_state_from_peers", broken)
         with pytest.raises(StateDownloadError, match="ConnectionResetError: the averager's connection .* was reset"):

@@ -14,6 +14,7 @@ from swarm_opt.errors import (
     StateDownloadError,
     SwarmOptError,
 )
+from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.powersgd import PowerSGD
@@ -39,6 +40,7 @@ __all__ = [
     "DiLoCo",
     "Strategy",
     "Offload",
+    "Gloo",
     "Codec",
     "CODECS",
     "NoCompression",

@@ -3,6 +3,7 @@ with a client-mode peer (hivemind's path for its groups), and no threads or sock
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import pytest
@@ -90,9 +91,11 @@ def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
         counts = r["resources"]
         for process in ("averager", "host"):
             for what in ("fds", "threads"):
-                early = max(counts[e][process][what] for e in counts if 5 <= e <= 12)
+                # connections come and go (a state download, a DHT request): a leak grows with the rounds instead
+                early = [counts[e][process][what] for e in counts if 5 <= e <= 14]
                 late = [counts[e][process][what] for e in counts if e > epochs - 10]
-                assert late and max(late) <= early, (process, what, {e: c[process] for e, c in counts.items()})
+                assert late and statistics.median(late) <= statistics.median(early) \
+                    and max(late) <= max(early) + 2, (process, what, {e: c[process] for e, c in counts.items()})
 
 
 def assert_one_process(swarm, results: list, inner: str, epochs: int) -> None:

@@ -106,6 +106,7 @@ class _Engine(DecentralizedAverager):
         self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
         self._serving = 0  # reducer streams in flight (averager process)
         self._lane_rounds = mp.Value("i", 0)  # rounds this peer averaged over the gloo lane (shared)
+        self._lane_setup = mp.Value("d", 0.0)  # seconds the last lane round took to set up (shared)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -160,7 +161,7 @@ class _Engine(DecentralizedAverager):
             future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_info.group_id, addresses,
                                       weight, start_timeout)
             try:
-                await asyncio.wrap_future(future)
+                self._lane_setup.value = await asyncio.wrap_future(future)
             except LaneFailure as e:
                 raise AllreduceException(f"gloo lane: {e}") from None
             except asyncio.CancelledError:
@@ -515,6 +516,11 @@ class TensorAverager:
     def lane_rounds(self) -> int:
         """How many of this peer's rounds averaged over the gloo lane."""
         return int(self._engine._lane_rounds.value)
+
+    @property
+    def lane_setup_seconds(self) -> float:
+        """How long the last lane round took to meet its group and find (or create) the process group."""
+        return float(self._engine._lane_setup.value)
 
     @property
     def peer_id(self) -> PeerID:

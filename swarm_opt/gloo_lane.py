@@ -23,6 +23,7 @@ import logging
 import math
 import socket
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -212,16 +213,21 @@ class GlooLane:
         return self._executor.submit(self.all_reduce, *args)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], peer_ids: Sequence[bytes], own_id: bytes,
-                   group_id: bytes, addresses: Sequence[Tuple[str, int]], weight: float, start_timeout: float) -> None:
+                   group_id: bytes, addresses: Sequence[Tuple[str, int]], weight: float, start_timeout: float
+                   ) -> float:
         """Replace ``tensors`` with the group's weighted mean, identical on every member; raises ``LaneFailure``
         (the membership's process group is dropped) when the round cannot complete. ``start_timeout``: seconds to
-        wait for every member to begin the round."""
+        wait for every member to begin the round. Returns the seconds the round's setup took (the rendezvous, and
+        the process group unless it was cached)."""
         members = tuple(sorted(peer_ids))
         try:
+            started = time.perf_counter()
             store = self._rendezvous(addresses[0])
             held = self._group(store, members, members.index(own_id), group_id, start_timeout)
+            setup = time.perf_counter() - started
             self._reduce(held.group, tensors, weight)
             held.finish()
+            return setup
         except Exception as e:
             self.drop(members)
             self._forget_store(addresses[0])

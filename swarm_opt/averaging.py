@@ -32,7 +32,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_opt._allreduce import AllOrNothingRunner
@@ -157,7 +157,7 @@ class _Engine(DecentralizedAverager):
         peer_ids = [peer.to_bytes() for peer in group_info.peer_ids]
         start_timeout = _START_TIMEOUT + 2 * max(_seconds(info.get("step_period")) for info in infos)
         self._running_groups[group_info.group_id].set_result(_LaneRound(self.lane, peer_ids))
-        with self.get_tensors() as tensors:
+        async with enter_asynchronously(self.get_tensors()) as tensors:
             future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_info.group_id, addresses,
                                       weight, start_timeout)
             try:

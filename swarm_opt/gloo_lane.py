@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import hmac
 import ipaddress
+import json
 import logging
 import math
 import socket
@@ -27,7 +28,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -222,10 +223,19 @@ class GlooLane:
         members = tuple(sorted(peer_ids))
         try:
             started = time.perf_counter()
+            # with fp16, one scale per tensor for the whole group (from its largest magnitude): nothing can overflow
+            absmax = [float(t.detach().abs().max()) if t.numel() else 0.0 for t in tensors] \
+                if self.wire_dtype == torch.float16 else []
             store = self._rendezvous(addresses[0])
-            held = self._group(store, members, members.index(own_id), group_id, start_timeout)
+            held, shares = self._group(store, members, members.index(own_id), group_id, start_timeout,
+                                       _Share(token="", weight=float(weight), absmax=absmax))
             setup = time.perf_counter() - started
-            self._reduce(held.group, tensors, weight)
+            total = math.fsum(share.weight for share in shares)  # the same sum, in the same order, everywhere
+            if not total > 0:
+                raise LaneFailure(f"the group's weights sum to {total}")
+            scales = [_fp16_scale(max(share.absmax[i] for share in shares)) for i in range(len(tensors))] \
+                if absmax else [1.0] * len(tensors)
+            self._reduce(held.group, tensors, float(weight) / total, scales)
             held.finish()
             return setup
         except Exception as e:
@@ -255,22 +265,23 @@ class GlooLane:
         with self._lock:
             self._stores.pop(address, None)
 
-    def _group(self, store: Any, members: Tuple[bytes, ...], rank: int, group_id: bytes,
-               start_timeout: float) -> _Held:
-        """The membership's process group: the cached one if every member holds the same, else a new one. Each member
-        writes the token of the group it holds under the round's key and reads everyone's."""
+    def _group(self, store: Any, members: Tuple[bytes, ...], rank: int, group_id: bytes, start_timeout: float,
+               own: _Share) -> Tuple[_Held, List[_Share]]:
+        """The membership's process group, and every member's share of the round. Each member writes under the
+        round's key the token of the group it holds, its weight (and largest magnitudes), and reads everyone's: the
+        cached group serves if every member holds the same, else a new one is created."""
         from torch.distributed import PrefixStore, ProcessGroupGloo
 
         round_prefix = f"{self.namespace}/{group_id.hex()}"
         with self._lock:
             token, group = self._groups.get(members, ("", None))
         hello = f"{round_prefix}/hello/{rank}"
-        store.set(hello, token)
+        store.set(hello, json.dumps(dict(own._asdict(), token=token)))
         keys = [f"{round_prefix}/hello/{r}" for r in range(len(members))]
         store.wait(keys, datetime.timedelta(seconds=start_timeout))
-        tokens = {value.decode() for value in store.multi_get(keys)}
-        if group is not None and tokens == {token}:
-            return _Held(group, store, hello)
+        shares = [_Share.parse(value, len(own.absmax)) for value in store.multi_get(keys)]
+        if group is not None and {share.token for share in shares} == {token}:
+            return _Held(group, store, hello), shares
         self.drop(members)
         options = ProcessGroupGloo._Options()
         options._devices = [self._device]
@@ -280,26 +291,12 @@ class GlooLane:
             self._groups[members] = (group_id.hex(), group)
             while len(self._groups) > _CACHED_GROUPS:
                 _abort(self._groups.popitem(last=False)[1][1])
-        return _Held(group, store, hello)
+        return _Held(group, store, hello), shares
 
-    def _reduce(self, group: Any, tensors: Sequence[torch.Tensor], weight: float) -> None:
-        """Two small all-reduces (the weights' sum; with fp16, each tensor's largest magnitude), then every tensor
-        times its share of the weight, summed: the weighted mean. Large tensors in place when the wire carries their
-        dtype; small ones coalesced into one flat buffer."""
-        totals = torch.tensor([float(weight)], dtype=torch.float64)
-        works = [group.allreduce([totals])]
-        absmax = None
-        if self.wire_dtype == torch.float16:  # one scale for the group: nothing can overflow, see Float16
-            absmax = torch.stack([t.detach().abs().max().double() if t.numel() else torch.zeros((), dtype=torch.float64)
-                                  for t in tensors])
-            works.append(group.allreduce([absmax], _max_op()))
-        for work in works:
-            work.wait()
-        total = float(totals.item())
-        if not (math.isfinite(total) and total > 0):
-            raise LaneFailure(f"the group's weights sum to {total}")
-        share = float(weight) / total
-        scales = [1.0] * len(tensors) if absmax is None else [_fp16_scale(float(m)) for m in absmax]
+    def _reduce(self, group: Any, tensors: Sequence[torch.Tensor], share: float, scales: Sequence[float]) -> None:
+        """Every tensor times this member's share of the group's weight (and its fp16 scale), summed over the group:
+        the weighted mean. Large tensors in place when the wire carries their dtype; small ones coalesced into one
+        flat buffer."""
         small = [i for i, t in enumerate(tensors) if t.numel() < _SMALL_TENSOR]
         pending = []
         if small:
@@ -330,6 +327,31 @@ def _fp16_scale(absmax: float) -> float:
                                                                               113)
 
 
+class _Share(NamedTuple):
+    """What a member tells its group at the start of a lane round: the token of the process group it holds for this
+    membership ('' for none), its weight, and with fp16 each tensor's largest magnitude."""
+
+    token: str
+    weight: float
+    absmax: List[float]
+
+    @classmethod
+    def parse(cls, raw: bytes, tensors: int) -> _Share:
+        """A groupmate's share, from the store (network input: bounded and checked, or ``LaneFailure``)."""
+        try:
+            if len(raw) > 160 + 32 * tensors:
+                raise ValueError("too long")
+            data = json.loads(raw)
+            share = cls(token=data["token"], weight=data["weight"], absmax=data["absmax"])
+            numbers = [share.weight, *share.absmax] if isinstance(share.absmax, list) else []
+            if not (isinstance(share.token, str) and len(share.token) <= 64 and len(numbers) == tensors + 1
+                    and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in numbers)):
+                raise ValueError("bad fields")
+            return share
+        except (ValueError, KeyError, TypeError) as e:
+            raise LaneFailure(f"a groupmate's share of the round is malformed ({e})") from None
+
+
 class _Held:
     """A process group in use for one round, and the handshake key to delete once the round completed (every member
     read it before it could take part in the all-reduce)."""
@@ -342,14 +364,6 @@ class _Held:
             self._store.delete_key(self._hello)
         except Exception as e:  # the round is complete; a stale key only costs the host a few bytes
             logger.debug("Lane handshake key not deleted: %r", e)
-
-
-def _max_op() -> Any:
-    from torch.distributed import AllreduceOptions, ReduceOp
-
-    options = AllreduceOptions()
-    options.reduceOp = ReduceOp.MAX
-    return options
 
 
 def _abort(group: Any) -> None:

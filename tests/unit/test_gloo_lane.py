@@ -12,7 +12,16 @@ import torch
 
 import swarm_opt
 from swarm_opt.errors import ConfigError, ConfigTypeError
-from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
+from swarm_opt.gloo_lane import (
+    LANE_KEY,
+    Gloo,
+    GlooLane,
+    LaneFailure,
+    _Share,
+    lane_addresses,
+    lane_codec_dtype,
+    lane_key,
+)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -159,3 +168,15 @@ def test_a_member_that_never_comes_fails_the_round_for_the_others_and_drops_thei
     finally:
         for lane in lanes:
             lane.close()
+
+
+def test_a_groupmates_share_of_a_round_is_checked():
+    assert _Share.parse(b'{"token": "ab", "weight": 2.5, "absmax": [1.0, 0]}', 2) == _Share("ab", 2.5, [1.0, 0])
+    hostile = [b"", b"[]", b"not json", b'{"token": "", "weight": -1, "absmax": []}',
+               b'{"token": "", "weight": NaN, "absmax": []}', b'{"token": "", "weight": true, "absmax": []}',
+               b'{"token": 5, "weight": 1, "absmax": []}', b'{"token": "", "weight": 1, "absmax": [1.0]}',
+               b'{"token": "", "weight": 1}', b'{"token": "", "weight": 1, "absmax": {}}',
+               b'{"token": "' + b"a" * 65 + b'", "weight": 1, "absmax": []}', b"1" * 10_000]
+    for raw in hostile:
+        with pytest.raises(LaneFailure, match="malformed"):
+            _Share.parse(raw, 0)

@@ -224,8 +224,7 @@ class GlooLane:
         try:
             started = time.perf_counter()
             # with fp16, one scale per tensor for the whole group (from its largest magnitude): nothing can overflow
-            absmax = [float(t.detach().abs().max()) if t.numel() else 0.0 for t in tensors] \
-                if self.wire_dtype == torch.float16 else []
+            absmax = [_absmax(t) for t in tensors] if self.wire_dtype == torch.float16 else []
             store = self._rendezvous(addresses[0])
             held, shares = self._group(store, members, members.index(own_id), group_id, start_timeout,
                                        _Share(token="", weight=float(weight), absmax=absmax))
@@ -303,10 +302,10 @@ class GlooLane:
             flat = torch.cat([(tensors[i].flatten() * (share * scales[i])).to(self.wire_dtype) for i in small])
             pending.append((small, flat, group.allreduce([flat])))
         for i in sorted(set(range(len(tensors))) - set(small)):
-            if tensors[i].dtype == self.wire_dtype:
-                wire = tensors[i].mul_(share)  # in place: the buffer receives the sum
-            else:
-                wire = (tensors[i] * (share * scales[i])).to(self.wire_dtype)
+            # the buffers are the lane's to overwrite: scaled in place, then sent as they are or cast for the wire
+            wire = tensors[i].mul_(share * scales[i])
+            if wire.dtype != self.wire_dtype:
+                wire = wire.to(self.wire_dtype)
             pending.append(([i], wire, group.allreduce([wire])))
         for indices, wire, work in pending:
             work.wait()
@@ -319,6 +318,14 @@ class GlooLane:
                 if scales[i] != 1.0:
                     tensors[i].div_(scales[i])
                 offset += numel
+
+
+def _absmax(tensor: torch.Tensor) -> float:
+    """The largest magnitude in ``tensor``, without a tensor-sized temporary."""
+    if not tensor.numel():
+        return 0.0
+    low, high = torch.aminmax(tensor.detach())
+    return max(-float(low), float(high))
 
 
 def _fp16_scale(absmax: float) -> float:

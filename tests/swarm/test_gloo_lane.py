@@ -91,10 +91,11 @@ def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
         counts = r["resources"]
         for process in ("averager", "host"):
             for what in ("fds", "threads"):
-                # connections come and go (a state download, a DHT request): a leak grows with the rounds instead
+                # connections come and go (a state download, a DHT request: +-2); a leak grows with the rounds,
+                # one per ten rounds would already add ~3 between these windows (26 rounds apart)
                 early = [counts[e][process][what] for e in counts if 5 <= e <= 14]
                 late = [counts[e][process][what] for e in counts if e > epochs - 10]
-                assert late and statistics.median(late) <= statistics.median(early) \
+                assert late and statistics.median(late) <= statistics.median(early) + 1 \
                     and max(late) <= max(early) + 2, (process, what, {e: c[process] for e, c in counts.items()})
 
 

@@ -112,3 +112,18 @@ def assert_one_process(swarm, results: list, inner: str, epochs: int) -> None:
     assert any(_close(results[0]["params"], expected) for expected in references), \
         [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(references[0], make_model().parameters()))
+
+
+def test_a_private_run_averages_over_the_lane_under_keys_derived_from_its_secret(swarm):
+    """Two members of a private run (a run secret) offer the lane and average over it."""
+    epochs = 3
+    for rank in range(2):
+        swarm.start(rank, batch_size=16, target_batch_size=96, inner="sgd", epochs=epochs, expect_peers=2,
+                    step_sleep=0.02, lane=True, secret="a run secret of enough length for the lane")
+    swarm.wait(timeout=150)
+    results = [swarm.result(r) for r in range(2)]
+    for r in results:
+        assert r["epoch"] == epochs and r["lane_rounds"] >= 1, (r["lane_rounds"], r["reports"])
+        assert_quiet(swarm.log(r["rank"]))
+    for got, want in zip(results[1]["params"], results[0]["params"]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

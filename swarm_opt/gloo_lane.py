@@ -5,8 +5,10 @@ with the lane on announces its address in the matchmaking gather. A group whose 
 round on the lane; any other group runs hivemind's path; one round never mixes the two, because every member decides
 from the same gathered data. The first member of the group's order hosts the rendezvous: a ``TCPStore`` that every
 lane peer serves on its own listening socket (bound to the interface the user names). Process groups are cached by
-membership; each round, members tell each other through the store which cached group they hold, and create a new
-one under the round's group id unless they all hold the same. A failed round drops the membership's group.
+membership; each round, members tell each other through the store which cached group they hold (and their weights),
+and create a new one under the round's group id unless they all hold the same. A failed round drops the membership's
+group. Each round's handshake keys are deleted once it completed; a new process group leaves a few small keys in the
+host's store (one set per group created, not per round).
 
 gloo neither authenticates nor encrypts: the lane is opt-in, for trusted networks only (README). In a private run its
 store keys derive from the run secret, so that an outsider cannot predict them; anyone who can reach the ports can

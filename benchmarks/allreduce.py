@@ -20,12 +20,20 @@ repetition (the two agree when the machine's load is steady).
     python benchmarks/allreduce.py                               # 1M, 10M, 50M float32 among 2 and 4 peers
     python benchmarks/allreduce.py --sizes 1e6 1e7 --peers 2 --reps 5
     python benchmarks/allreduce.py --sizes 1e7 5e7 --peers 2 4 --helpers 0 1 --codecs none fp16 powersgd4
+    python benchmarks/allreduce.py --sizes 1e6 1e7 --peers 2 4 --lane         # gloo, hivemind's path, the lane
 
 Tensors are ``(size / 1000) x 1000`` matrices. ``--codecs`` runs one averager per codec (``CODECS``) in the same
 workers, taking turns with gloo in every repetition; a lossy codec's "max err" is its error against the exact mean.
 ``--helpers 0 1`` runs every peer count twice: without and with one auxiliary peer (``TensorAverager(auxiliary=
 True)``, as ``swarm_opt.AuxiliaryPeer`` builds it: a helper process on the same machine that reduces a share of
 every round and contributes nothing); the time is still the slowest trainer's.
+
+``--lane`` runs every averager (of a codec the lane carries: none, fp16) a second time over the gloo fast lane
+(``TensorAverager(lane=swarm_opt.Gloo(host="127.0.0.1"))``, as ``Optimizer(transport=...)`` builds it), taking turns
+with gloo and hivemind's path in every repetition. "lane rounds" counts the timed rounds that went over the lane on
+every member; "lane setup ms" is the time the member that began the round last took to meet the group on the
+rendezvous store (exchanging weights) and find its cached process group: the lane's own cost per round, without the
+wait for groupmates that began earlier (the first round of a group, which creates it, is the warm-up).
 
 Tuning experiments (none of this is needed to reproduce the table):
 
@@ -87,6 +95,7 @@ def make_codec(name: str):
     return CODECS[name][1](swarm_opt)
 
 
+LANE_CODECS = ("none", "fp16")  # the codecs the gloo lane carries
 ALLREDUCE_ONLY_OPTS = ("prefetch",)  # options of the all-reduce, not of the averager's constructor
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
@@ -113,9 +122,14 @@ def parse_variant(spec: str) -> Tuple[str, Dict[str, Any]]:
 
 
 def variants_of(args: argparse.Namespace) -> List[Tuple[str, Dict[str, Any]]]:
-    """The averagers every worker runs: ``--variant`` experiments, then one per ``--codecs`` entry."""
+    """The averagers every worker runs: ``--variant`` experiments, then one per ``--codecs`` entry; with ``--lane``,
+    each of those again over the gloo lane (codecs it carries only)."""
     variants = [parse_variant(v) for v in args.variant] + [(c, {"codec": c}) for c in args.codecs]
-    return variants or [("default", {})]
+    variants = variants or [("default", {})]
+    if args.lane:
+        variants += [(f"lane-{name}" if name != "default" else "lane", {**options, "lane": True})
+                     for name, options in variants if options.get("codec", "none") in LANE_CODECS]
+    return variants
 
 
 @contextlib.contextmanager
@@ -156,13 +170,15 @@ def engine_options(options: Dict[str, Any]) -> Iterator[None]:
 # --- worker ---------------------------------------------------------------------------------------------------------
 def make_averager(dht: Any, world: int, size: int, name: str, options: Dict[str, Any], engine_opts: Dict[str, Any],
                   timeouts: Any, template: Any, auxiliary: bool = False) -> Any:
+    import swarm_opt
     from swarm_opt.averaging import TensorAverager
 
     options = dict(options)
     codec = make_codec(options.pop("codec", "none"))
+    lane = swarm_opt.Gloo(host="127.0.0.1") if options.pop("lane", False) else None
     with engine_options({**engine_opts, **options}):
         return TensorAverager(dht, prefix=f"bench_allreduce_w{world}_n{size}_{name}", templates=[template],
-                              timeouts=timeouts, compression=codec, auxiliary=auxiliary)
+                              timeouts=timeouts, compression=codec, auxiliary=auxiliary, lane=lane)
 
 
 def helper(args: argparse.Namespace) -> None:
@@ -243,6 +259,11 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def fastest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t.item())
+
     def all_true(flag: bool) -> bool:
         t = torch.tensor([1 if flag else 0])
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -285,7 +306,8 @@ def worker(args: argparse.Namespace) -> None:
             return matchmaking, elapsed, result, (wall_start, wall_start + elapsed)
 
         averagers: Dict[str, Any] = {}
-        stats = {name: {"mm": [], "ar": [], "groups": [], "failures": 0, "windows": [], "paired": {}}
+        stats = {name: {"mm": [], "ar": [], "groups": [], "failures": 0, "windows": [], "paired": {}, "setup": [],
+                        "lane_rounds": 0}
                  for name, _ in variants}
         gloo_times = []
         try:
@@ -306,8 +328,14 @@ def worker(args: argparse.Namespace) -> None:
                     gloo_times.append(elapsed)
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     st = stats[name]
+                    lane_rounds = averagers[name].lane_rounds
                     matchmaking, elapsed, result, window = swarm_round(averagers[name], i)
                     size_ok = all_true(result is not None and result.group_size == world)
+                    on_lane = all_true(averagers[name].lane_rounds > lane_rounds)  # every member's round was
+                    if on_lane and i >= args.warmup:
+                        st["lane_rounds"] += 1
+                        # the member that arrived last waits for nobody: its setup is the lane's own cost
+                        st["setup"].append(fastest(averagers[name].lane_setup_seconds))
                     if size_ok and "max_error" not in st:  # the first round of the full group
                         st["max_error"] = float((result.averaged[0] - base - expected_shift).abs().max())
                     if i >= args.warmup:
@@ -333,6 +361,8 @@ def worker(args: argparse.Namespace) -> None:
             e["swarm_allreduce_s"] = quantiles(st["ar"]) if st["ar"] else None
             e["swarm_group_sizes"] = st["groups"]
             e["swarm_failed_rounds"] = st["failures"]
+            e["lane_rounds"] = st["lane_rounds"]  # timed rounds that went over the gloo lane
+            e["lane_setup_s"] = quantiles(st["setup"]) if st["setup"] else None  # the last member's, per round
             if "max_error" in st:
                 e["swarm_max_error"] = st["max_error"]
             # per repetition: gloo time / this variant's time, and this variant's time / the first variant's
@@ -382,6 +412,7 @@ def run_world(args: argparse.Namespace, world: int, helpers: int, tmp: Path) -> 
                            "--matchmaking-time", str(args.matchmaking_time),
                            "--averaging-timeout", str(args.averaging_timeout), "--helpers", str(helpers),
                            *(["--trace"] if args.trace else []), *(["--no-tls"] if args.no_tls else []),
+                           *(["--lane"] if args.lane else []),
                            *[a for opt in args.engine_opt for a in ("--engine-opt", opt)],
                            *[a for variant in args.variant for a in ("--variant", variant)],
                            *(["--codecs", *args.codecs] if args.codecs else [])]
@@ -427,6 +458,8 @@ def main() -> None:
                         help="an averager with these --engine-opt settings; all variants and gloo take turns in "
                              "every repetition (experiments; default: one averager as swarm_opt builds it)")
     parser.add_argument("--no-tls", action="store_true", help="start p2pd without TLS (experiments)")
+    parser.add_argument("--lane", action="store_true",
+                        help="also run every averager over the gloo lane (swarm_opt.Gloo), in the same workers")
     parser.add_argument("--trace", action="store_true", help="record each timed round's wall-clock window")
     parser.add_argument("--out", default="allreduce.json")
     parser.add_argument("--no-plot", action="store_true")
@@ -471,7 +504,9 @@ def main() -> None:
                      f"{swarm:.3f}", f"{ar['iqr'] if ar else nan:.3f}", f"{e['swarm_mb_s']:.0f}",
                      f"{e['throughput_ratio_to_gloo']:.3f}", f"{paired:.3f}",
                      *([f"{vs_first:.2f}"] if len(variants) > 1 else []), f"{swarm / gloo:.1f}x", f"{mm:.2f}",
-                     e["swarm_failed_rounds"], f"{e.get('swarm_max_error', nan):.1e}"])
+                     e["swarm_failed_rounds"], f"{e.get('swarm_max_error', nan):.1e}",
+                     *([f"{e['lane_rounds']}", f"{e['lane_setup_s']['median'] * 1e3:.1f}" if e["lane_setup_s"]
+                        else "-"] if args.lane else [])])
     print()
     # MB/s ratio: ratio of the medians; paired ratio: median over repetitions of gloo's time / swarm_opt's time in
     # the same repetition (robust to load that changes during the run); time vs first: the same against the first
@@ -479,7 +514,7 @@ def main() -> None:
     print(table(["peers", "helpers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
                  "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio",
                  *([f"time vs {variants[0]}"] if len(variants) > 1 else []), "slowdown", "matchmaking s", "failed",
-                 "max err"], rows))
+                 "max err", *(["lane rounds", "lane setup ms"] if args.lane else [])], rows))
     path = write_json(args.out, {"benchmark": "allreduce", "reps": args.reps, "warmup": args.warmup,
                                  "matchmaking_time": args.matchmaking_time, "worker_threads": args.threads,
                                  "engine_opts": parse_engine_opts(args.engine_opt), "tls": not args.no_tls,

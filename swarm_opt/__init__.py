@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.auxiliary import AuxiliaryPeer
     from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
     from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
+    from swarm_opt.gloo_lane import Gloo
     from swarm_opt.offload import Offload
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.powersgd import PowerSGD
@@ -43,6 +44,7 @@ _LAZY: Dict[str, str] = {
     **dict.fromkeys(("BestMetric", "Checkpointer", "load_checkpoint"), "swarm_opt.checkpoint"),
     **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "Uniform8Bit"),
                     "swarm_opt.compression"),
+    "Gloo": "swarm_opt.gloo_lane",
     "Offload": "swarm_opt.offload",
     "Optimizer": "swarm_opt.optimizer",
     "PowerSGD": "swarm_opt.powersgd",
@@ -82,6 +84,7 @@ __all__ = [
     "DiLoCo",
     "Strategy",
     "Offload",
+    "Gloo",
     "Codec",
     "CODECS",
     "NoCompression",

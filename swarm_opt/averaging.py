@@ -32,7 +32,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
 from swarm_opt._allreduce import AllOrNothingRunner
@@ -40,6 +40,7 @@ from swarm_opt._fork import die_with_parent, without_tensor_memory
 from swarm_opt.aggregation import Aggregation, Mean, as_aggregation
 from swarm_opt.auth import RunAccess
 from swarm_opt.config import Timeouts
+from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
 
 logger = logging.getLogger(__name__)
 
@@ -100,16 +101,21 @@ class _Engine(DecentralizedAverager):
     access: Optional[RunAccess] = None  # a private run's checks (set before the fork)
     aggregation: Aggregation = Mean()  # how this peer's reducer combines the parts it receives (set before the fork)
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
+    lane: Optional[GlooLane] = None  # the gloo fast lane, if this peer offers it (set before the fork)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._goodbyes: set = set()  # goodbye tasks in flight (the averager process keeps them referenced)
         self._values_reduced = mp.Value("d", 0.0)  # an auxiliary peer's share of every round, summed (shared)
         self._serving = 0  # reducer streams in flight (averager process)
+        self._lane_rounds = mp.Value("i", 0)  # rounds this peer averaged over the gloo lane (shared)
+        self._lane_setup = mp.Value("d", 0.0)  # seconds the last lane round took to set up (shared)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
             die_with_parent(signal.SIGKILL, self._parent_pid)
+        if self.lane is not None:
+            self.lane.start()
         super().run()
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
@@ -122,7 +128,13 @@ class _Engine(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost
         a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
-        so that none of them waits out a timeout for streams that will never come."""
+        so that none of them waits out a timeout for streams that will never come. A group whose every member
+        offers the gloo lane averages there instead (``_lane_round``)."""
+        if self.lane is not None:
+            infos = [_member_info(self.serializer, data) for data in group_info.gathered]
+            addresses = lane_addresses(infos)
+            if addresses is not None:
+                return await self._lane_round(group_info, addresses, infos, kwargs["weight"])
         aggregation = asyncio.ensure_future(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
         watchdog = asyncio.ensure_future(self._first_failure(group_info))
         try:
@@ -139,6 +151,31 @@ class _Engine(DecentralizedAverager):
             for task in (watchdog, aggregation):
                 task.cancel()
             await asyncio.gather(watchdog, aggregation, return_exceptions=True)
+
+    async def _lane_round(self, group_info: Any, addresses: List[Tuple[str, int]], infos: List[dict],
+                          weight: float) -> dict:
+        """The round over the gloo lane: every member chose it from the same gather, so nobody takes hivemind's path.
+        Members get as long to begin as ``_first_failure`` gives them on hivemind's path."""
+        assert self.lane is not None
+        peer_ids = [peer.to_bytes() for peer in group_info.peer_ids]
+        start_timeout = _START_TIMEOUT + 2 * max(_seconds(info.get("step_period")) for info in infos)
+        self._running_groups[group_info.group_id].set_result(_LaneRound(self.lane, peer_ids))
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_info.group_id, addresses,
+                                      weight, start_timeout)
+            try:
+                self._lane_setup.value = await asyncio.wrap_future(future)
+            except LaneFailure as e:
+                raise AllreduceException(f"gloo lane: {e}") from None
+            except asyncio.CancelledError:
+                # the buffers stay locked until the lane's thread lets go of them: abort its process group
+                self.lane.drop(peer_ids)
+                await asyncio.wait({asyncio.wrap_future(future)}, timeout=_GOODBYE_TIMEOUT)
+                raise
+        with self._lane_rounds.get_lock():
+            self._lane_rounds.value += 1
+        return {peer: self.serializer.loads(self.serializer.loads(data)[2])
+                for peer, data in zip(group_info.peer_ids, group_info.gathered)}
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                       group_id: Optional[bytes] = None, **kwargs: Any) -> None:
@@ -335,6 +372,8 @@ class _Engine(DecentralizedAverager):
                 future.result().finalize(cancel=True)  # the runner tells its groupmates
             else:
                 future.cancel()
+        if self.lane is not None:
+            self.lane.close()
 
     def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
         """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""
@@ -345,6 +384,17 @@ class _Engine(DecentralizedAverager):
             return None, [], None
         metadata, tensors = provider()
         return metadata, list(tensors), None
+
+
+class _LaneRound:
+    """A lane round as hivemind's registry of running groups holds it: shutting down mid-round aborts it."""
+
+    def __init__(self, lane: GlooLane, peer_ids: Sequence[bytes]) -> None:
+        self._lane, self._peer_ids = lane, peer_ids
+
+    def finalize(self, cancel: bool = False, **kwargs: Any) -> None:
+        if cancel:
+            self._lane.drop(self._peer_ids)
 
 
 def _reason(error: BaseException) -> str:
@@ -420,12 +470,15 @@ class TensorAverager:
         member_info: MemberInfo = dict,
         auxiliary: bool = False,
         access: Optional[RunAccess] = None,
+        lane: Optional[Gloo] = None,
     ) -> None:
         self.timeouts = timeouts
         #: what this peer sends its groupmates along with each round, besides the round itself (e.g. a digest of its
         #: parameters); called once per round, when its matchmaking starts
         self.member_info = member_info
         self.auxiliary = auxiliary
+        # a codec the lane cannot carry, or a private run without a secret, is refused before anything starts
+        lane_setup = None if lane is None else (lane_codec_dtype(compression), lane_key(access))
         #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
         self.step_period = 0.0
         buffers = [buffer_like(t) for t in templates]
@@ -447,12 +500,26 @@ class TensorAverager:
         self._engine.aggregation = as_aggregation(aggregation, compression)  # None: the codec's default (Mean())
         self._aggregation = repr(self._engine.aggregation)  # told to the groupmates: a round needs the same everywhere
         self._mismatches_reported: set = set()
+        if lane_setup is not None and not auxiliary and not self._engine.client_mode:  # before the fork
+            self._engine.lane = GlooLane(lane, wire_dtype=lane_setup[0], key=lane_setup[1],
+                                         timeout=timeouts.next_chunk_timeout, namespace=prefix)
+        elif lane is not None:
+            logger.info("The gloo lane is off for this peer (client mode or auxiliary): it averages through hivemind")
         self._state_bytes = sum(b.numel() * b.element_size() for b in buffers)
         if access is not None:  # before the fork: the matchmaking of the averager process reads both
             self._engine.access = access
             self._engine.schema_hash = access.schema_hash(self._engine.schema_hash)
-        _start_child(self._engine)
+        try:
+            _start_child(self._engine)
+        finally:
+            if self._engine.lane is not None:
+                self._engine.lane.release_in_host()
         self._engine.wait_until_ready(timeout=60)
+        #: announced in every round's gather: groups whose every member offers the lane average over it
+        self.lane_address = None if self._engine.lane is None else self._engine.lane.address
+        if self.lane_address is not None:
+            logger.info(f"Offering the gloo lane at {self.lane_address} (trusted networks only: gloo neither "
+                        f"authenticates nor encrypts)")
         self._scheduled: Optional[StepControl] = None
         self._scheduled_round = -1
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
@@ -468,6 +535,16 @@ class TensorAverager:
     def values_reduced(self) -> int:
         """How many values this (auxiliary) peer has reduced for the others in all its rounds."""
         return int(self._engine._values_reduced.value)
+
+    @property
+    def lane_rounds(self) -> int:
+        """How many of this peer's rounds averaged over the gloo lane."""
+        return int(self._engine._lane_rounds.value)
+
+    @property
+    def lane_setup_seconds(self) -> float:
+        """How long the last lane round took to meet its group and find (or create) the process group."""
+        return float(self._engine._lane_setup.value)
 
     @property
     def peer_id(self) -> PeerID:
@@ -496,7 +573,8 @@ class TensorAverager:
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
                 gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
-                        "aux": self.auxiliary, "aggregation": self._aggregation},
+                        "aux": self.auxiliary, "aggregation": self._aggregation,
+                        **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,

@@ -30,6 +30,7 @@ from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
+from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
 from swarm_opt.serialization import flatten, unflatten
@@ -111,6 +112,9 @@ class Optimizer(torch.optim.Optimizer):
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
+    :param transport: ``Gloo(host=...)`` averages rounds over torch.distributed's gloo when every member of the
+        round's group offers it (much faster than hivemind's path; trusted networks only, see ``swarm_opt.Gloo``);
+        default ``None``: hivemind's path. Carries ``NoCompression()`` and ``Float16()``.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class Optimizer(torch.optim.Optimizer):
         aggregation: Optional[Aggregation] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
+        transport: Optional[Gloo] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
@@ -140,7 +145,14 @@ class Optimizer(torch.optim.Optimizer):
         strategy = GradientAveraging() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
+        if transport is not None and not isinstance(transport, Gloo):
+            raise ConfigTypeError(f"transport must be None (hivemind's path) or swarm_opt.Gloo(host=...), "
+                                  f"got {transport!r}")
         compression = as_codec(compression, strategy)
+        if transport is not None and aggregation is not None:
+            raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
+                              "(robust aggregation, Mean's norm bound) needs hivemind's path; drop transport= or "
+                              "aggregation=")
         aggregation = as_aggregation(aggregation, compression)
 
         self._offload = _make_offload(offload, optimizer, params)
@@ -173,7 +185,7 @@ class Optimizer(torch.optim.Optimizer):
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
-            member_info=self._member_info, access=run_access(dht, progress_key(run_id)),
+            member_info=self._member_info, access=run_access(dht, progress_key(run_id)), lane=transport,
         )
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())

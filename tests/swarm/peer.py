@@ -137,6 +137,26 @@ def install_fault(cfg: dict) -> None:
                 die()
 
         TensorPartContainer.register_processed_part = register_processed_part
+    if cfg.get("die_in_lane"):
+        from swarm_opt.gloo_lane import GlooLane
+
+        original_reduce = GlooLane._reduce
+        arm = cfg["out"] + ".arm"
+
+        class DyingGroup:  # dies as the round's tensors go in, its weight already shared with the group
+            def __init__(self, group):
+                self.group = group
+
+            def allreduce(self, *args):
+                if os.path.exists(arm):
+                    die()
+                return self.group.allreduce(*args)
+
+        @functools.wraps(original_reduce)
+        def _reduce(self, group, *args):
+            return original_reduce(self, DyingGroup(group), *args)
+
+        GlooLane._reduce = _reduce
     if cfg.get("die_while_serving"):
         from swarm_opt.averaging import _Engine
 
@@ -204,6 +224,7 @@ def main(config_path: str) -> None:
                      if cfg.get("compression") else None),  # e.g. "Float16"
         aggregation=(getattr(swarm_opt, cfg["aggregation"])(**cfg.get("aggregation_args", {}))
                      if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
+        transport=swarm_opt.Gloo(host="127.0.0.1") if cfg.get("lane") else None,  # the gloo fast lane
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)
@@ -262,7 +283,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
-    last_report = None
+    last_report, resources = None, {}
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
@@ -298,13 +319,16 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                 discarded_versions[last_report.epoch] = [v for _, v in pending]
                 pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
+            if cfg.get("count_resources"):  # the averager process's (the lane lives there) and ours, per epoch
+                resources[opt.local_epoch] = dict(averager=_resources(opt._averager._engine.pid),
+                                                  host=_resources(os.getpid()))
             if journal is not None:
                 journal.write(json.dumps({"epoch": last_report.epoch, "caught_up": last_report.caught_up}) + "\n")
             if opt.local_epoch >= cfg.get("arm_at_epoch", float("inf")):
                 open(cfg["out"] + ".arm", "w").close()
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
-                   discarded_versions=discarded_versions,
+                   discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()]))
 
 
@@ -325,6 +349,11 @@ def attack(cfg: dict, model: torch.nn.Module) -> None:
                 p.grad.normal_(0.0, float(spec["noise"]))
             else:
                 p.grad.mul_(float(spec["scale"]))
+
+
+def _resources(pid: int) -> dict:
+    """A process's open file descriptors (sockets included) and threads (Python's and native ones)."""
+    return dict(fds=len(os.listdir(f"/proc/{pid}/fd")), threads=len(os.listdir(f"/proc/{pid}/task")))
 
 
 def _codec_args(args: dict) -> dict:

@@ -335,3 +335,11 @@ def test_ctrl_c_still_reaches_the_training_loop_after_creating_an_optimizer(dht)
                            if line.startswith("SigIgn:")).split()[1], 16)
         assert ignored & (1 << (signal.SIGINT - 1)), "the averager process must leave Ctrl-C to its parent"
 
+
+
+def test_the_gloo_lane_refuses_an_aggregation_it_cannot_apply(dht):
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError, match="drop transport= or aggregation="):
+        swarm_opt.Optimizer(dht=dht, run_id="lane_agg", target_batch_size=8, params=model.parameters(),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), transport=swarm_opt.Gloo(),
+                            aggregation=swarm_opt.CenteredClip())

@@ -1,0 +1,129 @@
+"""The gloo fast lane in real loopback swarms: equivalence with one process, a member killed mid-round, a swarm
+with a client-mode peer (hivemind's path for its groups), and no threads or sockets leaked over many rounds."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+
+from tests.swarm.peer import make_model
+from tests.swarm.test_grad_averaging import _close, assert_quiet, possible_references
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+
+
+def test_lane_peers_equal_one_process_on_the_union_of_batches(swarm):
+    """Three lane peers of unequal batch sizes end with the parameters of one process that applies the inner
+    optimizer to the union of the batches of each epoch, and their rounds went over the lane."""
+    epochs = 4
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="adam", epochs=epochs,
+                    expect_peers=3, step_sleep=0.03, lane=True)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    assert_one_process(swarm, results, "adam", epochs)
+    averaged = [sum(not rep["caught_up"] and rep["group_size"] >= 2 for rep in r["reports"]) for r in results]
+    # every round a peer averaged went over the lane (a peer late on a loaded machine may catch up instead)
+    assert [r["lane_rounds"] for r in results] == averaged and min(averaged) >= 1 and max(averaged) >= epochs // 2, \
+        ([r["lane_rounds"] for r in results], [r["reports"] for r in results])
+
+
+def test_a_swarm_with_a_client_mode_peer_trains_its_groups_through_hivemind(swarm):
+    """A client-mode peer offers no lane: the groups it is in average through hivemind, the others may use the lane;
+    the swarm still equals one process."""
+    epochs = 4
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="sgd", epochs=epochs,
+                    expect_peers=3, step_sleep=0.03, lane=True, client_mode=rank == 2)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    assert_one_process(swarm, results, "sgd", epochs)
+    client = results[2]
+    assert client["lane_rounds"] == 0
+    assert any(rep["group_size"] == 3 for rep in client["reports"]), "the client never averaged"
+    assert "gloo lane is off for this peer" in swarm.log(2)
+
+
+def test_a_member_killed_inside_a_lane_all_reduce_stalls_nobody_beyond_one_round(swarm):
+    """SIGKILL one of four lane peers while its tensors go into a lane all-reduce (its weights already summed with
+    the group's): the others fail that round at once, go on with the survivors over the lane, and agree."""
+    epochs = 8
+    for rank in range(4):
+        swarm.start(rank, batch_size=16, target_batch_size=256, inner="sgd", epochs=epochs, expect_peers=4,
+                    step_sleep=0.03, averaging_timeout=15.0, lane=True,
+                    **(dict(die_in_lane=True, arm_at_epoch=3) if rank == 1 else {}))
+    deadline = time.monotonic() + 120
+    while swarm.procs[1].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert swarm.procs[1].poll() is not None, "the victim never died in a lane round"
+    swarm.procs.pop(1)
+    survivors = [0, 2, 3]
+    swarm.wait(timeout=150)
+    results = [swarm.result(r) for r in survivors]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert_quiet(swarm.log(r["rank"]))
+        assert max(rep["seconds"] for rep in r["reports"]) < 12.0, r["reports"]  # no round waited for the dead
+        assert all(torch.isfinite(p).all() for p in r["params"])
+    for r in results[1:]:
+        for got, want in zip(r["params"], results[0]["params"]):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    last = [rep for rep in results[0]["reports"] if not rep["caught_up"]][-1]
+    assert last["group_size"] == 3 and results[0]["lane_rounds"] >= 4, (results[0]["lane_rounds"],
+                                                                        results[0]["reports"])
+
+
+def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
+    """Two lane peers average many rounds; the averager process (where the lane lives) and the user's process hold
+    as many threads and file descriptors at the end as after the first rounds."""
+    epochs = 40
+    for rank in range(2):
+        swarm.start(rank, batch_size=16, target_batch_size=32, inner="sgd", epochs=epochs, expect_peers=2,
+                    step_sleep=0.01, matchmaking_time=0.5, averaging_timeout=10.0, lane=True,
+                    count_resources=True)
+    swarm.wait(timeout=280)
+    for rank in range(2):
+        r = swarm.result(rank)
+        assert r["epoch"] == epochs and r["lane_rounds"] >= epochs - 5, (r["lane_rounds"], r["reports"])
+        counts = r["resources"]
+        for process in ("averager", "host"):
+            for what in ("fds", "threads"):
+                # connections come and go (a state download, a DHT request: +-2); a leak grows with the rounds,
+                # one per ten rounds would already add ~3 between these windows (26 rounds apart)
+                early = [counts[e][process][what] for e in counts if 5 <= e <= 14]
+                late = [counts[e][process][what] for e in counts if e > epochs - 10]
+                assert late and statistics.median(late) <= statistics.median(early) + 1 \
+                    and max(late) <= max(early) + 2, (process, what, {e: c[process] for e, c in counts.items()})
+
+
+def assert_one_process(swarm, results: list, inner: str, epochs: int) -> None:
+    """Every peer finished quietly with the same parameters, those of one process that applied the inner optimizer
+    to the union of the batches of each epoch (the helpers of tests/swarm/test_grad_averaging.py)."""
+    for r in results:
+        assert r["epoch"] == epochs
+        assert all(rep["caught_up"] or rep["group_size"] >= 2 for rep in r["reports"]), r["reports"]
+        assert_quiet(swarm.log(r["rank"]))
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)  # one model in the swarm
+    references = list(possible_references(results, inner, epochs))
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(references[0], make_model().parameters()))
+
+
+def test_a_private_run_averages_over_the_lane_under_keys_derived_from_its_secret(swarm):
+    """Two members of a private run (a run secret) offer the lane and average over it."""
+    epochs = 3
+    for rank in range(2):
+        swarm.start(rank, batch_size=16, target_batch_size=96, inner="sgd", epochs=epochs, expect_peers=2,
+                    step_sleep=0.02, lane=True, secret="a run secret of enough length for the lane")
+    swarm.wait(timeout=150)
+    results = [swarm.result(r) for r in range(2)]
+    for r in results:
+        assert r["epoch"] == epochs and r["lane_rounds"] >= 1, (r["lane_rounds"], r["reports"])
+        assert_quiet(swarm.log(r["rank"]))
+    for got, want in zip(results[1]["params"], results[0]["params"]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

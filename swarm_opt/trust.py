@@ -102,12 +102,15 @@ class ClaimChecker:
             self._ahead_since.pop(key, None)
             counted.append(record)
 
-        rates = [r.samples_per_second for r in counted if r.epoch == epoch and r.samples > 0]
-        if local is not None and local.samples > 0 and local.epoch == epoch:
+        rates = [r.samples_per_second for r in counted if r.epoch == epoch and r.samples_per_second > 0]
+        if local is not None and local.samples_per_second > 0 and local.epoch == epoch:
             rates.append(local.samples_per_second)
         median = lower_median(rates)
         if median > 0:
             self._reference_rate = median
+        if self._reference_rate == 0:  # nobody has measured a speed yet (first steps): nothing to bound by
+            self._forget_absent({_key(r) for r in records}, now)
+            return [r.copy(update={"samples": min(r.samples, target_batch_size)}) for r in counted]
         rate_cap = self.config.max_rate_vs_median * self._reference_rate
 
         bounded = []

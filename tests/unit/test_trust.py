@@ -116,3 +116,16 @@ def test_trust_config_names_the_fix():
         TrustConfig(max_rate_vs_median=0.5)
     with pytest.raises(ConfigError, match="ignore_seconds"):
         TrustConfig(ignore_seconds=-1)
+
+
+def test_peers_whose_speed_is_not_measured_yet_are_not_struck():
+    """A peer reports samples before its speed is known (its first step's interval is not a measurement): with no
+    speed anywhere, nothing can be bounded by speed, and nobody is ignored for it."""
+    checker = ClaimChecker(TrustConfig())
+    seen_epoch_begin(checker, 1, 100.0)
+    checker._reference_rate = 0.0  # the run's first epoch: no speed measured yet
+    local = rec("me", 1, 8, 0.0, 101.0)
+    counted = checker.check([rec("a", 1, 16, 0.0, 101.0), rec("b", 1, 8, 0.0, 101.0)], local, 101.0, TARGET, 100.0)
+    assert sorted(r.samples for r in counted) == [8, 16]
+    counted = checker.check([rec("a", 1, 24, 10.0, 102.0), rec("b", 1, 16, 10.0, 102.0)], local, 102.0, TARGET, 100.0)
+    assert sorted(r.samples for r in counted) == [16, 24]

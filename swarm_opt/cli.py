@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence
 
 from swarm_opt.errors import ConfigError
-from swarm_opt.strategies import STRATEGIES
+from swarm_opt.strategies import STRATEGY_NAMES
 
 PROG = "swarm-opt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -219,7 +219,7 @@ OPTIONS: Dict[str, List[_Option]] = {
                 type=integer, default=0),
         _Option("--data-seed", "seed of this peer's batch order (default: random)", type=integer),
         _Option("--strategy", "grad: large-batch gradient averaging; local: local SGD (FedAvg); fedprox; scaffold; "
-                "diloco", choices=tuple(STRATEGIES), default="grad"),
+                "diloco", choices=tuple(STRATEGY_NAMES), default="grad"),
         _Option("--fedprox-mu", "FedProx: strength of the pull toward the round's starting point",
                 type=non_negative_float, default=0.01),
         _Option("--outer-lr", "DiLoCo: learning rate of the outer Nesterov SGD", type=positive_float, default=0.7),

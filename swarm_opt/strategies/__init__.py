@@ -1,16 +1,37 @@
-"""Training algorithms, each behind the small ``Strategy`` interface."""
+"""Training algorithms, each behind the small ``Strategy`` interface.
 
-from typing import Dict, Type
+``STRATEGY_NAMES`` maps each ``Strategy.name`` to its class name without importing torch (the command line lists
+them in ``--help``); the classes and ``STRATEGIES`` (name -> class: the registry the command line, the benchmarks and
+the conformance tests use) load on first use (PEP 562)."""
 
-from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.diloco import DiLoCo
-from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap
-from swarm_opt.strategies.local_updates import FedProx, LocalUpdates
-from swarm_opt.strategies.scaffold import Scaffold
+import importlib
+from typing import TYPE_CHECKING, Any, Dict
 
-#: every strategy by its ``Strategy.name``: the names the command line, the benchmarks and the conformance tests use
-_ALL = (GradientAveraging, LocalUpdates, FedProx, Scaffold, DiLoCo)
-STRATEGIES: Dict[str, Type[Strategy]] = {s.name: s for s in _ALL}
-assert len(STRATEGIES) == len(_ALL), "two strategies share a name"
+if TYPE_CHECKING:
+    from swarm_opt.strategies.base import Strategy
+    from swarm_opt.strategies.diloco import DiLoCo
+    from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap
+    from swarm_opt.strategies.local_updates import FedProx, LocalUpdates
+    from swarm_opt.strategies.scaffold import Scaffold
 
-__all__ = ["Strategy", "STRATEGIES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx", "Scaffold", "DiLoCo"]
+STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUpdates", "fedprox": "FedProx",
+                                  "scaffold": "Scaffold", "diloco": "DiLoCo"}
+_MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
+            "LocalUpdates": "local_updates", "FedProx": "local_updates", "Scaffold": "scaffold", "DiLoCo": "diloco"}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":
+        value = {key: __getattr__(cls) for key, cls in STRATEGY_NAMES.items()}
+        mismatched = [key for key, strategy in value.items() if strategy.name != key]
+        assert not mismatched, f"STRATEGY_NAMES disagrees with Strategy.name for {mismatched}"
+    elif name in _MODULES:
+        value = getattr(importlib.import_module(f"swarm_opt.strategies.{_MODULES[name]}"), name)
+    else:
+        raise AttributeError(f"module 'swarm_opt.strategies' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+__all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx",
+           "Scaffold", "DiLoCo"]

@@ -440,9 +440,7 @@ def report(args: argparse.Namespace, swarm: dict, single: dict, data: tuple) -> 
           f"test accuracy {swarm_accuracy:6.2%}")
     if samples_per_epoch:
         mean_samples = sum(samples_per_epoch.values()) / len(samples_per_epoch)
-        print(f"  samples averaged per global epoch: {mean_samples:.0f} on average, "
-              f"{mean_samples / args.target_batch_size:.2f}x the target of {args.target_batch_size} "
-              f"(range {min(samples_per_epoch.values())}-{max(samples_per_epoch.values())})")
+        print(f"  samples averaged per global epoch: {mean_samples:.0f} on average (target {args.target_batch_size})")
     if swarm["monitor"]:
         print("the run mid-way, as `swarm-opt monitor --once` showed it:")
         print("\n".join("  " + line for line in swarm["monitor"].splitlines()))

@@ -259,12 +259,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish_background_round()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready if progress.num_peers <= 1 else contributed_share(
-                samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
-                swarm_rate=progress.samples_per_second, num_peers=progress.num_peers,
-                target_batch_size=progress.target_batch_size):
-            # with others, not progress.ready: the samples of a peer that stopped at its share are still extrapolated
-            # at its speed for a while, so the swarm would look ready early and the peers still computing stop short
+        elif progress.ready:
             self._run_round(progress)
         elif progress.num_peers > 1 and self._samples > 0 and \
                 progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
@@ -300,27 +295,14 @@ class Optimizer(torch.optim.Optimizer):
         if self.strategy.runs_rounds_in_background:
             with torch.no_grad(), self._state_lock:
                 held = self.strategy.hold_round()
-            def run() -> Optional[AveragingResult]:
-                self._await_target(round_id)
-                return self._averager.all_reduce(held.write, held.weight, round_id, round_is_over)
-            self._background = _BackgroundRound(run, held, progress, round_id, self._samples, started)
+            self._background = _BackgroundRound(
+                lambda: self._averager.all_reduce(held.write, held.weight, round_id, round_is_over),
+                held, progress, round_id, self._samples, started)
             return
-        self._await_target(round_id)
         with torch.no_grad():
             result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
                                                round_id, round_is_over)
         self._conclude_round(result, progress, round_id, started, held=None)
-
-    def _await_target(self, round_id: int) -> None:
-        """Having computed its share before the swarm reached the target, wait (not computing) until the target is
-        due within ``matchmaking_time``, so that this peer looks for its group when the others do; bounded by
-        ``averaging_timeout`` in case the others' speeds were overrated."""
-        deadline = time.monotonic() + self.timeouts.averaging_timeout
-        progress = self._tracker.progress
-        while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
-               and progress.eta - get_dht_time() > self.timeouts.matchmaking_time):
-            time.sleep(0.02)
-            progress = self._tracker.progress
 
     def _finish_background_round(self) -> None:
         background, self._background = self._background, None
@@ -673,24 +655,6 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
             raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
         return made
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
-
-
-def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float, num_peers: int,
-                      target_batch_size: int) -> bool:
-    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
-    compute speed), to the nearest step of ``batch_size``: it then waits for the round rather than computing another
-    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
-    step on the union of its batches), so without this each peer's step in flight when the swarm reaches the target
-    would still be averaged, and the global batch would grow by up to one step per peer. Shares come from compute
-    speeds, which change little from epoch to epoch, not from the samples the others reported, which lag behind;
-    until the speeds are known (a run's first steps), the ``num_peers`` peers take equal shares."""
-    if samples <= 0:
-        return False
-    if own_rate <= 0 or swarm_rate <= own_rate * 1.01:  # the others' speeds are not known yet
-        share = target_batch_size / max(1, num_peers)
-    else:
-        share = target_batch_size * own_rate / swarm_rate
-    return samples + batch_size / 2 >= share
 
 
 def _is_majority(group_size: int, num_peers: int) -> bool:

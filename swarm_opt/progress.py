@@ -170,27 +170,19 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tu
 
 
 class _Throughput:
-    """Samples per second of compute: a moving average over the intervals between two reports of one epoch that
-    added samples (one training step each), so that neither the time spent in rounds nor a wait before training
-    dilutes it; peers extrapolate each other, and share the global batch, at this speed."""
+    """Samples per second within the current epoch, ignoring the time spent averaging between epochs."""
 
     def __init__(self) -> None:
+        self._start = time.monotonic()
         self._last = 0.0
-        self._mark: Optional[tuple] = None  # (samples, monotonic time) when this epoch's samples last grew
-        self._training = False  # the first step's interval is skipped: it holds the wait before training
 
     def restart(self) -> None:
-        self._mark = None
+        self._start = time.monotonic()
 
     def update(self, samples: int) -> float:
-        now, mark = time.monotonic(), self._mark
-        if mark is None or samples < mark[0]:
-            self._mark = (samples, now)
-        elif samples > mark[0]:
-            if self._training and now - mark[1] > 1e-4:
-                rate = (samples - mark[0]) / (now - mark[1])
-                self._last = rate if self._last == 0 else 0.7 * self._last + 0.3 * rate
-            self._training, self._mark = True, (samples, now)
+        elapsed = time.monotonic() - self._start
+        if samples > 0 and elapsed > 1e-3:
+            self._last = samples / elapsed
         return self._last
 
 
@@ -261,12 +253,6 @@ class ProgressTracker:
         digests = {peer: digest for peer, digest in digests.items() if digest is not None}
         agreeing = majority(digests, tolerance)
         return digests[agreeing[0]] if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests) else None
-
-    @property
-    def samples_per_second(self) -> float:
-        """This peer's own compute speed, as it publishes it."""
-        with self._lock:
-            return self._throughput.update(self._samples)
 
     @property
     def progress(self) -> SwarmProgress:

@@ -5,7 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 set +e
-.venv/bin/python -m pytest -q "$@"
+# the extended swarm scenarios run with `bash scripts/test.sh -m extended` (a later -m wins)
+.venv/bin/python -m pytest -q -m "not extended" --durations=15 "$@"
 status=$?
 set -e
 # pytest's exit code 5 means "no tests collected": never green

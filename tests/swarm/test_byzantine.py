@@ -31,6 +31,7 @@ def run(swarm, epochs: int, attack: dict, **config) -> list:
     return [swarm.result(rank) for rank in HONEST]
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("aggregation, args, strategy", [("CenteredClip", {}, "grad"),
                                                          ("TrimmedMean", {"fraction": 0.25}, "grad"),
                                                          ("CenteredClip", {}, "local")])

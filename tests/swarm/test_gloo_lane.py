@@ -31,6 +31,7 @@ def test_lane_peers_equal_one_process_on_the_union_of_batches(swarm):
         ([r["lane_rounds"] for r in results], [r["reports"] for r in results])
 
 
+@pytest.mark.extended
 def test_a_swarm_with_a_client_mode_peer_trains_its_groups_through_hivemind(swarm):
     """A client-mode peer offers no lane: the groups it is in average through hivemind, the others may use the lane;
     the swarm still equals one process."""
@@ -47,6 +48,7 @@ def test_a_swarm_with_a_client_mode_peer_trains_its_groups_through_hivemind(swar
     assert "gloo lane is off for this peer" in swarm.log(2)
 
 
+@pytest.mark.extended
 def test_a_member_killed_inside_a_lane_all_reduce_stalls_nobody_beyond_one_round(swarm):
     """SIGKILL one of four lane peers while its tensors go into a lane all-reduce (its weights already summed with
     the group's): the others fail that round at once, go on with the survivors over the lane, and agree."""
@@ -76,6 +78,7 @@ def test_a_member_killed_inside_a_lane_all_reduce_stalls_nobody_beyond_one_round
                                                                         results[0]["reports"])
 
 
+@pytest.mark.extended
 def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
     """Two lane peers average many rounds; the averager process (where the lane lives) and the user's process hold
     as many threads and file descriptors at the end as after the first rounds."""
@@ -114,6 +117,7 @@ def assert_one_process(swarm, results: list, inner: str, epochs: int) -> None:
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(references[0], make_model().parameters()))
 
 
+@pytest.mark.extended
 def test_a_private_run_averages_over_the_lane_under_keys_derived_from_its_secret(swarm):
     """Two members of a private run (a run secret) offer the lane and average over it."""
     epochs = 3

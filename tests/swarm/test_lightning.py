@@ -67,6 +67,7 @@ def test_lightning_demo_modules_train_unchanged_and_peers_agree(swarm, module):
     assert_quiet(swarm)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("strategy, cls", [("grad", GradientAveraging), ("scaffold", Scaffold)])
 def test_a_lightning_swarm_computes_what_the_plain_loop_computes(swarm, strategy, cls):
     """Lockstep (4 optimizer steps per peer per round) on the heterogeneous least-squares problems of the plain
@@ -115,6 +116,7 @@ def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, histor
     return [p.detach() for p in peers[0][0].parameters()]
 
 
+@pytest.mark.extended
 def test_accumulating_four_batches_of_8_equals_the_plain_loop_with_batches_of_32(swarm):
     """One optimizer step over 4 micro-batches of 8 counts 32 samples and averages their gradient: in lockstep,
     with gradient clipping on, the Lightning swarm ends with the parameters of the plain loop with batches of 32."""
@@ -131,6 +133,7 @@ def test_accumulating_four_batches_of_8_equals_the_plain_loop_with_batches_of_32
     assert max((a - b).abs().max() for a, b in zip(unclipped, expected)) > 1e-3  # clipping was in effect
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_skips_an_overflowing_step_and_keeps_the_swarm_finite(swarm, precision):
     """Peer 0's 5th step has an infinite loss. With 16-mixed, Lightning's GradScaler skips the step (step() is never
@@ -146,6 +149,7 @@ def test_mixed_precision_skips_an_overflowing_step_and_keeps_the_swarm_finite(sw
     assert_quiet(swarm)
 
 
+@pytest.mark.extended
 def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swarm, tmp_path):
     """Peer 2 saves a Lightning checkpoint (trainer.save_checkpoint) at every global epoch; it is SIGKILLed
     mid-run and restarted with ckpt_path=: it resumes, catches up with the swarm, trains two more rounds with the

@@ -214,12 +214,13 @@ class _Engine(DecentralizedAverager):
         finally:
             self._serving -= 1
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's, for members of a private run only (an empty answer sends the peer to its next donor)."""
-        if self.access is not None and not await self.access.admits(self.dht, context.remote_id):
+        """hivemind's, for members of a private run only (an empty answer sends the peer to its next donor). The
+        parameters keep hivemind's names: its servicer reads the request type by the parameter's name."""
+        if self.access is not None and not await self.access.admits(self.dht, _context.remote_id):
             return
-        async for message in super().rpc_download_state(request, context):
+        async for message in super().rpc_download_state(_request, _context):
             yield message
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, *,

@@ -51,6 +51,7 @@ def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation
         assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
 
 
+@pytest.mark.extended
 def test_the_default_mean_bounds_an_absurd_attacker_but_lets_it_steer(swarm):
     """Gradients x(-10⁶) with the default ``Mean()``: its norm bound keeps the honest peers' values near their scale
     (the plain mean sends them towards overflow), but a sign-flipped gradient 10x an honest one outweighs the three
@@ -78,6 +79,7 @@ def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
         assert not failures, "\n".join(failures)
 
 
+@pytest.mark.extended
 def test_peers_with_different_aggregations_refuse_to_average_and_say_why(swarm):
     """Each member reduces its share with its own aggregation: a group that mixes them would be robust on some
     parts only. Its rounds are discarded, and each peer says once what to fix."""

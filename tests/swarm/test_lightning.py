@@ -52,7 +52,7 @@ def assert_quiet(swarm: Swarm) -> None:
                 pytest.fail(f"peer {rank}: {line}")
 
 
-@pytest.mark.parametrize("module", ["boring", "demo"])
+@pytest.mark.parametrize("module", ["boring", pytest.param("demo", marks=pytest.mark.extended)])
 def test_lightning_demo_modules_train_unchanged_and_peers_agree(swarm, module):
     """BoringModel (its own data, SGD + StepLR) and DemoModel (Adam) as Lightning ships them: every peer holds the
     same parameters at every global epoch, the scheduler stepped once per global epoch, metrics were logged."""

@@ -170,19 +170,27 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tu
 
 
 class _Throughput:
-    """Samples per second within the current epoch, ignoring the time spent averaging between epochs."""
+    """Samples per second within the current epoch, measured from this epoch's first report: neither the time spent
+    averaging between epochs nor the time before the first step (start-up, data loading, a paused loop) counts.
+    Read between reports, the rate decays: a peer that stopped adding samples is not extrapolated at full speed."""
 
     def __init__(self) -> None:
-        self._start = time.monotonic()
+        self._first: Optional[Tuple[float, int]] = None  # (monotonic time, samples) of the epoch's first report
         self._last = 0.0
 
     def restart(self) -> None:
-        self._start = time.monotonic()
+        self._first = None
 
-    def update(self, samples: int) -> float:
-        elapsed = time.monotonic() - self._start
-        if samples > 0 and elapsed > 1e-3:
-            self._last = samples / elapsed
+    def note(self, samples: int) -> None:
+        if self._first is None:
+            self._first = (time.monotonic(), samples)
+
+    def rate(self, samples: int) -> float:
+        if self._first is not None:
+            start, start_samples = self._first
+            elapsed = time.monotonic() - start
+            if samples > start_samples and elapsed > 1e-3:
+                self._last = (samples - start_samples) / elapsed
         return self._last
 
 
@@ -243,7 +251,7 @@ class ProgressTracker:
                 self._params_digest = params_digest
                 self._wake.set()
             self._epoch, self._samples = epoch, samples
-            self._throughput.update(samples)
+            self._throughput.note(samples)
 
     def majority_params_digest(self, epoch: int, tolerance: float) -> Optional[Tuple[float, ...]]:
         """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
@@ -299,7 +307,7 @@ class ProgressTracker:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
         return ProgressRecord.construct(
             peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
-            samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
+            samples_per_second=float(self._throughput.rate(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
             params_digest=self._params_digest,
         )

@@ -312,7 +312,8 @@ class _Engine(DecentralizedAverager):
                     waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
                     allowed = _START_TIMEOUT + 2 * max(_seconds(periods.get(peer)) for peer in missing)
                     if waited > allowed:
-                        return f"{len(missing)} member(s) did not start sending within {allowed:.1f} s"
+                        return (f"{len(missing)} member(s) did not start sending within {allowed:.1f} s: "
+                                f"{', '.join(sorted(map(str, missing)))}")
             await asyncio.sleep(_FAILURE_POLL_PERIOD)
 
     def _say_goodbye(self, group_info: Any) -> None:

@@ -130,6 +130,7 @@ def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp
         torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.extended
 def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm, tmp_path):
     target = lsq_optimum(range(4))
     scaffold = run_swarm(swarm, "scaffold")

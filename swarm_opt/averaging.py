@@ -579,6 +579,12 @@ class TensorAverager:
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
 
+    def matched(self, round_id: int) -> bool:
+        """Whether this peer's matchmaking for ``round_id``, scheduled ahead, found a group that now waits for it."""
+        with self._lock:
+            control = self._scheduled if self._scheduled_round == round_id else None
+        return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
+
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
                    round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the

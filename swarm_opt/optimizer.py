@@ -39,6 +39,8 @@ from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
 
+_MAX_SWARM_SIZE = 1_000_000  # a count of live peers in a groupmate's gather beyond this is not believed
+
 @dataclass(frozen=True)
 class RoundReport:
     """What happened at this peer's last epoch change: a committed round, or ``caught_up`` with the swarm without
@@ -259,8 +261,8 @@ class Optimizer(torch.optim.Optimizer):
                 self._finish_background_round()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready:
-            self._run_round(progress)
+        elif progress.ready or self._reached_share(progress, batch_size):
+            self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
         elif progress.num_peers > 1 and self._samples > 0 and \
                 progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             # only with something to contribute: a group waits for each of its members to send, and a peer that
@@ -295,14 +297,36 @@ class Optimizer(torch.optim.Optimizer):
         if self.strategy.runs_rounds_in_background:
             with torch.no_grad(), self._state_lock:
                 held = self.strategy.hold_round()
-            self._background = _BackgroundRound(
-                lambda: self._averager.all_reduce(held.write, held.weight, round_id, round_is_over),
-                held, progress, round_id, self._samples, started)
+            def run() -> Optional[AveragingResult]:
+                self._await_target(round_id)
+                return self._averager.all_reduce(held.write, held.weight, round_id, round_is_over)
+            self._background = _BackgroundRound(run, held, progress, round_id, self._samples, started)
             return
+        self._await_target(round_id)
         with torch.no_grad():
             result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
                                                round_id, round_is_over)
         self._conclude_round(result, progress, round_id, started, held=None)
+
+    def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
+        """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
+        the tracker estimates nothing from speeds (``TrackerConfig.max_extrapolation=0``)."""
+        return progress.num_peers > 1 and self._tracker.config.max_extrapolation > 0 and contributed_share(
+            samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
+            swarm_rate=progress.samples_per_second, target_batch_size=progress.target_batch_size)
+
+    def _await_target(self, round_id: int) -> None:
+        """Having computed its share before the swarm reached the target, wait (not computing) until the target is
+        due within ``matchmaking_time``, so that this peer looks for its group when the others do, or until the
+        group it was already matched into waits for it; bounded by ``averaging_timeout`` in case the others' speeds
+        were overrated."""
+        deadline = time.monotonic() + self.timeouts.averaging_timeout
+        progress = self._tracker.progress
+        while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
+               and progress.eta - get_dht_time() > self.timeouts.matchmaking_time
+               and not self._averager.matched(round_id)):
+            time.sleep(0.02)
+            progress = self._tracker.progress
 
     def _finish_background_round(self) -> None:
         background, self._background = self._background, None
@@ -319,9 +343,10 @@ class Optimizer(torch.optim.Optimizer):
                         started: float, held: Optional[_BackgroundRound]) -> None:
         """Commit a round that averaged a majority of the live peers (or everyone); otherwise keep its values for
         the next round (a held round gives them back)."""
-        if result is None or not _is_majority(result.group_size, progress.num_peers):
+        num_peers = progress.num_peers if result is None else _swarm_size_seen_by(result, progress.num_peers)
+        if result is None or not _is_majority(result.group_size, num_peers):
             outcome = f"failed: {self._averager.last_failure}" if result is None else f"group of {result.group_size}"
-            logger.info(f"Round for epoch {round_id} did not reach a majority of {progress.num_peers} peers "
+            logger.info(f"Round for epoch {round_id} did not reach a majority of {num_peers} peers "
                         f"({outcome}); keeping local progress")
             if held is not None:
                 with torch.no_grad(), self._state_lock:
@@ -335,8 +360,6 @@ class Optimizer(torch.optim.Optimizer):
                 weight, samples = held.values.weight, held.samples
                 held.values.apply(result)
             self._averager.commit(result, round_id)
-            # a peer that joined after our last read of the swarm may be in the group: count it among the peers
-            num_peers = max(result.group_size, progress.num_peers)
             self.last_round = RoundReport(round_id, result.group_size, num_peers, samples, weight,
                                           time.monotonic() - started, caught_up=False, helpers=len(result.helpers))
             self._advance_epoch(self.last_round, progress.samples_per_second)
@@ -344,11 +367,13 @@ class Optimizer(torch.optim.Optimizer):
 
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
-        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``)."""
-        if not self.strategy.shares_parameters:
-            return {}
-        with self._state_lock:
-            return {"digest": parameter_digest(self._params)}
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
+        peers it sees (``_swarm_size_seen_by``)."""
+        info: Dict[str, Any] = {"peers": self._tracker.progress.num_peers}
+        if self.strategy.shares_parameters:
+            with self._state_lock:
+                info["digest"] = parameter_digest(self._params)
+        return info
 
     def _check_agreement(self, result: AveragingResult) -> None:
         """After a committed round: if this peer's parameters (as they were before the round) differ from those of
@@ -655,6 +680,36 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
             raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
         return made
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
+
+
+def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float,
+                      target_batch_size: int) -> bool:
+    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
+    compute speed), to the nearest step of ``batch_size``: it then joins the round rather than computing another
+    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
+    step on the union of its batches), so without this each peer's steps until it sees the swarm reach the target
+    would be averaged too, and with fast steps the global batch grows by whatever the swarm computes while the
+    peers' records travel. Shares come from compute speeds, which change little from epoch to epoch, not from the
+    samples the others reported, which lag behind. A peer that stops adding samples before its share still joins
+    the round once the swarm's total reaches the target (``progress.ready``), as without shares; so does a peer
+    before the others' speeds are known (a run's first steps: equal shares would stall a peer whose groupmates
+    never compute, e.g. every step skipped, until ``averaging_timeout``)."""
+    if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:
+        return False
+    return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
+
+
+def _swarm_size_seen_by(result: AveragingResult, own_view: int) -> int:
+    """How many live peers a round's majority is measured against: the largest count that its members saw (each
+    sends its own in the gather), and at least the group. Every member computes it from the same gather, so a group
+    commits on all its members or on none: measured against each member's own count, a member that had not seen a
+    newcomer yet committed a group of 2 as a majority of 3 while its groupmate, seeing 4, discarded it, and the two
+    then stood at different epochs for good. A member that exaggerates can only fail the round, which it could by
+    not sending. ``own_view`` serves only when no member sent a count (a group of helpers and peers too old)."""
+    views = [info.get("peers") for peer, info in result.gathered.items()
+             if peer in result.peers and isinstance(info, dict)]
+    views = [v for v in views if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SWARM_SIZE]
+    return max(views + [result.group_size]) if views else max(own_view, result.group_size)
 
 
 def _is_majority(group_size: int, num_peers: int) -> bool:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
     from swarm_opt.auth import PrivateRun
     from swarm_opt.auxiliary import AuxiliaryPeer
-    from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
+    from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
     from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
     from swarm_opt.gloo_lane import Gloo
     from swarm_opt.offload import Offload
@@ -41,7 +41,8 @@ _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AGGREGATIONS", "Aggregation", "CenteredClip", "Mean", "TrimmedMean"), "swarm_opt.aggregation"),
     "PrivateRun": "swarm_opt.auth",
     "AuxiliaryPeer": "swarm_opt.auxiliary",
-    **dict.fromkeys(("BestMetric", "Checkpointer", "load_checkpoint"), "swarm_opt.checkpoint"),
+    **dict.fromkeys(("BestLoss", "BestMetric", "Checkpointer", "Latest", "ScoredCheckpointer", "load_checkpoint"),
+                    "swarm_opt.checkpoint"),
     **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "Uniform8Bit"),
                     "swarm_opt.compression"),
     "Gloo": "swarm_opt.gloo_lane",
@@ -74,7 +75,10 @@ __all__ = [
     "AuxiliaryPeer",
     "PrivateRun",
     "Checkpointer",
+    "ScoredCheckpointer",
     "BestMetric",
+    "BestLoss",
+    "Latest",
     "load_checkpoint",
     "GradientAveraging",
     "Overlap",

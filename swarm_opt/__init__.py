@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.auth import PrivateRun
     from swarm_opt.auxiliary import AuxiliaryPeer
     from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
-    from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
+    from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, TopK, Uniform8Bit
     from swarm_opt.gloo_lane import Gloo
     from swarm_opt.offload import Offload
     from swarm_opt.optimizer import Optimizer
@@ -43,7 +43,7 @@ _LAZY: Dict[str, str] = {
     "AuxiliaryPeer": "swarm_opt.auxiliary",
     **dict.fromkeys(("BestLoss", "BestMetric", "Checkpointer", "Latest", "ScoredCheckpointer", "load_checkpoint"),
                     "swarm_opt.checkpoint"),
-    **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "Uniform8Bit"),
+    **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "TopK", "Uniform8Bit"),
                     "swarm_opt.compression"),
     "Gloo": "swarm_opt.gloo_lane",
     "Offload": "swarm_opt.offload",
@@ -95,6 +95,7 @@ __all__ = [
     "Float16",
     "Int8Blockwise",
     "Uniform8Bit",
+    "TopK",
     "PowerSGD",
     "Aggregation",
     "AGGREGATIONS",

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.offload import Offload
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.powersgd import PowerSGD
+    from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
 
@@ -49,6 +50,7 @@ _LAZY: Dict[str, str] = {
     "Offload": "swarm_opt.offload",
     "Optimizer": "swarm_opt.optimizer",
     "PowerSGD": "swarm_opt.powersgd",
+    "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("DiLoCo", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold", "Strategy"),
                     "swarm_opt.strategies"),
@@ -97,6 +99,7 @@ __all__ = [
     "Uniform8Bit",
     "TopK",
     "PowerSGD",
+    "OpacusPrivacy",
     "Aggregation",
     "AGGREGATIONS",
     "Mean",

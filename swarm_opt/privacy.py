@@ -44,17 +44,23 @@ on who is in the data set, which the accountant does not cover, so pass the *exp
 data without noise: it stays in the local log, never on the network.
 
 ε is Opacus's accountant's, ``engine.get_epsilon(delta)``, over this peer's steps at its own sample rate and noise; a
-peer that catches up by downloading the swarm's state keeps its ε (it took no step on its data). Restoring a
-checkpoint does not restore the accountant's history: save and load ``engine.accountant.state_dict()`` along with it.
+peer that catches up by downloading the swarm's state keeps its ε (it took no step on its data). The accountant's
+history is this peer's own and never travels (it is not part of the optimizer's state, which newcomers download);
+checkpoint it yourself, or a resumed peer would report only the ε of its steps since the restart::
+
+    ckpt.maybe_save(opt, model, extra={"privacy": privacy.state_dict()})
+    restored = ckpt.restore(opt, model)
+    if restored is not None:
+        privacy.load_state_dict(restored["extra"]["privacy"])
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
-from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 
 __all__ = ["OpacusPrivacy", "as_privacy"]
 
@@ -92,6 +98,16 @@ class OpacusPrivacy:
         if not self.engine.accountant.history:
             return 0.0
         return float(self.engine.get_epsilon(self.delta))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The accountant's history (what ε is computed from), for this peer's checkpoints."""
+        return dict(self.engine.accountant.state_dict())
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (a checkpoint of this peer's own privacy spending)."""
+        if not isinstance(state, dict) or not isinstance(state.get("history"), list):
+            raise IncompatibleStateError("expected OpacusPrivacy.state_dict()'s output (an accountant's history)")
+        self.engine.accountant.load_state_dict(state)
 
     def log_suffix(self) -> str:
         """What a round's log line says about privacy."""

@@ -92,3 +92,18 @@ def test_epsilon_is_the_accountants_and_appears_in_the_log_suffix():
     accountant.history = [(1.3, 1 / len(loader), steps)]
     assert privacy.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
     assert privacy.log_suffix() == f", ε {privacy.epsilon():.6g} at δ 1e-05"
+
+
+def test_the_accountant_survives_a_checkpoint(tmp_path):
+    """A resumed peer must not under-report its privacy: the accountant's history goes into its checkpoint."""
+    engine, model, dp_sgd, loader = _private()
+    privacy = swarm_opt.OpacusPrivacy(engine, delta=1e-5)
+    engine.accountant.history = [(1.0, 0.25, 7)]  # as after 7 DP steps
+    path = tmp_path / "ckpt.pt"
+    torch.save({"privacy": privacy.state_dict()}, path)
+    fresh, _, _, _ = _private()
+    resumed = swarm_opt.OpacusPrivacy(fresh, delta=1e-5)
+    resumed.load_state_dict(torch.load(path, weights_only=True)["privacy"])  # as Checkpointer's extra loads it
+    assert resumed.epsilon() == privacy.epsilon() > 0
+    with pytest.raises(swarm_opt.IncompatibleStateError, match="accountant"):
+        resumed.load_state_dict({"steps": 7})

@@ -14,21 +14,9 @@ import torch
 
 import swarm_opt
 from swarm_opt import BestLoss, BestMetric, Checkpointer, ConfigError, Latest, ScoredCheckpointer, load_checkpoint
+from tests.swarm.test_checkpoint import _FakeOpt
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _FakeOpt:
-    model_schema = "s"
-
-    def __init__(self):
-        self.local_epoch = 0
-
-    def state_dict(self):
-        return {"state": {}, "param_groups": [], "swarm_opt": {"epoch": self.local_epoch}}
-
-    def load_state_dict(self, state):
-        self.local_epoch = state["swarm_opt"]["epoch"]
 
 
 #: epoch -> metrics of a scripted run: loss is lowest at 3, accuracy highest at 4, F1 (a custom score) at 2

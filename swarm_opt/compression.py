@@ -395,8 +395,9 @@ class TopK(_SlotCodec):
     times that; what a round does not send is delayed, not lost, so small fractions act like a delay of about
     ``1/fraction`` rounds on the smallest values (lower the learning rate if training becomes unstable).
 
-    Only with the plain weighted mean: a robust aggregation (``CenteredClip``, ``TrimmedMean``) of sparse vectors
-    with different supports would treat every value one peer sent as an outlier.
+    Only with the weighted mean: a robust aggregation (``CenteredClip``, ``TrimmedMean``) of sparse vectors with
+    different supports would treat every value one peer sent as an outlier. ``Mean()``'s norm bound (10× the group's
+    median) still applies, and what it cuts from a copy is lost, not fed back.
 
     :param fraction: share of each tensor's values sent per round, in (0, 1] (at least one value per tensor).
     """

@@ -1,5 +1,6 @@
-"""Opacus-private peers (DP-SGD local steps) in a real 3-peer swarm: they train together, and every round's log line
-reports the ε that Opacus's own accountant gives for the DP steps the peer had taken by then."""
+"""Opacus-private peers (DP-SGD local steps) in a real 3-peer swarm, with FedAvg (and SCAFFOLD, extended): they train
+together, and every round's log line reports the ε that Opacus's own accountant gives for the DP steps the peer had
+taken by then."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def expected_epsilon(steps: int, sample_rate: float) -> float:
     return accountant.get_epsilon(DELTA)
 
 
-def test_private_peers_train_together_and_report_opacus_epsilon(swarm):
+@pytest.mark.parametrize("strategy", ["local", pytest.param("scaffold", marks=pytest.mark.extended)])
+def test_private_peers_train_together_and_report_opacus_epsilon(swarm, strategy):
     for rank in range(PEERS):  # 4 DP steps of 32 expected samples per peer and round
-        swarm.start(rank, script=DP_PEER, strategy="local", target_batch_size=PEERS * 4 * 32, epochs=EPOCHS,
+        swarm.start(rank, script=DP_PEER, strategy=strategy, target_batch_size=PEERS * 4 * 32, epochs=EPOCHS,
                     expect_peers=PEERS)
     swarm.wait(timeout=200)
     results = [swarm.result(rank) for rank in range(PEERS)]

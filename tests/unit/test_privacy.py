@@ -58,8 +58,9 @@ def test_an_unknown_strategy_is_refused():
 @pytest.mark.parametrize("strategy", [swarm_opt.LocalUpdates(), swarm_opt.Scaffold(), swarm_opt.FedProx(mu=0.0),
                                       swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7))])
 def test_strategies_whose_local_steps_are_dp_sgd_steps_are_accepted(strategy):
-    engine, _, dp_sgd, _ = _private()
+    engine, model, dp_sgd, _ = _private()
     swarm_opt.OpacusPrivacy(engine, delta=1e-5).check(strategy, dp_sgd)
+    strategy.bind(list(model.parameters()), dp_sgd)  # and the strategy takes the private optimizer
 
 
 def test_a_non_private_optimizer_and_bad_arguments_are_refused():

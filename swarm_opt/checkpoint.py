@@ -14,7 +14,7 @@ Two kinds of writers, any number of them side by side (FL4Health's model checkpo
   ``BestMetric("accuracy", mode="max")``, ``Latest()``, or any function ``(epoch, metrics) -> float`` (higher is
   better, None: not scored this time).
 
-Two writers of the same files would overwrite and prune each other's: each writer holds an exclusive ``flock`` on a
+Two writers of the same files would overwrite and prune each other's: each writer holds an exclusive lock on a
 lock file next to what it writes (``.epochs.lock`` for the numbered checkpoints of a directory, ``.<name>.pt.lock``
 for a scored file), which a second writer, in this process or another one, cannot take: it is refused with an error
 that names the fix. The kernel releases the lock when the writer closes or its process dies, killed or not.
@@ -22,10 +22,12 @@ that names the fix. The kernel releases the lock when the writer closes or its p
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
@@ -37,6 +39,8 @@ from swarm_opt.errors import ConfigError, IncompatibleStateError
 _FORMAT = 1
 _NAME = re.compile(r"^epoch-(\d{8})\.pt$")
 _SCORED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+_held: Dict[Path, int] = {}  # lock file -> its descriptor, for every writer of this process
+_held_lock = threading.Lock()
 Metrics = Mapping[str, float]
 #: a scoring function: higher is better; None means "not scored this time" (nothing is saved)
 ScoreFunction = Callable[[int, Metrics], Optional[float]]
@@ -91,22 +95,33 @@ Score = Union[BestMetric, Latest, ScoreFunction]
 
 
 class _WriterLock:
-    """An exclusive ``flock`` on ``path``, held until ``release`` (or until the process dies). Two open file
-    descriptions conflict even within one process, so the same lock refuses a second writer anywhere."""
+    """An exclusive lock on the file ``path``, held until ``release`` (or until the process dies): a POSIX record lock
+    (``lockf``) against other processes, which a forked child (the averager) does not inherit, plus this process's
+    own registry, since record locks never conflict within one process."""
 
     def __init__(self, path: Path, refusal: str) -> None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigError(refusal) from None
-        self._fd: Optional[int] = fd
+        self._path: Optional[Path] = None
+        with _held_lock:
+            if path in _held:
+                raise ConfigError(refusal)
+            # opened only once no writer of this process holds it: closing any descriptor of the file would drop
+            # the process's record lock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise ConfigError(refusal) from None
+            _held[path] = fd
+        self._path = path
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+        path, self._path = self._path, None
+        if path is not None:
+            with _held_lock:
+                os.close(_held.pop(path))
 
 
 def _positive_int(value: Any, what: str) -> int:

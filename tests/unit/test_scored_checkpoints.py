@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,20 @@ def test_scores_are_exported():
     assert BestMetric("acc", mode="max")(1, {"acc": True}) is None  # not a number
     assert {swarm_opt.ScoredCheckpointer, swarm_opt.BestLoss, swarm_opt.Latest} <= \
         {getattr(swarm_opt, n) for n in swarm_opt.__all__}
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_does_not_keep_a_writers_lock(tmp_path):
+    """The averager process is forked from the training process, maybe after a checkpointer was created: closing the
+    checkpointer must free its files for a new one, whatever the child still holds."""
+    ckpt = Checkpointer(tmp_path)
+    child = os.fork()
+    if child == 0:  # the child only outlives the parent's close, as an averager process would
+        time.sleep(3)
+        os._exit(0)
+    try:
+        ckpt.close()
+        Checkpointer(tmp_path).close()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)

@@ -32,6 +32,7 @@ from swarm_opt.digest import digest_tolerance, digests_agree, majority, paramete
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload, OffloadedParameters
+from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import HeldRound, Strategy
@@ -114,6 +115,9 @@ class Optimizer(torch.optim.Optimizer):
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
+    :param privacy: ``OpacusPrivacy(engine, delta=...)`` when ``optimizer`` is an Opacus-private (DP-SGD) optimizer:
+        strategies that would let un-noised data out are refused, and each round's log line reports ε
+        (``swarm_opt.privacy``).
     :param transport: ``Gloo(host=...)`` averages rounds over torch.distributed's gloo when every member of the
         round's group offers it (much faster than hivemind's path; trusted networks only, see ``swarm_opt.Gloo``);
         default ``None``: hivemind's path. Carries ``NoCompression()`` and ``Float16()``.
@@ -138,6 +142,7 @@ class Optimizer(torch.optim.Optimizer):
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
         transport: Optional[Gloo] = None,
+        privacy: Optional[OpacusPrivacy] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
@@ -165,6 +170,7 @@ class Optimizer(torch.optim.Optimizer):
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
         self._params = [p for group in self.inner.param_groups for p in group["params"]]
         self.strategy = strategy
+        self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
         self.strategy.bind(self._params, self.inner)
 
         self._init_torch_hooks()
@@ -427,8 +433,9 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.set_priority(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
+        privacy = self.privacy.log_suffix() if self.privacy is not None else ""
         logger.info(f"epoch {self._epoch}: averaged with {report.group_size} of {report.num_peers} peer(s), "
-                    f"{samples_per_second:.0f} samples/s{loss}")
+                    f"{samples_per_second:.0f} samples/s{loss}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
     def _catch_up(self, global_epoch: int) -> None:

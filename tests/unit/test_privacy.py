@@ -108,3 +108,53 @@ def test_the_accountant_survives_a_checkpoint(tmp_path):
     assert resumed.epsilon() == privacy.epsilon() > 0
     with pytest.raises(swarm_opt.IncompatibleStateError, match="accountant"):
         resumed.load_state_dict({"steps": 7})
+
+
+def _scaffold_peers(private: bool, noise: float = 0.0, clip: float = 1e6):
+    """Three SCAFFOLD peers on heterogeneous data (each its own labels' skew), the same initial model; with
+    ``private`` each local step is Opacus's DP-SGD step (fixed batches: no Poisson sampling)."""
+    from swarm_opt.simulation import average_in_process
+
+    peers = []
+    for rank in range(3):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(32, 4, generator=g) + rank
+        y = (x[:, rank % 4] > rank).long()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        if private:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Secure RNG turned off")
+                engine = opacus.PrivacyEngine(accountant="rdp")
+                model, inner, _ = engine.make_private(
+                    module=model, optimizer=inner, noise_multiplier=noise, max_grad_norm=clip, poisson_sampling=False,
+                    data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+        strategy = swarm_opt.Scaffold()
+        strategy.bind([p for p in model.parameters()], inner)
+        peers.append((model, inner, strategy, x, y))
+    with warnings.catch_warnings():  # Opacus's hooks on a first layer whose inputs need no gradient: expected
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for _ in range(3):  # rounds
+            for model, inner, strategy, x, y in peers:
+                for step in range(4):
+                    inner.zero_grad()
+                    batch = slice(8 * step, 8 * step + 8)
+                    torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                    strategy.local_step(8)
+            average_in_process([s for _, _, s, _, _ in peers])
+    return [[p.detach().clone() for p in m.parameters()] for m, *_ in peers], [s.controls for _, _, s, _, _ in peers]
+
+
+def test_dp_scaffold_without_noise_or_clipping_is_scaffold_and_with_dp_still_corrects():
+    """DP-SCAFFOLD is SCAFFOLD whose local steps are DP-SGD steps: at noise 0 and a clipping bound no gradient
+    reaches, every parameter and control equals plain SCAFFOLD's; with noise and clipping the controls are still
+    updated (the correction is applied, not dropped)."""
+    plain_params, plain_controls = _scaffold_peers(private=False)
+    dp_params, dp_controls = _scaffold_peers(private=True)
+    for got, expected in zip(dp_params + dp_controls, plain_params + plain_controls):
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert max(float(d.abs().max()) for controls in plain_controls for d in controls) > 1e-3  # not FedAvg in disguise
+    _, noisy_controls = _scaffold_peers(private=True, noise=1.0, clip=1.0)
+    assert max(float(d.abs().max()) for controls in noisy_controls for d in controls) > 1e-3

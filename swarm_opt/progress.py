@@ -200,7 +200,9 @@ class _Throughput:
             else:
                 self._last = 0.7 * self._last + 0.3 * rate
             self._mark = (samples, now)
-        return self._last
+        # a provisional speed is not published: others would bound this peer's claims (and their own, through the
+        # median) by a speed diluted by the start-up wait, and strike honest founders
+        return 0.0 if self._provisional else self._last
 
 
 class ProgressTracker:

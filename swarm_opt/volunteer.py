@@ -134,6 +134,7 @@ def run_train(args: argparse.Namespace) -> int:
                           f"({args.target_batch_size})")
     task = load_task(args.task, seed=args.seed)
     strategy = make_strategy(args)
+    transport = None if args.gloo_lane is None else swarm_opt.Gloo(*args.gloo_lane)
     data_seed = args.data_seed if args.data_seed is not None else int.from_bytes(os.urandom(4), "little")
 
     if args.auxiliary and args.client_mode:
@@ -155,6 +156,7 @@ def run_train(args: argparse.Namespace) -> int:
                 batch_size_per_step=args.batch_size, params=task.model.parameters(),
                 optimizer=make_inner_optimizer(args), strategy=strategy,
                 matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+                transport=transport,
             )
         stop.install()
         _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
@@ -199,7 +201,8 @@ def run_train(args: argparse.Namespace) -> int:
     if stop.requested:
         _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
     else:
-        _say(f"reached epoch {opt.local_epoch}; done")
+        lane = f", {opt._averager.lane_rounds} round(s) over the gloo lane" if args.gloo_lane else ""
+        _say(f"reached epoch {opt.local_epoch}{lane}; done")
     return 0
 
 

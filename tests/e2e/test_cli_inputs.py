@@ -44,6 +44,8 @@ def assert_one_line_error(result, *fragments: str, status: int = 2) -> None:
     (["monitor", "--run-id", "r"], ["--initial-peers is required"]),
     (["train", "--run-id", "r", "--auxiliary", "--client-mode"], ["--auxiliary peers", "drop --client-mode"]),
     (["train", "--run-id", "r", "--config", "missing.yaml"], ["cannot read config file 'missing.yaml'"]),
+    (["train", "--run-id", "r", "--gloo-lane", "10.0.0.5:port"], ["argument --gloo-lane", "HOST:PORT"]),
+    (["train", "--run-id", "r", "--gloo-lane", "my-laptop"], ["Gloo(host='my-laptop')", "IP address"]),
 ])
 def test_bad_input_is_one_line(args, fragments, capsys, tmp_path, monkeypatch):
     """In-process through main(argv) (the same code as the console script): many cases, no start-up cost each."""

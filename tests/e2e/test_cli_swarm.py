@@ -105,3 +105,17 @@ def test_monitor_shows_a_live_run_and_ctrl_c_leaves_with_a_checkpoint(cli):
     assert watcher.wait(30) == 0, watcher.describe()
     assert (cli.workdir / "progress.png").stat().st_size > 1000
     assert re.search(r"^\[[\d:]+\] run e2e_live: epoch \d+", watcher.stdout, re.MULTILINE), watcher.describe()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(150)
+def test_two_peers_on_the_gloo_lane_average_there(cli):
+    _, maddr = cli.dht()
+    common = train_args("e2e_lane", maddr, "--target-batch-size", "256", "--epochs", "3", "--min-peers", "2",
+                        "--gloo-lane", "127.0.0.1")
+    peers = [cli.start("peer0", *common), cli.start("peer1", *common, "--data-seed", "1")]
+    for peer in peers:
+        assert peer.wait(120) == 0, peer.describe()
+        lane = re.search(r"reached epoch 3, (\d+) round\(s\) over the gloo lane; done", peer.stderr)
+        assert lane and int(lane.group(1)) >= 1, peer.describe()
+        assert "Traceback" not in peer.stderr and "WARNING" not in peer.stderr, peer.describe()

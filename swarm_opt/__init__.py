@@ -33,7 +33,16 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.powersgd import PowerSGD
     from swarm_opt.progress import ProgressTracker, SwarmProgress
-    from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
+    from swarm_opt.strategies import (
+        DiLoCo,
+        FedNova,
+        FedProx,
+        GradientAveraging,
+        LocalUpdates,
+        Overlap,
+        Scaffold,
+        Strategy,
+    )
 
 __version__ = "0.1.0"
 
@@ -49,8 +58,8 @@ _LAZY: Dict[str, str] = {
     "Optimizer": "swarm_opt.optimizer",
     "PowerSGD": "swarm_opt.powersgd",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("DiLoCo", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold", "Strategy"),
-                    "swarm_opt.strategies"),
+    **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
+                     "Strategy"), "swarm_opt.strategies"),
 }
 
 
@@ -82,6 +91,7 @@ __all__ = [
     "FedProx",
     "Scaffold",
     "DiLoCo",
+    "FedNova",
     "Strategy",
     "Offload",
     "Gloo",

@@ -94,8 +94,23 @@ def install_fault(cfg: dict) -> None:
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
       ``OUT.slowed`` the first time.
+    * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
+      the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
+    if cfg.get("bug_in_write"):
+        from swarm_opt.averaging import TensorAverager
+
+        original_all_reduce = TensorAverager.all_reduce
+
+        def write_with_a_bug(buffers):
+            raise RuntimeError("injected bug in write")
+
+        @functools.wraps(original_all_reduce)
+        def all_reduce(self, write, *args, **kwargs):
+            return original_all_reduce(self, write_with_a_bug, *args, **kwargs)
+
+        TensorAverager.all_reduce = all_reduce
     if cfg.get("serve_perturbed"):
         from swarm_opt.averaging import TensorAverager
         from swarm_opt.optimizer import Optimizer

@@ -28,11 +28,14 @@ class FedNova(Anchored):
     the common factor cancels between the normalization and ``S_eff``.
 
     FedAvg (``LocalUpdates``) averages ``y_i`` weighted by samples, so a peer's pull grows with its number of steps:
-    its fixed point minimises an objective weighted toward the fastest peers. FedNova's minimises ``Σ_i p_i f_i``.
+    its fixed point minimises an objective weighted toward the fastest peers. FedNova's is the minimum of
+    ``Σ_i p_i f_i``, up to the drift of local steps themselves (O(lr), as for FedAvg with equal steps).
     Every peer that stepped weighs the same (``p_i = 1/n``): weights following each round's samples would bring the
     speed-weighting back.
 
     Costs an anchor (1x the trainable parameters, fp32, on the CPU) and one scalar per param group in each round.
+    ``Mean()``'s default norm bound applies to ``S_i`` as to any averaged part: a peer whose ``S_i`` exceeds 10x the
+    group's median counts as if it had that much (``Mean(max_norm_ratio=None)`` lifts it).
     """
 
     name = "fednova"

@@ -67,7 +67,8 @@ def main() -> None:
     probs = problems(len(args.steps))
     uniform = optimum(probs, [1.0] * len(probs))
     by_steps = optimum(probs, [k * k for k in args.steps])
-    rows, results: List[Dict] = [], []
+    rows: List[list] = []
+    results: List[Dict] = []
     for lr in args.lrs:
         for name in STRATEGIES:
             start = time.perf_counter()

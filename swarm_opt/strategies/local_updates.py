@@ -168,6 +168,7 @@ class Anchored(LocalUpdates):
         self.lr_sums.clear()
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        """No: this peer's ``x`` is a round behind the swarm's, and its next update would be measured from it."""
         return False
 
     def state_dict(self) -> Dict[str, Any]:

@@ -132,6 +132,9 @@ CODEC_RUNS: Dict[str, CodecRun] = {
                              gradients_only=True),
     "powersgd2": CodecRun("PowerSGD(rank=2)", lambda: swarm_opt.PowerSGD(rank=2), gradients_only=True),
     "powersgd1": CodecRun("PowerSGD(rank=1)", lambda: swarm_opt.PowerSGD(rank=1), gradients_only=True),
+    # gradients only: TopK leaves values out of a round (error feedback delivers them later), parameters cannot be
+    "topk10": CodecRun("TopK(fraction=0.1)", lambda: swarm_opt.TopK(fraction=0.1), gradients_only=True),
+    "topk1": CodecRun("TopK(fraction=0.01)", lambda: swarm_opt.TopK(fraction=0.01), gradients_only=True),
 }
 BASELINE = "none"
 

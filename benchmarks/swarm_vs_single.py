@@ -276,6 +276,8 @@ def main() -> None:
         "max_param_diff_between_peers": max(p["max_param_diff_vs_peer0"] for p in peers),
         "global_samples_per_epoch": quantiles(epoch_samples) if epoch_samples else None,
         "overshoot_median": (quantiles(epoch_samples)["median"] / args.target_batch_size) if epoch_samples else None,
+        "samples_per_target_mean": (sum(epoch_samples) / len(epoch_samples) / args.target_batch_size)
+        if epoch_samples else None,
         "group_sizes": {str(k): group_sizes.count(k) for k in sorted(set(group_sizes))},
         "round_seconds": quantiles([rep["seconds"] for p in peers for rep in p["reports"] if not rep["caught_up"]])
         if group_sizes else None,
@@ -285,7 +287,8 @@ def main() -> None:
     if epoch_samples:
         s = summary["global_samples_per_epoch"]
         print(f"samples per global epoch: median {s['median']:.0f} (target {args.target_batch_size}), "
-              f"range {s['min']:.0f}-{s['max']:.0f}; group sizes {summary['group_sizes']}")
+              f"range {s['min']:.0f}-{s['max']:.0f}, {summary['samples_per_target_mean']:.2f}x the target on "
+              f"average; group sizes {summary['group_sizes']}")
     path = write_json(args.out, {"benchmark": "swarm_vs_single", "args": {k: v for k, v in vars(args).items()
                                                                           if k not in ("worker", "rank", "tmp")},
                                  "single": single, "peers": peers, "summary": summary})

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv and install swarm_opt with its test and demo extras. torch==2.13.0 comes first: on these machines it
-# is a CPU build on local disk, and a plain "torch" requirement would otherwise pull several GB of CUDA wheels.
+# Create .venv and install swarm_opt with its test and demo extras and Opacus (the dp extra, so that its tests run).
+# torch==2.13.0 comes first: on these machines it is a CPU build on local disk, and a plain "torch" requirement would
+# otherwise pull several GB of CUDA wheels.
 # pip's output goes to .venv/setup.log and is shown only if something fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,5 +19,5 @@ pip_install() {
 : >"$log"
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
-pip_install -e ".[dev]"
+pip_install -e ".[dev,dp]"
 echo "swarm_opt is installed in .venv ($(.venv/bin/python -c 'import swarm_opt; print(swarm_opt.__version__)'))"

@@ -26,12 +26,13 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
     from swarm_opt.auth import PrivateRun
     from swarm_opt.auxiliary import AuxiliaryPeer
-    from swarm_opt.checkpoint import BestMetric, Checkpointer, load_checkpoint
-    from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, Uniform8Bit
+    from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
+    from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, TopK, Uniform8Bit
     from swarm_opt.gloo_lane import Gloo
     from swarm_opt.offload import Offload
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.powersgd import PowerSGD
+    from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import (
         DiLoCo,
@@ -50,13 +51,15 @@ _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AGGREGATIONS", "Aggregation", "CenteredClip", "Mean", "TrimmedMean"), "swarm_opt.aggregation"),
     "PrivateRun": "swarm_opt.auth",
     "AuxiliaryPeer": "swarm_opt.auxiliary",
-    **dict.fromkeys(("BestMetric", "Checkpointer", "load_checkpoint"), "swarm_opt.checkpoint"),
-    **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "Uniform8Bit"),
+    **dict.fromkeys(("BestLoss", "BestMetric", "Checkpointer", "Latest", "ScoredCheckpointer", "load_checkpoint"),
+                    "swarm_opt.checkpoint"),
+    **dict.fromkeys(("CODECS", "Codec", "Float16", "Int8Blockwise", "NoCompression", "TopK", "Uniform8Bit"),
                     "swarm_opt.compression"),
     "Gloo": "swarm_opt.gloo_lane",
     "Offload": "swarm_opt.offload",
     "Optimizer": "swarm_opt.optimizer",
     "PowerSGD": "swarm_opt.powersgd",
+    "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
                      "Strategy"), "swarm_opt.strategies"),
@@ -83,7 +86,10 @@ __all__ = [
     "AuxiliaryPeer",
     "PrivateRun",
     "Checkpointer",
+    "ScoredCheckpointer",
     "BestMetric",
+    "BestLoss",
+    "Latest",
     "load_checkpoint",
     "GradientAveraging",
     "Overlap",
@@ -101,7 +107,9 @@ __all__ = [
     "Float16",
     "Int8Blockwise",
     "Uniform8Bit",
+    "TopK",
     "PowerSGD",
+    "OpacusPrivacy",
     "Aggregation",
     "AGGREGATIONS",
     "Mean",

@@ -312,7 +312,8 @@ class _Engine(DecentralizedAverager):
                     waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
                     allowed = _START_TIMEOUT + 2 * max(_seconds(periods.get(peer)) for peer in missing)
                     if waited > allowed:
-                        return f"{len(missing)} member(s) did not start sending within {allowed:.1f} s"
+                        return (f"{len(missing)} member(s) did not start sending within {allowed:.1f} s: "
+                                f"{', '.join(sorted(map(str, missing)))}")
             await asyncio.sleep(_FAILURE_POLL_PERIOD)
 
     def _say_goodbye(self, group_info: Any) -> None:
@@ -458,6 +459,8 @@ def _start_child(engine: _Engine) -> None:
 class TensorAverager:
     """All-reduce tensors shaped like ``templates`` with the peers of ``prefix``; serve and download state."""
 
+    _feedback: Any = None  # what the codec keeps between this peer's rounds (TopK's residuals), if anything
+
     def __init__(
         self,
         dht: DHT,
@@ -483,6 +486,9 @@ class TensorAverager:
         #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
         self.step_period = 0.0
         buffers = [buffer_like(t) for t in templates]
+        # a helper sends nothing of its own, so it keeps no feedback
+        make_feedback = getattr(compression, "feedback", None)
+        self._feedback = make_feedback(buffers) if make_feedback is not None and not auxiliary else None
         # an elementwise codec travels inside hivemind's all-reduce; one with a protocol of its own (PowerSGD) names
         # the engine that runs it, and gets itself as ``compression``
         engine_type = getattr(compression, "averaging_engine", _Engine)
@@ -578,6 +584,12 @@ class TensorAverager:
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
 
+    def matched(self, round_id: int) -> bool:
+        """Whether this peer's matchmaking for ``round_id``, scheduled ahead, found a group that now waits for it."""
+        with self._lock:
+            control = self._scheduled if self._scheduled_round == round_id else None
+        return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
+
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
                    round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
@@ -587,6 +599,8 @@ class TensorAverager:
         with self._engine.get_tensors() as buffers:
             write(buffers)
             finite = all_finite(buffers)
+            if finite and self._feedback is not None:
+                self._feedback.select(buffers, weight, round_id)
         if not finite:
             # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
             # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
@@ -660,8 +674,10 @@ class TensorAverager:
     def commit(self, result: AveragingResult, round_id: int) -> None:
         """The caller applied ``result`` as round ``round_id`` (an averaged round or a round alone). Engines that keep
         state between rounds (PowerSGD's error feedback) make that round's state permanent; a round never committed
-        leaves it as it was."""
+        leaves it as it was; so do codecs that keep state (TopK's residuals)."""
         self._engine.commit(result, round_id)
+        if self._feedback is not None:
+            self._feedback.commit(round_id, averaged=result.averaged is not None)
 
     def cancel_scheduled(self) -> None:
         with self._lock:

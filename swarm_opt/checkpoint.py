@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints of a swarm peer's full training state.
+"""Crash-safe checkpoints of a swarm peer's full training state, and checkpointers that keep the best one by a score.
 
 A checkpoint holds the model, the optimizer's state (inner optimizer, scheduler, global epoch, strategy state such as
 SCAFFOLD controls or the DiLoCo anchor) and any small ``extra`` state of the caller (e.g. its data position). Files
@@ -6,17 +6,31 @@ are written atomically: a temporary file in the same directory, flushed and fsyn
 and the directory fsynced, so a process killed at any moment leaves either the previous checkpoint or the new one,
 never a torn file. Loading uses ``torch.load(weights_only=True)`` (no arbitrary pickle) and refuses a checkpoint of
 another model with a clear error.
+
+Two kinds of writers, any number of them side by side (FL4Health's model checkpointers, without a server):
+
+* ``Checkpointer``: numbered checkpoints every few epochs, the last few kept (what a restart resumes from);
+* ``ScoredCheckpointer``: one file, ``<name>.pt``, holding the state with the best score so far: ``BestLoss()``,
+  ``BestMetric("accuracy", mode="max")``, ``Latest()``, or any function ``(epoch, metrics) -> float`` (higher is
+  better, None: not scored this time).
+
+Two writers of the same files would overwrite and prune each other's: each writer holds an exclusive lock on a
+lock file next to what it writes (``.epochs.lock`` for the numbered checkpoints of a directory, ``.<name>.pt.lock``
+for a scored file), which a second writer, in this process or another one, cannot take: it is refused with an error
+that names the fix. The kernel releases the lock when the writer closes or its process dies, killed or not.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 import torch
 
@@ -24,14 +38,18 @@ from swarm_opt.errors import ConfigError, IncompatibleStateError
 
 _FORMAT = 1
 _NAME = re.compile(r"^epoch-(\d{8})\.pt$")
-_claimed: Dict[Path, int] = {}  # directory -> id of the Checkpointer writing there
-_claimed_lock = threading.Lock()
+_SCORED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,100}$")
+_held: Dict[Path, int] = {}  # lock file -> its descriptor, for every writer of this process
+_held_lock = threading.Lock()
+Metrics = Mapping[str, float]
+#: a scoring function: higher is better; None means "not scored this time" (nothing is saved)
+ScoreFunction = Callable[[int, Metrics], Optional[float]]
 
 
 @dataclass(frozen=True)
 class BestMetric:
-    """Keep ``best.pt``: the checkpoint with the best value of ``name`` (``mode="min"`` for a loss, ``"max"`` for an
-    accuracy)."""
+    """Score by ``metrics[name]``: ``mode="min"`` keeps the lowest value (a loss), ``"max"`` the highest (an
+    accuracy). A save without that metric, or with a non-finite value, is not scored."""
 
     name: str
     mode: str = "min"
@@ -39,20 +57,186 @@ class BestMetric:
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
             raise ConfigError(f"BestMetric mode must be 'min' or 'max', got {self.mode!r}")
-        if not self.name:
+        if not isinstance(self.name, str) or not self.name:
             raise ConfigError("BestMetric needs the name of a metric, e.g. BestMetric('accuracy', mode='max')")
 
-    def better(self, value: float, than: Optional[float]) -> bool:
-        if than is None:
-            return True
-        return value < than if self.mode == "min" else value > than
+    def __call__(self, epoch: int, metrics: Metrics) -> Optional[float]:
+        value = metrics.get(self.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        return -float(value) if self.mode == "min" else float(value)
+
+    @property
+    def default_name(self) -> str:
+        return f"best-{self.name}"
+
+
+@dataclass(frozen=True)
+class BestLoss(BestMetric):
+    """Score by the lowest ``metrics[name]`` (default ``"loss"``)."""
+
+    name: str = "loss"
+    mode: str = field(default="min", init=False)
+
+
+@dataclass(frozen=True)
+class Latest:
+    """Score by the epoch: keep the most recent save."""
+
+    def __call__(self, epoch: int, metrics: Metrics) -> Optional[float]:
+        return float(epoch)
+
+    @property
+    def default_name(self) -> str:
+        return "latest"
+
+
+Score = Union[BestMetric, Latest, ScoreFunction]
+
+
+class _WriterLock:
+    """An exclusive lock on the file ``path``, held until ``release`` (or until the process dies): a POSIX record lock
+    (``lockf``) against other processes, which a forked child (the averager) does not inherit, plus this process's
+    own registry, since record locks never conflict within one process."""
+
+    def __init__(self, path: Path, refusal: str) -> None:
+        self._path: Optional[Path] = None
+        with _held_lock:
+            if path in _held:
+                raise ConfigError(refusal)
+            # opened only once no writer of this process holds it: closing any descriptor of the file would drop
+            # the process's record lock
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
+                raise ConfigError(refusal) from None
+            _held[path] = fd
+        self._path = path
+
+    def release(self) -> None:
+        path, self._path = self._path, None
+        if path is not None:
+            with _held_lock:
+                os.close(_held.pop(path))
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+def _training_state(opt: Any, model: torch.nn.Module, metrics: Optional[Metrics],
+                    extra: Optional[Dict[str, Any]]) -> dict:
+    return {
+        "format": _FORMAT, "model_schema": opt.model_schema, "epoch": opt.local_epoch,
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "metrics": dict(metrics or {}),
+        "extra": dict(extra or {}),
+    }
+
+
+def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path]) -> Optional[dict]:
+    if path is None:
+        return None
+    state = load_checkpoint(path, expected_schema=opt.model_schema)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return {"epoch": state["epoch"], "metrics": state["metrics"], "extra": state["extra"]}
+
+
+class ScoredCheckpointer:
+    """Keep one checkpoint, ``directory/<name>.pt``: the training state with the best ``score`` so far.
+
+    :param score: ``BestLoss()``, ``BestMetric("accuracy", mode="max")``, ``Latest()``, or a function
+        ``(epoch, metrics) -> float | None`` (higher is better; None: this save is not scored).
+    :param name: the file's name without ``.pt``; default the score's (``best-loss``, ``best-accuracy``,
+        ``latest``), required for a plain function. Each name has one writer at a time.
+    :param every_epochs: ``maybe_save`` considers only epochs that are a multiple of this.
+
+    The best score kept is read back from the file when a checkpointer starts, so a restarted run only replaces it
+    with a better state.
+
+    >>> best = ScoredCheckpointer("ckpt/", score=BestMetric("accuracy", mode="max"))
+    >>> ... opt.step(); best.maybe_save(opt, model, metrics={"accuracy": acc})
+    """
+
+    def __init__(self, directory: os.PathLike | str, *, score: Score, name: Optional[str] = None,
+                 every_epochs: int = 1) -> None:
+        if not callable(score):
+            raise ConfigError(f"score must be BestLoss(), BestMetric(...), Latest() or a function (epoch, metrics) "
+                              f"-> float; got {score!r}")
+        name = name if name is not None else getattr(score, "default_name", None)
+        if name is None:
+            raise ConfigError("a ScoredCheckpointer with a scoring function needs name=..., e.g. name='best-f1'")
+        if not isinstance(name, str) or not _SCORED_NAME.match(name) or _NAME.match(f"{name}.pt"):
+            raise ConfigError(f"checkpoint name {name!r} must be a plain file name of letters, digits, '_', '-' and "
+                              f"'.', other than epoch-NNNNNNNN (the numbered checkpoints' names)")
+        self.score, self.every_epochs = score, _positive_int(every_epochs, "every_epochs")
+        directory = Path(directory).resolve()
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"{name}.pt"
+        self._lock = _WriterLock(directory / f".{self.path.name}.lock",
+                                 f"another checkpointer already writes {self.path} (in this or another process); "
+                                 f"give each its own name= or directory, or close() the other first")
+        for stale in directory.glob(f".{self.path.name}.*.tmp"):  # left by a writer killed mid-save
+            stale.unlink(missing_ok=True)
+        self._last_epoch: Optional[int] = None
+        self.best_score = self._read_score()
+
+    def maybe_save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Metrics] = None,
+                   extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+        """At a new epoch that is a multiple of ``every_epochs``: save if the score beats the kept one. Returns the
+        path if it saved."""
+        epoch = opt.local_epoch
+        if epoch == self._last_epoch or epoch % self.every_epochs:
+            return None
+        self._last_epoch = epoch
+        return self.consider(_training_state(opt, model, metrics, extra))
+
+    def consider(self, state: dict) -> Optional[Path]:
+        """Write ``state`` (a checkpoint's contents) if its score beats the kept one; returns the path if it did."""
+        value = self.score(state["epoch"], state["metrics"])
+        if value is None or not math.isfinite(value) or \
+                (self.best_score is not None and not value > self.best_score):
+            return None
+        _atomic_save(state, self.path)
+        self.best_score = float(value)
+        return self.path
+
+    def restore(self, opt: Any, model: torch.nn.Module) -> Optional[dict]:
+        """Load the kept checkpoint into the model and optimizer (see ``Checkpointer.restore``); None if none."""
+        return _restore(opt, model, self.path if self.path.exists() else None)
+
+    def close(self) -> None:
+        """Release the name (another checkpointer may then write it)."""
+        lock = getattr(self, "_lock", None)  # None if __init__ failed before locking
+        if lock is not None:
+            lock.release()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _read_score(self) -> Optional[float]:
+        if not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            value = self.score(int(state["epoch"]), state.get("metrics", {}))
+        except Exception:  # an unreadable file is replaced by the next scored save
+            return None
+        return None if value is None or not math.isfinite(value) else float(value)
 
 
 class Checkpointer:
     """Save the training state every ``every_epochs`` global epochs into ``directory``, keeping the last
     ``keep_last`` checkpoints (and ``best.pt`` if ``best`` is given).
 
-    Two checkpointers may not write to the same directory (they would delete each other's files).
+    Two Checkpointers may not write to the same directory (they would delete each other's files); scored
+    checkpointers of other names may share it.
 
     >>> ckpt = Checkpointer("ckpt/", every_epochs=5, keep_last=3, best=BestMetric("accuracy", mode="max"))
     >>> ckpt.restore(opt, model)                     # resume, if a checkpoint exists
@@ -60,38 +244,46 @@ class Checkpointer:
     """
 
     def __init__(self, directory: os.PathLike | str, *, every_epochs: int = 1, keep_last: int = 3,
-                 best: Optional[BestMetric] = None) -> None:
-        if isinstance(every_epochs, bool) or not isinstance(every_epochs, int) or every_epochs <= 0:
-            raise ConfigError(f"every_epochs must be a positive int, got {every_epochs!r}")
+                 best: Optional[Score] = None) -> None:
+        _positive_int(every_epochs, "every_epochs")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ConfigError(f"keep_last must be a non-negative int (0 keeps only best.pt), got {keep_last!r}")
         if keep_last == 0 and best is None:
             raise ConfigError("keep_last=0 without best=BestMetric(...) would keep nothing; raise keep_last")
         self.directory = Path(directory).resolve()
-        self.every_epochs, self.keep_last, self.best = every_epochs, keep_last, best
-        with _claimed_lock:
-            if self.directory in _claimed:
-                raise ConfigError(f"another Checkpointer already writes to {self.directory}; give each its own "
-                                  f"directory")
-            _claimed[self.directory] = id(self)
+        self.every_epochs, self.keep_last = every_epochs, keep_last
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob("*.tmp"):  # left by a process killed mid-save
+        self._lock = _WriterLock(self.directory / ".epochs.lock",
+                                 f"another Checkpointer already writes to {self.directory} (in this or another "
+                                 f"process); give each its own directory, or close() the other first")
+        self._best: Optional[ScoredCheckpointer] = None
+        try:
+            if best is not None:
+                self._best = ScoredCheckpointer(self.directory, score=best, name="best")
+        except ConfigError:
+            self._lock.release()
+            raise
+        for stale in self.directory.glob(".epoch-*.tmp"):  # left by a process killed mid-save
             stale.unlink(missing_ok=True)
         self._last_saved_epoch: Optional[int] = None
-        self._best_value = self._read_best_value()
+
+    @property
+    def best(self) -> Optional[Score]:
+        return None if self._best is None else self._best.score
 
     def close(self) -> None:
         """Release the directory (another Checkpointer may then write there)."""
-        directory = getattr(self, "directory", None)  # None if __init__ failed before claiming
-        with _claimed_lock:
-            if directory is not None and _claimed.get(directory) == id(self):
-                del _claimed[directory]
+        best, lock = getattr(self, "_best", None), getattr(self, "_lock", None)  # None if __init__ failed early
+        if best is not None:
+            best.close()
+        if lock is not None:
+            lock.release()
 
     def __del__(self) -> None:
         self.close()
 
     # --- saving -------------------------------------------------------------------------------------------------------
-    def maybe_save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Dict[str, float]] = None,
+    def maybe_save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Metrics] = None,
                    extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
         """Save if the optimizer reached a new epoch that is a multiple of ``every_epochs``; returns the path."""
         epoch = opt.local_epoch
@@ -99,22 +291,15 @@ class Checkpointer:
             return None
         return self.save(opt, model, metrics=metrics, extra=extra)
 
-    def save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Dict[str, float]] = None,
+    def save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Metrics] = None,
              extra: Optional[Dict[str, Any]] = None) -> Path:
-        state = {
-            "format": _FORMAT, "model_schema": opt.model_schema, "epoch": opt.local_epoch,
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "metrics": dict(metrics or {}),
-            "extra": dict(extra or {}),
-        }
+        state = _training_state(opt, model, metrics, extra)
         path = self.directory / f"epoch-{opt.local_epoch:08d}.pt"
         if self.keep_last:
             _atomic_save(state, path)
         self._last_saved_epoch = opt.local_epoch
-        if self.best is not None and metrics is not None and self.best.name in metrics:
-            value = float(metrics[self.best.name])
-            if math.isfinite(value) and self.best.better(value, self._best_value):
-                _atomic_save(state, self.directory / "best.pt")
-                self._best_value = value
+        if self._best is not None:
+            self._best.consider(state)
         self._prune()
         return path if self.keep_last else self.directory / "best.pt"
 
@@ -135,22 +320,7 @@ class Checkpointer:
         """Load ``path`` (default: the latest checkpoint) into the model and optimizer. Returns the checkpoint's
         ``{"epoch", "metrics", "extra"}``, or None if there is none. If the swarm has moved on meanwhile, the
         optimizer catches up from peers at its next step, as any peer that fell behind does."""
-        path = Path(path) if path is not None else self.latest()
-        if path is None:
-            return None
-        state = load_checkpoint(path, expected_schema=opt.model_schema)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        return {"epoch": state["epoch"], "metrics": state["metrics"], "extra": state["extra"]}
-
-    def _read_best_value(self) -> Optional[float]:
-        path = self.directory / "best.pt"
-        if self.best is None or not path.exists():
-            return None
-        try:
-            return float(torch.load(path, weights_only=True)["metrics"][self.best.name])
-        except Exception:  # an unreadable best.pt is replaced by the next better checkpoint
-            return None
+        return _restore(opt, model, Path(path) if path is not None else self.latest())
 
 
 def load_checkpoint(path: os.PathLike | str, *, expected_schema: Optional[str] = None) -> dict:

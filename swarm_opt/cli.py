@@ -238,8 +238,8 @@ OPTIONS: Dict[str, List[_Option]] = {
                 default=5.0),
         _Option("--averaging-timeout", "seconds after which a round is abandoned and retried", type=positive_float,
                 default=60.0),
-        _Option("--checkpoint-dir", "save DIR/checkpoint.pt (model and optimizer) here at exit and every "
-                "--checkpoint-every epochs", metavar="DIR"),
+        _Option("--checkpoint-dir", "save checkpoints (model and optimizer, DIR/epoch-NNNNNNNN.pt, "
+                "the last 3 kept) at exit and every --checkpoint-every epochs; resume from the latest", metavar="DIR"),
         _Option("--checkpoint-every", "global epochs between checkpoints", type=positive_int, default=10),
     ],
     "monitor": [

@@ -10,7 +10,12 @@ codec                  bytes per value  error of one value ``x`` after a round t
 ``Float16()``          2                ≤ 2⁻¹¹·|x| + 2⁻³⁹·absmax(tensor); never overflows (power-of-two scale)
 ``Int8Blockwise(b)``   1 + 4/b          ≤ absmax(block of b values) / 254
 ``Uniform8Bit()``      1                ≤ (max − min)(tensor) / 510
+``TopK(fraction)``     8 per nonzero    0 on the wire (COO, or dense when smaller); the values a round does not
+                       (≤ 4)            send stay in the peer's residual and go out in later rounds
 =====================  ===============  =====================================================================
+
+``TopK(fraction)`` sparsifies each peer's values before the wire, with error feedback (``swarm_opt.sparse``), and
+serves gradient averaging only.
 
 ``PowerSGD(rank)`` (``swarm_opt.powersgd``) is not elementwise: it sends low-rank factors of each gradient matrix
 with error feedback, through an averaging protocol of its own, and only with gradient averaging.
@@ -47,7 +52,7 @@ from __future__ import annotations
 import math
 import struct
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
 
 import numpy as np
 import torch
@@ -56,12 +61,14 @@ from hivemind.compression import NoCompression as _HivemindNoCompression
 from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
+from swarm_opt.aggregation import Mean
 from swarm_opt.errors import ConfigError, ConfigTypeError, NonFiniteTensorError
+from swarm_opt.sparse import SparseFeedback
 
 if TYPE_CHECKING:
     from swarm_opt.powersgd import PowerSGD
 
-__all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "CODECS", "as_codec"]
+__all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "TopK", "CODECS", "as_codec"]
 
 _MAGIC = b"SWO\x01"  # hivemind's UNIFORM_8BIT payload starts with int64 256 = b"\x00\x01...", never with this
 _HEADER = len(_MAGIC) + 1  # magic + one byte naming the codec
@@ -72,6 +79,7 @@ _WIRE_DTYPES: Dict[str, torch.dtype] = {
 _EXACT = _HivemindNoCompression()
 _FP32_MAX = torch.finfo(torch.float32).max
 _BLOCK_SIZES = range(8, 2**24 + 1)  # Int8Blockwise; the upper limit also bounds what a hostile payload can allocate
+_MAX_SPARSE_NUMEL = 2**24  # the largest part TopK sends as COO: a payload of a few bytes may not allocate more
 
 
 class Codec(CompressionBase):
@@ -107,6 +115,13 @@ class Codec(CompressionBase):
 
     def __hash__(self) -> int:
         return hash(repr(self))
+
+    def check_strategy(self, strategy: Any) -> None:
+        """Refuse a strategy this codec cannot serve (ConfigError naming the fix); elementwise codecs serve all."""
+
+    def feedback(self, buffers: Sequence[torch.Tensor]) -> Optional[SparseFeedback]:
+        """State this codec keeps between a peer's rounds, for averaging buffers like ``buffers`` (None: none)."""
+        return None
 
 
 def _check_finite(tensor: torch.Tensor, codec: Codec, summary: Optional[torch.Tensor] = None) -> None:
@@ -368,10 +383,111 @@ class Uniform8Bit(_SlotCodec):
         return levels.mul_((high - low) / 255).add_(low).float()
 
 
+class TopK(_SlotCodec):
+    """Top-k sparsification with error feedback: each round a peer sends, per tensor, only the ``fraction`` of its
+    values of largest magnitude (after adding its residual), as indices + values (COO), and keeps the rest for later
+    rounds (``swarm_opt.sparse``). Gradient averaging only: ``compression=swarm_opt.TopK(fraction=0.01)``.
+
+    The selection happens on the peer's values before they reach the wire; the wire itself is exact for them (this
+    codec's ``compress`` drops nothing: a part goes as COO, 8 bytes per nonzero, or dense in float32 when that is
+    smaller), so the group's mean of the sparse values, at most ``group size × k`` nonzeros per tensor, comes back to
+    every member identically. A peer sends about ``8·fraction`` bytes per value and receives up to ``group size``
+    times that; what a round does not send is delayed, not lost, so small fractions act like a delay of about
+    ``1/fraction`` rounds on the smallest values (lower the learning rate if training becomes unstable).
+
+    Only with the weighted mean: a robust aggregation (``CenteredClip``, ``TrimmedMean``) of sparse vectors with
+    different supports would treat every value one peer sent as an outlier. ``Mean()``'s norm bound (10× the group's
+    median) still applies, and what it cuts from a copy is lost, not fed back.
+
+    :param fraction: share of each tensor's values sent per round, in (0, 1] (at least one value per tensor).
+    """
+
+    nominal_error = 0.0
+    tag = 4
+
+    def __init__(self, fraction: float = 0.01) -> None:
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+            raise ConfigTypeError(f"TopK(fraction=...) must be a number, e.g. 0.01; got {fraction!r}")
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"TopK(fraction={fraction!r}) must be in (0, 1]: the share of each tensor's values a "
+                              f"round sends, e.g. 0.01")
+        self.fraction = float(fraction)
+
+    def __repr__(self) -> str:
+        return f"swarm_opt.TopK(fraction={self.fraction:g})"
+
+    @property
+    def bytes_per_value(self) -> float:
+        return 4.0  # a dense part; a sparse one costs 8 bytes per nonzero (see ``sparse_bytes``)
+
+    @staticmethod
+    def sparse_bytes(nonzeros: int) -> int:
+        """Payload bytes of a part with this many nonzeros sent as COO (header and framing excluded)."""
+        return 5 + 8 * nonzeros
+
+    def error_bound(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(tensor, dtype=torch.float32)
+
+    def check_strategy(self, strategy: Any) -> None:
+        from swarm_opt.strategies.grad_averaging import GradientAveraging  # not at the top: a cycle
+
+        if not isinstance(strategy, GradientAveraging):
+            raise ConfigError(
+                f"{self!r} sends the largest values of each round's gradients and keeps the rest for later rounds; "
+                f"{type(strategy).__name__} averages model states, whose values cannot be left out. Use it with "
+                f"strategy=swarm_opt.GradientAveraging(), or compression=swarm_opt.Int8Blockwise() with this strategy"
+            )
+
+    def check_aggregation(self, aggregation: Any) -> Mean:
+        """The weighted mean only (``Mean()``, with or without its norm bound; see the class docstring)."""
+        if aggregation is None:
+            return Mean()
+        if not isinstance(aggregation, Mean):
+            raise ConfigError(f"{self!r} sends sparse values with different supports per peer: "
+                              f"aggregation={aggregation!r} would discard most of them as outliers. Leave aggregation "
+                              f"unset (or Mean()) with TopK, or use compression=swarm_opt.Int8Blockwise() with it")
+        return aggregation
+
+    def feedback(self, buffers: Sequence[torch.Tensor]) -> SparseFeedback:
+        return SparseFeedback(buffers, self.fraction)
+
+    def _statistics(self, values: torch.Tensor) -> torch.Tensor:
+        return values.abs().max() if values.numel() else torch.tensor(0.0)
+
+    def _encode(self, values: torch.Tensor, statistics: torch.Tensor) -> bytes:
+        indices = values.nonzero().reshape(-1)
+        numel, nonzeros = values.numel(), indices.numel()
+        if numel > _MAX_SPARSE_NUMEL or self.sparse_bytes(nonzeros) >= 1 + 4 * numel:
+            return b"\x00" + values.numpy().tobytes()
+        return (b"\x01" + struct.pack("<I", nonzeros) + indices.to(torch.int32).numpy().tobytes()
+                + values[indices].numpy().tobytes())
+
+    @classmethod
+    def _decode(cls, body: memoryview, numel: int) -> torch.Tensor:
+        (mode,) = struct.unpack_from("<B", body)
+        if mode == 0:
+            dense, end = _read(body, 1, np.float32, numel)
+            _expect_end(body, end)
+            return torch.from_numpy(dense.copy())
+        if mode != 1:
+            raise ValueError(f"TopK payload of unknown mode {mode}")
+        (nonzeros,) = struct.unpack_from("<I", body, 1)
+        if numel > _MAX_SPARSE_NUMEL or nonzeros > numel:
+            raise ValueError(f"TopK payload with {nonzeros} nonzeros in a part of {numel} values")
+        indices, offset = _read(body, 5, np.int32, nonzeros)
+        values, end = _read(body, offset, np.float32, nonzeros)
+        _expect_end(body, end)
+        if nonzeros and (int(indices[0]) < 0 or int(indices[-1]) >= numel or bool((np.diff(indices) <= 0).any())):
+            raise ValueError("TopK payload with indices out of range, repeated or out of order")
+        dense = torch.zeros(numel, dtype=torch.float32)
+        dense[torch.from_numpy(indices.astype(np.int64))] = torch.from_numpy(values.copy())
+        return dense
+
+
 #: what ``compression=`` accepts: an elementwise codec, or PowerSGD (low-rank factors, its own averaging protocol)
 Compression = Union[Codec, "PowerSGD"]
 #: every elementwise codec, once; the conformance tests and ``as_codec``'s error message iterate over it
-CODECS: Tuple[Type[Codec], ...] = (NoCompression, Float16, Int8Blockwise, Uniform8Bit)
+CODECS: Tuple[Type[Codec], ...] = (NoCompression, Float16, Int8Blockwise, Uniform8Bit, TopK)
 _CODEC_BY_TAG: Dict[int, Type[_SlotCodec]] = {c.tag: c for c in CODECS if issubclass(c, _SlotCodec)}
 assert len(_CODEC_BY_TAG) == sum(issubclass(c, _SlotCodec) for c in CODECS), "two codecs share a tag"
 
@@ -384,6 +500,7 @@ def as_codec(compression: Optional[Compression], strategy: Any) -> Compression:
     if compression is None:
         return NoCompression()
     if isinstance(compression, Codec):
+        compression.check_strategy(strategy)
         return compression
     if isinstance(compression, PowerSGD):
         compression.check_strategy(strategy)

@@ -102,7 +102,8 @@ class TrackerConfig:
     :param refresh_period: read the swarm's progress at least this often (more often near the end of an epoch).
     :param max_extrapolation: between reads, each peer's samples are extrapolated at its throughput for at most this
         many seconds past its last record, so that rounds start on time; 0 counts only reported samples (rounds
-        then never start before every counted sample was reported, a little later on average).
+        then never start before every counted sample was reported, a little later on average) and turns off the other
+        estimate from speeds, each peer's share of the global batch (rounds are then as deterministic as the steps).
     :param trust: how far other peers' claims are believed (``TrustConfig``).
     """
 

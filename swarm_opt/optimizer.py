@@ -33,6 +33,7 @@ from swarm_opt.digest import digest_tolerance, digests_agree, majority, paramete
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload, OffloadedParameters
+from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
 from swarm_opt.round import RoundInFlight, RoundRunner
 from swarm_opt.serialization import flatten, unflatten
@@ -87,6 +88,9 @@ class Optimizer(torch.optim.Optimizer):
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
+    :param privacy: ``OpacusPrivacy(engine, delta=...)`` when ``optimizer`` is an Opacus-private (DP-SGD) optimizer:
+        strategies that would let un-noised data out are refused, and each round's log line reports ε
+        (``swarm_opt.privacy``).
     :param transport: ``Gloo(host=...)`` averages rounds over torch.distributed's gloo when every member of the
         round's group offers it (much faster than hivemind's path; trusted networks only, see ``swarm_opt.Gloo``);
         default ``None``: hivemind's path. Carries ``NoCompression()`` and ``Float16()``.
@@ -111,6 +115,7 @@ class Optimizer(torch.optim.Optimizer):
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
         transport: Optional[Gloo] = None,
+        privacy: Optional[OpacusPrivacy] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
@@ -138,6 +143,7 @@ class Optimizer(torch.optim.Optimizer):
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
         self._params = [p for group in self.inner.param_groups for p in group["params"]]
         self.strategy = strategy
+        self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
         self.strategy.bind(self._params, self.inner)
 
         self._init_torch_hooks()
@@ -161,7 +167,8 @@ class Optimizer(torch.optim.Optimizer):
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
             member_info=self._member_info, access=run_access(dht, progress_key(run_id)), lane=transport,
         )
-        self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed)
+        self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
+                                   await_target=self._await_target)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
@@ -233,8 +240,8 @@ class Optimizer(torch.optim.Optimizer):
             self._rounds.poll()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
-        elif progress.ready:
-            self._run_round(progress)
+        elif progress.ready or self._reached_share(progress, batch_size):
+            self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
         elif progress.num_peers > 1 and self._samples > 0 and \
                 progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             # only with something to contribute: a group waits for each of its members to send, and a peer that
@@ -265,23 +272,44 @@ class Optimizer(torch.optim.Optimizer):
         self._rounds.run(begun, round_id=round_id, num_peers=progress.num_peers, samples=self._samples,
                          round_is_over=lambda: self._tracker.progress.epoch >= round_id)  # completed without us
 
-    def _committed(self, flight: RoundInFlight, result: AveragingResult) -> None:
-        """The round was applied and committed (under the state lock): move to its epoch."""
-        # a peer that joined after our last read of the swarm may be in the group: count it among the peers
-        num_peers = max(result.group_size, flight.num_peers)
+    def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
+        """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
+        size its majority was measured against."""
         self.last_round = RoundReport(flight.round_id, result.group_size, num_peers, flight.samples,
                                       flight.round.weight, time.monotonic() - flight.started, caught_up=False,
                                       helpers=len(result.helpers))
         self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
         self._check_agreement(result)
 
+    def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
+        """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
+        the tracker estimates nothing from speeds (``TrackerConfig.max_extrapolation=0``)."""
+        return progress.num_peers > 1 and self._tracker.config.max_extrapolation > 0 and contributed_share(
+            samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
+            swarm_rate=progress.samples_per_second, target_batch_size=progress.target_batch_size)
+
+    def _await_target(self, round_id: int) -> None:
+        """Having computed its share before the swarm reached the target, wait (not computing) until the target is
+        due within ``matchmaking_time``, so that this peer looks for its group when the others do, or until the
+        group it was already matched into waits for it; bounded by ``averaging_timeout`` in case the others' speeds
+        were overrated. Runs before each round's all-reduce, in the thread that runs the round."""
+        deadline = time.monotonic() + self.timeouts.averaging_timeout
+        progress = self._tracker.progress
+        while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
+               and progress.eta - get_dht_time() > self.timeouts.matchmaking_time
+               and not self._averager.matched(round_id)):
+            time.sleep(0.02)
+            progress = self._tracker.progress
+
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
-        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``)."""
-        if not self.strategy.shares_parameters:
-            return {}
-        with self._state_lock:
-            return {"digest": parameter_digest(self._params)}
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
+        peers it sees (``swarm_opt.round.swarm_size_seen_by``)."""
+        info: Dict[str, Any] = {"peers": self._tracker.progress.num_peers}
+        if self.strategy.shares_parameters:
+            with self._state_lock:
+                info["digest"] = parameter_digest(self._params)
+        return info
 
     def _check_agreement(self, result: AveragingResult) -> None:
         """After a committed round: if this peer's parameters (as they were before the round) differ from those of
@@ -335,8 +363,9 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.set_priority(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
+        privacy = self.privacy.log_suffix() if self.privacy is not None else ""
         logger.info(f"epoch {self._epoch}: averaged with {report.group_size} of {report.num_peers} peer(s), "
-                    f"{samples_per_second:.0f} samples/s{loss}")
+                    f"{samples_per_second:.0f} samples/s{loss}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
     def _catch_up(self, global_epoch: int) -> None:
@@ -587,6 +616,23 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
             raise ConfigTypeError(f"the scheduler factory must return an LR scheduler, got {type(made).__name__}")
         return made
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
+
+
+def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float,
+                      target_batch_size: int) -> bool:
+    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
+    compute speed), to the nearest step of ``batch_size``: it then joins the round rather than computing another
+    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
+    step on the union of its batches), so without this each peer's steps until it sees the swarm reach the target
+    would be averaged too, and with fast steps the global batch grows by whatever the swarm computes while the
+    peers' records travel. Shares come from compute speeds, which change little from epoch to epoch, not from the
+    samples the others reported, which lag behind. A peer that stops adding samples before its share still joins
+    the round once the swarm's total reaches the target (``progress.ready``), as without shares; so does a peer
+    before the others' speeds are known (a run's first steps: equal shares would stall a peer whose groupmates
+    never compute, e.g. every step skipped, until ``averaging_timeout``)."""
+    if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:
+        return False
+    return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
 
 
 def model_schema(params: List[torch.Tensor], strategy_name: str) -> str:

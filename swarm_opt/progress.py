@@ -104,7 +104,8 @@ def aggregate_progress(
     records of the peers that finished it with us still say the previous epoch: those peers are counted as if they
     had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
     Peers publish whenever their samples change, so a record older than ``max_extrapolation`` seconds belongs to a
-    peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further.
+    peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further; nor past the
+    peer's share of the target (its share of the swarm's speed), where it stops computing and waits for the round.
     Without ``local`` (an observer such as the monitor), only the records count.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
@@ -113,15 +114,18 @@ def aggregate_progress(
     if not peers:
         return SwarmProgress(0, 0, target_batch_size, 0, 0, 0.0, now + 3600.0, now)
     epoch = max(r.epoch for r in peers)
+    throughput = sum(r.samples_per_second for r in peers)
     samples = 0.0
     for record in peers:
+        # a peer stops computing at its share of the target (see ``Optimizer``): extrapolate it no further
+        share = target_batch_size * record.samples_per_second / throughput if throughput > 0 else 0.0
         if record is local:
             samples += record.samples if record.epoch == epoch else 0
         elif record.epoch == epoch:
-            samples += record.samples + record.samples_per_second * min(max_extrapolation, max(0.0, now - record.time))
+            guess = record.samples_per_second * min(max_extrapolation, max(0.0, now - record.time))
+            samples += record.samples + min(guess, max(0.0, share - record.samples))
         elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
-            samples += record.samples_per_second * min(max_extrapolation, max(0.0, now - epoch_started))
-    throughput = sum(r.samples_per_second for r in peers)
+            samples += min(share, record.samples_per_second * min(max_extrapolation, max(0.0, now - epoch_started)))
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
         eta = now
@@ -170,27 +174,32 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tu
 
 
 class _Throughput:
-    """Samples per second within the current epoch, measured from this epoch's first report: neither the time spent
-    averaging between epochs nor the time before the first step (start-up, data loading, a paused loop) counts.
-    Read between reports, the rate decays: a peer that stopped adding samples is not extrapolated at full speed."""
+    """Samples per second of compute: a moving average over the intervals between two reports of one epoch that
+    added samples (one training step each), so that neither the time spent in rounds nor a wait before training
+    (start-up, data loading, a paused loop) dilutes it; peers extrapolate each other, and share the global batch, at
+    this speed. A peer that stopped adding samples is no longer extrapolated once its record is old (see
+    ``aggregate_progress``)."""
 
     def __init__(self) -> None:
-        self._first: Optional[Tuple[float, int]] = None  # (monotonic time, samples) of the epoch's first report
         self._last = 0.0
+        self._mark: Optional[Tuple[int, float]] = None  # (samples, monotonic time) when this epoch's samples last grew
+        # the first interval may hold the wait before training: its rate is a lower bound, replaced by the next one
+        self._provisional = True
 
     def restart(self) -> None:
-        self._first = None
+        self._mark = None
 
-    def note(self, samples: int) -> None:
-        if self._first is None:
-            self._first = (time.monotonic(), samples)
-
-    def rate(self, samples: int) -> float:
-        if self._first is not None:
-            start, start_samples = self._first
-            elapsed = time.monotonic() - start
-            if samples > start_samples and elapsed > 1e-3:
-                self._last = (samples - start_samples) / elapsed
+    def update(self, samples: int) -> float:
+        now = time.monotonic()
+        if self._mark is None or samples < self._mark[0]:
+            self._mark = (samples, now)
+        elif samples > self._mark[0] and now - self._mark[1] > 1e-4:
+            rate = (samples - self._mark[0]) / (now - self._mark[1])
+            if self._provisional or self._last == 0:
+                self._provisional, self._last = self._last == 0, rate
+            else:
+                self._last = 0.7 * self._last + 0.3 * rate
+            self._mark = (samples, now)
         return self._last
 
 
@@ -251,7 +260,7 @@ class ProgressTracker:
                 self._params_digest = params_digest
                 self._wake.set()
             self._epoch, self._samples = epoch, samples
-            self._throughput.note(samples)
+            self._throughput.update(samples)
 
     def majority_params_digest(self, epoch: int, tolerance: float) -> Optional[Tuple[float, ...]]:
         """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
@@ -261,6 +270,12 @@ class ProgressTracker:
         digests = {peer: digest for peer, digest in digests.items() if digest is not None}
         agreeing = majority(digests, tolerance)
         return digests[agreeing[0]] if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests) else None
+
+    @property
+    def samples_per_second(self) -> float:
+        """This peer's own compute speed, as it publishes it."""
+        with self._lock:
+            return self._throughput.update(self._samples)
 
     @property
     def progress(self) -> SwarmProgress:
@@ -307,7 +322,7 @@ class ProgressTracker:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
         return ProgressRecord.construct(
             peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
-            samples_per_second=float(self._throughput.rate(self._samples)), time=float(get_dht_time()),
+            samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
             params_digest=self._params_digest,
         )

@@ -57,9 +57,25 @@ class Round(ABC):
         """The round failed: leave this peer's values to the next round (a no-op for a round over live state)."""
 
 
+_MAX_SWARM_SIZE = 1_000_000  # a count of live peers in a groupmate's gather beyond this is not believed
+
+
 def is_majority(group_size: int, num_peers: int) -> bool:
     """At most one group per epoch can hold a strict majority of the live peers, so at most one version commits."""
     return 2 * group_size > num_peers or group_size >= num_peers
+
+
+def swarm_size_seen_by(result: AveragingResult, own_view: int) -> int:
+    """How many live peers a round's majority is measured against: the largest count that its members saw (each
+    sends its own in the gather), and at least the group. Every member computes it from the same gather, so a group
+    commits on all its members or on none: measured against each member's own count, a member that had not seen a
+    newcomer yet committed a group of 2 as a majority of 3 while its groupmate, seeing 4, discarded it, and the two
+    then stood at different epochs for good. A member that exaggerates can only fail the round, which it could by
+    not sending. ``own_view`` serves only when no member sent a count (a group of helpers and peers too old)."""
+    views = [info.get("peers") for peer, info in result.gathered.items()
+             if peer in result.peers and isinstance(info, dict)]
+    views = [v for v in views if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SWARM_SIZE]
+    return max(views + [result.group_size]) if views else max(own_view, result.group_size)
 
 
 @dataclass
@@ -68,7 +84,7 @@ class RoundInFlight:
 
     round: Round
     round_id: int
-    num_peers: int  # the live peers when the round started: the majority is counted among them
+    num_peers: int  # the live peers this peer saw when the round started (see swarm_size_seen_by)
     samples: int  # this peer's samples in the round
     started: float  # monotonic
     result: Optional[AveragingResult] = None
@@ -81,12 +97,14 @@ class RoundInFlight:
 
 class RoundRunner:
     """Runs the optimizer's rounds over ``averager``, one at a time, and concludes each by the protocol of the
-    module docstring; ``on_commit`` (called under ``lock`` once a round was applied and committed) moves the
-    optimizer's epoch."""
+    module docstring. ``on_commit(flight, result, num_peers)`` (called under ``lock`` once a round was applied and
+    committed, with the swarm size its majority was measured against) moves the optimizer's epoch;
+    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round."""
 
     def __init__(self, averager: TensorAverager, *, lock: ContextManager,
-                 on_commit: Callable[[RoundInFlight, AveragingResult], None]) -> None:
-        self._averager, self._lock, self._on_commit = averager, lock, on_commit
+                 on_commit: Callable[[RoundInFlight, AveragingResult, int], None],
+                 await_target: Callable[[int], None] = lambda round_id: None) -> None:
+        self._averager, self._lock, self._on_commit, self._await_target = averager, lock, on_commit, await_target
         self._flight: Optional[RoundInFlight] = None
 
     @property
@@ -132,6 +150,7 @@ class RoundRunner:
 
     def _all_reduce(self, flight: RoundInFlight, round_is_over: Callable[[], bool]) -> None:
         try:
+            self._await_target(flight.round_id)
             with torch.no_grad():
                 flight.result = self._averager.all_reduce(flight.round.write, flight.round.weight, flight.round_id,
                                                           round_is_over)
@@ -141,11 +160,12 @@ class RoundRunner:
     def _conclude(self, flight: RoundInFlight) -> None:
         self._flight = None
         result = flight.result
-        if flight.error is not None or result is None or not is_majority(result.group_size, flight.num_peers):
+        num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
+        if flight.error is not None or result is None or not is_majority(result.group_size, num_peers):
             if flight.error is None:
                 outcome = (f"failed: {self._averager.last_failure}" if result is None
                            else f"group of {result.group_size}")
-                logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {flight.num_peers} "
+                logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {num_peers} "
                             f"peers ({outcome}); keeping local progress")
             with torch.no_grad(), self._lock:
                 flight.round.give_back()
@@ -156,4 +176,4 @@ class RoundRunner:
         with torch.no_grad(), self._lock:
             flight.round.apply(result)
             self._averager.commit(result, flight.round_id)
-            self._on_commit(flight, result)
+            self._on_commit(flight, result, num_peers)

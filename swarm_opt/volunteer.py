@@ -117,7 +117,7 @@ def _epoch_line(opt: Any, task: Task) -> str:
     r = opt.last_round
     if r is not None and r.epoch == opt.local_epoch:
         parts.append("caught up by downloading the swarm's state" if r.caught_up
-                     else f"averaged with {r.group_size} of {r.num_peers} peer(s)")
+                     else f"averaged with {r.group_size} of {r.num_peers} peer(s) ({r.samples} samples from this peer)")
     return f"epoch {opt.local_epoch}: " + ", ".join(parts)
 
 

@@ -39,7 +39,8 @@ class Scaffold(Anchored):
     name = "scaffold"
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
-        if type(inner) is not torch.optim.SGD:
+        # Opacus's DPOptimizer wraps an SGD and steps lr * the noised gradient (DP-SGD, swarm_opt.privacy)
+        if type(getattr(inner, "original_optimizer", inner)) is not torch.optim.SGD:
             raise ConfigError(
                 f"Scaffold supports torch.optim.SGD (with or without momentum), not {type(inner).__name__}: its "
                 f"control variates assume steps of lr * gradient. Use optimizer=lambda p: torch.optim.SGD(p, lr=..., "

@@ -208,3 +208,55 @@ def test_a_hostile_block_size_is_refused_before_allocating():
     serialized.buffer = serialized.buffer[:5] + (2**31).to_bytes(4, "little") + serialized.buffer[9:]
     with pytest.raises(ValueError, match="block size"):
         deserialize_torch_tensor(serialized)
+
+
+# --- TopK: the wire is exact for the sparse values it is meant for; hostile COO payloads are refused ---------------
+@pytest.mark.parametrize("nonzeros", [0, 1, 50, 3000])
+def test_topk_sends_sparse_values_as_coo_exactly(nonzeros):
+    g = torch.Generator().manual_seed(nonzeros)
+    x = torch.zeros(10_000)
+    x[torch.randperm(10_000, generator=g)[:nonzeros]] = torch.randn(nonzeros, generator=g) * 1e3
+    codec = swarm_opt.TopK(fraction=0.01)
+    serialized = codec.compress(x, CompressionInfo.from_tensor(x))
+    assert torch.equal(round_trip(codec, x), x)
+    # 8 bytes per nonzero (int32 index + float32 value) and a 5-byte mode + count, after the 5-byte codec header
+    assert len(serialized.buffer) == 5 + codec.sparse_bytes(nonzeros)
+
+
+def test_topk_sends_a_dense_part_dense_when_that_is_smaller():
+    x = torch.randn(1000)
+    x[::3] = 0.0  # two thirds nonzero: COO would cost 8 x 667 > 4 x 1000 bytes
+    assert len(swarm_opt.TopK().compress(x, CompressionInfo.from_tensor(x)).buffer) == 5 + 1 + 4 * 1000
+
+
+def _coo(indices, values, numel=100):
+    x = torch.zeros(numel)
+    serialized = swarm_opt.TopK().compress(x, CompressionInfo.from_tensor(x))
+    body = b"\x01" + len(indices).to_bytes(4, "little") + np.asarray(indices, np.int32).tobytes() + \
+        np.asarray(values, np.float32).tobytes()
+    serialized.buffer = serialized.buffer[:5] + body
+    return serialized
+
+
+@pytest.mark.parametrize("serialized", [
+    _coo([3, 100], [1.0, 2.0]), _coo([-1], [1.0]), _coo([5, 5], [1.0, 2.0]), _coo([7, 2], [1.0, 2.0]),
+    _coo([1], [1.0, 2.0]), _coo([1, 2], [1.0]), _coo(list(range(101)), [0.0] * 101),
+], ids=["index-out-of-range", "negative-index", "repeated", "out-of-order", "trailing", "truncated", "too-many"])
+def test_topk_refuses_hostile_coo_payloads(serialized):
+    with pytest.raises(ValueError):
+        deserialize_torch_tensor(serialized)
+
+
+def test_topk_refuses_a_payload_claiming_a_huge_part():
+    serialized = _coo([1], [1.0])
+    del serialized.size[:]
+    serialized.size.extend([2**30])
+    with pytest.raises(ValueError, match="nonzeros in a part"):
+        deserialize_torch_tensor(serialized)
+
+
+@pytest.mark.parametrize("fraction, error", [(0, ConfigError), (1.5, ConfigError), (-0.1, ConfigError),
+                                             ("0.1", ConfigTypeError), (True, ConfigTypeError)])
+def test_bad_topk_fractions_are_refused(fraction, error):
+    with pytest.raises(error, match="fraction"):
+        swarm_opt.TopK(fraction=fraction)

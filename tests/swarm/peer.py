@@ -347,7 +347,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
-                   reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()]))
+                   reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
+                   peer_id=str(opt._averager.peer_id)))
 
 
 def attack(cfg: dict, model: torch.nn.Module) -> None:

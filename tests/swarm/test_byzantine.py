@@ -72,11 +72,14 @@ def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
         swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=10_000, expect_peers=4,
                     step_sleep=0.02, max_seconds=30, linger=3.0, attack={"nan": True} if rank == ATTACKER else None)
     swarm.wait(timeout=200)
+    attacker = swarm.result(ATTACKER)["peer_id"]
+    assert all(rep["caught_up"] for rep in swarm.result(ATTACKER)["reports"])  # it follows, it never averages
     for rank in HONEST:
         assert swarm.result(rank)["epoch"] >= 5, swarm.round_events()
-        # the broken peer's mark: a group it joined waited for it and failed (other failures come from load)
+        # the broken peer's mark: a group it joined waited for it and failed (a round that names an honest member
+        # comes from load: a peer starved of CPU for seconds)
         failures = [line for line in swarm.log(rank).splitlines() if "did not start sending" in line]
-        assert not failures, "\n".join(failures)
+        assert not [line for line in failures if attacker in line], "\n".join(failures)
 
 
 @pytest.mark.extended

@@ -117,6 +117,9 @@ class _FakeOpt:
     def state_dict(self):
         return {"state": {}, "param_groups": [], "swarm_opt": {"epoch": self.local_epoch}}
 
+    def load_state_dict(self, state):
+        self.local_epoch = state["swarm_opt"]["epoch"]
+
 
 def test_keeps_the_last_n_and_the_best_by_metric_and_refuses_another_model(tmp_path):
     opt, model = _FakeOpt(), torch.nn.Linear(2, 2)

@@ -120,6 +120,7 @@ def assert_identical_every_round(results: list) -> None:
         assert len(values) == PEERS and all(torch.equal(values[0], v) for v in values), f"round {epoch}"
 
 
+@pytest.mark.extended
 def test_fp16_factors_halve_the_bytes_and_train_as_well(swarm):
     """``factors=Float16()``: the factors travel in half precision (the run leaves the fp32 trajectory by far more
     than float32 rounding), the peers stay identical, and the swarm gets where fp32 factors get."""

@@ -145,6 +145,7 @@ def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_wh
     assert (expected - _simulate(LocalUpdates, range(4), rounds=6, steps=steps, history=history)).norm() > 1e-2
 
 
+@pytest.mark.extended
 def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm, tmp_path):
     target = lsq_optimum(range(4))
     scaffold = run_swarm(swarm, "scaffold")

@@ -52,10 +52,19 @@ def test_aggregate_counts_only_the_global_epoch_and_extrapolates_samples():
     others = [record(b"a", 3, 20, 5.0, 98.0), record(b"b", 2, 500, 100.0, 100.0, client_mode=True)]
     p = aggregate_progress(others, local, target_batch_size=100, now=100.0)
     assert p.epoch == 3 and p.num_peers == 3 and p.num_clients == 1
-    assert p.samples_accumulated == 10 + 20 + 5 * 2  # peer b is in an older epoch; a is extrapolated by 2 s
+    # peer b is in an older epoch; a has more than its share of the target (5/115 of 100) and is not extrapolated
+    assert p.samples_accumulated == 10 + 20
     assert p.samples_per_second == pytest.approx(115.0)
-    assert p.eta == pytest.approx(100.0 + 60 / 115.0)
+    assert p.eta == pytest.approx(100.0 + 70 / 115.0)
     assert not p.ready
+    p = aggregate_progress(others[:1], local, target_batch_size=100, now=100.0)
+    assert p.samples_accumulated == 10 + 20 + 5 * 2  # a's share is 5/15 of 100: extrapolated by 2 s at its speed
+
+
+def test_a_peer_is_extrapolated_up_to_its_share_of_the_target_where_it_stops_computing():
+    local = record(b"me", 1, 10, 30.0, 100.0)
+    other = record(b"a", 1, 20, 10.0, 99.0)  # a quarter of the swarm's speed: a share of 25 of 100
+    assert aggregate_progress([other], local, 100, now=100.0).samples_accumulated == 10 + 25
 
 
 def test_peers_that_finished_the_round_with_us_count_before_their_records_catch_up():

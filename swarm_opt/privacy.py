@@ -1,0 +1,147 @@
+"""Sample-level differential privacy (DP-SGD) with Opacus: where it is sound in a swarm, and the ε each peer spent.
+
+Each peer makes its own model, optimizer and data loader private with Opacus and passes the private optimizer as the
+swarm's inner optimizer, with an ``OpacusPrivacy`` that names the δ to report ε at (``pip install swarm_opt[dp]``)::
+
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    model, dp_sgd, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                data_loader=loader, noise_multiplier=1.1, max_grad_norm=1.0)
+    privacy = swarm_opt.OpacusPrivacy(engine, delta=1e-5)
+    opt = swarm_opt.Optimizer(dht=dht, run_id="run", target_batch_size=4096, optimizer=dp_sgd,
+                              strategy=swarm_opt.LocalUpdates(), privacy=privacy)
+    for x, y in loader:
+        ...; loss.backward(); opt.step(batch_size=dp_sgd.expected_batch_size)   # rounds log "ε 2.31 at δ 1e-05"
+
+When it is sound
+----------------
+A peer's ε is what its own accountant says, over its own DP-SGD steps, if and only if everything the peer lets out
+(the tensors of every round, the state it serves newcomers, what it gathers and publishes) is computed from the
+outputs of those steps alone: post-processing, which costs no privacy. Rounds then add nothing to ε, and the models
+coming back from groupmates are post-processing of *their* private steps. Per strategy:
+
+* ``LocalUpdates`` (FedAvg): every ``step()`` is a DP-SGD step (Opacus clips each sample's gradient to
+  ``max_grad_norm`` and adds Gaussian noise inside the inner step); a round averages the resulting parameters (and
+  optimizer statistics, themselves built from noised gradients). Sound.
+* ``Scaffold``: the correction ``p ← p − η (c − c_i)`` after each DP-SGD step uses controls computed from earlier
+  rounds' parameter differences ``(x − y_i) / Σ η``, all post-processing; the extra tensor a round averages is too.
+  Sound. (The controls then carry the DP noise of the steps they summarise; that is variance, not a leak.) Opacus's
+  ``BatchMemoryManager`` is not supported with it: its skipped virtual steps would count as completed steps.
+* ``DiLoCo``: DP-SGD inner steps; the outer step applies ``x − mean(y_i)``, post-processing. Sound.
+* ``FedProx(mu > 0)``: refused. Its proximal term is added to ``p.grad`` before the inner step, but Opacus's
+  ``DPOptimizer`` replaces ``p.grad`` with the clipped, noised per-sample gradients: the term would be dropped without
+  a word (privacy intact, algorithm silently FedAvg). Adding it after the noise would be sound (it does not read the
+  data) but is FedProx's to do.
+* ``GradientAveraging`` (with or without ``Overlap``): refused. It averages the raw ``p.grad`` accumulated over the
+  round's local steps and calls the inner step once per round, after the exchange: the gradients that leave the peer
+  are neither clipped nor noised, and the round's DP step would use the per-sample gradients of the last micro-batch
+  only. Private gradient averaging would clip and noise each local step's gradient before accumulating it.
+* Any other strategy: refused until someone has checked it the same way.
+
+Two more things a peer lets out, and what to do about them: the samples it reports (progress records, averaging
+weights) are the ``batch_size`` given to ``step()``; with Opacus's Poisson sampling the actual size of a batch depends
+on who is in the data set, which the accountant does not cover, so pass the *expected* batch size
+(``dp_sgd.expected_batch_size``), as Opacus itself normalises by it. And the loss in the log line is computed on private
+data without noise: it stays in the local log, never on the network.
+
+ε is Opacus's accountant's, ``engine.get_epsilon(delta)``, over this peer's steps at its own sample rate and noise; a
+peer that catches up by downloading the swarm's state keeps its ε (it took no step on its data). The accountant's
+history is this peer's own and never travels (it is not part of the optimizer's state, which newcomers download);
+checkpoint it yourself, or a resumed peer would report only the ε of its steps since the restart::
+
+    ckpt.maybe_save(opt, model, extra={"privacy": privacy.state_dict()})
+    restored = ckpt.restore(opt, model)
+    if restored is not None:
+        privacy.load_state_dict(restored["extra"]["privacy"])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+
+__all__ = ["OpacusPrivacy", "as_privacy"]
+
+
+def _opacus() -> Any:
+    try:
+        import opacus
+    except ImportError as e:
+        raise ImportError("differential privacy needs Opacus: pip install 'swarm_opt[dp]'") from e
+    return opacus
+
+
+@dataclass(frozen=True)
+class OpacusPrivacy:
+    """A peer's DP-SGD with Opacus: checks that the swarm's strategy keeps it private (see the module docstring) and
+    reports the privacy spent, ε at ``delta``, in every round's log line.
+
+    :param engine: the ``opacus.PrivacyEngine`` whose ``make_private`` made the inner optimizer.
+    :param delta: the δ to report ε at, in (0, 1); typically below 1 / (samples in this peer's data set).
+    """
+
+    engine: Any
+    delta: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, _opacus().PrivacyEngine):
+            raise ConfigTypeError(f"OpacusPrivacy needs the opacus.PrivacyEngine that made the private optimizer, "
+                                  f"got {self.engine!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
+            raise ConfigError(f"OpacusPrivacy(delta={self.delta!r}) must be in (0, 1), e.g. 1e-5 (below 1 / the "
+                              f"number of samples of this peer's data set)")
+
+    def epsilon(self) -> float:
+        """The privacy this peer has spent so far: ε at ``delta`` over its DP-SGD steps (0 before the first)."""
+        if not self.engine.accountant.history:
+            return 0.0
+        return float(self.engine.get_epsilon(self.delta))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The accountant's history (what ε is computed from), for this peer's checkpoints."""
+        return dict(self.engine.accountant.state_dict())
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output (a checkpoint of this peer's own privacy spending)."""
+        if not isinstance(state, dict) or not isinstance(state.get("history"), list):
+            raise IncompatibleStateError("expected OpacusPrivacy.state_dict()'s output (an accountant's history)")
+        self.engine.accountant.load_state_dict(state)
+
+    def log_suffix(self) -> str:
+        """What a round's log line says about privacy."""
+        epsilon = self.epsilon()
+        return f", ε {epsilon:.6g} at δ {self.delta:g}" if math.isfinite(epsilon) else f", ε ∞ at δ {self.delta:g}"
+
+    def check(self, strategy: Any, inner: Any) -> None:
+        """Refuse an inner optimizer that is not Opacus-private, or a strategy that would let un-noised data out."""
+        from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold
+
+        opacus = _opacus()
+        if not isinstance(inner, opacus.optimizers.DPOptimizer):
+            raise ConfigError(f"privacy=OpacusPrivacy(...) needs the private optimizer that engine.make_private(...) "
+                              f"returned as optimizer=, got {type(inner).__name__}")
+        if isinstance(strategy, GradientAveraging):
+            raise ConfigError(
+                "GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "
+                "step only afterwards, so nothing it sends is clipped or noised: use strategy=swarm_opt.LocalUpdates()"
+                " (FedAvg), Scaffold() or DiLoCo(...), whose local steps are DP-SGD steps")
+        if isinstance(strategy, FedProx) and strategy.mu > 0:
+            raise ConfigError(
+                f"FedProx(mu={strategy.mu:g}) adds its proximal term to p.grad, which Opacus's DPOptimizer replaces "
+                f"with the noised per-sample gradients: the term would be silently dropped. Use "
+                f"strategy=swarm_opt.LocalUpdates() or Scaffold() with DP")
+        if type(strategy) not in (LocalUpdates, FedProx, Scaffold, DiLoCo):
+            raise ConfigError(f"{type(strategy).__name__} is not known to keep DP-SGD private in a swarm (see "
+                              f"swarm_opt.privacy); use LocalUpdates(), Scaffold() or DiLoCo(...)")
+
+
+def as_privacy(privacy: Any, *, strategy: Any, inner: Any) -> Optional[OpacusPrivacy]:
+    """``privacy=``'s object, checked against the run's strategy and inner optimizer (None: no privacy)."""
+    if privacy is None:
+        return None
+    if not isinstance(privacy, OpacusPrivacy):
+        raise ConfigTypeError(f"privacy must be swarm_opt.OpacusPrivacy(engine, delta=...) or None, got {privacy!r}")
+    privacy.check(strategy, inner)
+    return privacy

@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_end(self, trainer, module) -> None:
             opt = trainer.optimizers[0]
             result = dict(rank=args.rank, epoch=opt.local_epoch, wall_s=time.perf_counter() - self.start,
-                          rounds=self.rounds, payload_bytes=noniid.payload_bytes(opt.strategy.tensors_to_average()))
+                          rounds=self.rounds, payload_bytes=noniid.payload_bytes(opt.strategy.buffer_templates()))
             torch.save([p.detach().clone() for p in module.parameters()], self.tmp / f"params{args.rank}.pt")
             (self.tmp / f"result{args.rank}.tmp").write_text(json.dumps(result))
             os.replace(self.tmp / f"result{args.rank}.tmp", self.tmp / f"result{args.rank}.json")

@@ -23,7 +23,7 @@ Reported per strategy and α: test accuracy on the 1000 held-out digits (mean of
 over seeds), rounds to 85 % / 90 % (first round at or above the target, mean over the seeds that reach it), wall time
 per round (the 8 peers' local steps run one after another in this process, plus the in-process average; evaluation
 excluded; median over rounds, mean over seeds) and bytes sent per round per peer = 4 × elements of
-``tensors_to_average()`` (fp32 payload of one all-reduce; × K for gradient averaging).
+``buffer_templates()`` (fp32 payload of one all-reduce; × K for gradient averaging).
 
     python benchmarks/noniid.py                      # the full grid: 5 strategies × α {0.1, 0.01} × 3 seeds × 50 rounds
     python benchmarks/noniid.py --seeds 0 --rounds 10 --alphas 0.1
@@ -209,7 +209,7 @@ def simulate(job: dict) -> dict:
                 for p in peers:
                     p.step(x, y)
                 t1 = time.perf_counter()
-                bytes_per_round += payload_bytes(strategies[0].tensors_to_average())
+                bytes_per_round += payload_bytes(strategies[0].buffer_templates())
                 average_in_process(strategies)
                 avg += time.perf_counter() - t1
         else:
@@ -217,7 +217,7 @@ def simulate(job: dict) -> dict:
                 for _ in range(job["steps"]):
                     p.step(x, y)
             t1 = time.perf_counter()
-            bytes_per_round += payload_bytes(strategies[0].tensors_to_average())
+            bytes_per_round += payload_bytes(strategies[0].buffer_templates())
             average_in_process(strategies)
             avg += time.perf_counter() - t1
         round_s.append(time.perf_counter() - t0)
@@ -502,7 +502,7 @@ def worker(args: argparse.Namespace) -> None:
                 steps_this_round = 0
             time.sleep(args.step_sleep)
         result = dict(rank=args.rank, epoch=opt.local_epoch, wall_s=time.perf_counter() - start, rounds=rounds,
-                      payload_bytes=payload_bytes(opt.strategy.tensors_to_average()))
+                      payload_bytes=payload_bytes(opt.strategy.buffer_templates()))
         torch.save([p.detach().clone() for p in model.parameters()], tmp / f"params{args.rank}.pt")
         (tmp / f"result{args.rank}.tmp").write_text(json.dumps(result))
         os.replace(tmp / f"result{args.rank}.tmp", tmp / f"result{args.rank}.json")

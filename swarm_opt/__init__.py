@@ -34,7 +34,16 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.powersgd import PowerSGD
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
-    from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Overlap, Scaffold, Strategy
+    from swarm_opt.strategies import (
+        DiLoCo,
+        FedNova,
+        FedProx,
+        GradientAveraging,
+        LocalUpdates,
+        Overlap,
+        Scaffold,
+        Strategy,
+    )
 
 __version__ = "0.1.0"
 
@@ -52,8 +61,8 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("DiLoCo", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold", "Strategy"),
-                    "swarm_opt.strategies"),
+    **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
+                     "Strategy"), "swarm_opt.strategies"),
 }
 
 
@@ -88,6 +97,7 @@ __all__ = [
     "FedProx",
     "Scaffold",
     "DiLoCo",
+    "FedNova",
     "Strategy",
     "Offload",
     "Gloo",

@@ -102,14 +102,14 @@ class AuxiliaryPeer:
                                    max_extrapolation=TrackerConfig().max_extrapolation)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
-            templates=strategy.tensors_to_average(), timeouts=self.timeouts, compression=codec, aggregation=aggregation,
+            templates=strategy.buffer_templates(), timeouts=self.timeouts, compression=codec, aggregation=aggregation,
             auxiliary=True, access=run_access(dht, progress_key(run_id)))
         self._snapshot: Optional[RunSnapshot] = None
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0
         self._epoch_seen = 0  # the highest global epoch this helper has seen the run reach
         self._reported = 0
-        self._values_per_round = sum(t.numel() for t in strategy.tensors_to_average())
+        self._values_per_round = sum(t.numel() for t in strategy.buffer_templates())
         self._closed = False
 
     def _read(self, max_age: float) -> RunSnapshot:

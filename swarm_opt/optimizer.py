@@ -1,10 +1,11 @@
 """``swarm_opt.Optimizer``: the fixed step loop that turns a local training loop into a swarm peer.
 
 The loop knows no algorithm. Every ``step()`` hands the gradients to the strategy, reports progress, and when the
-swarm has processed ``target_batch_size`` samples it runs one averaging round and lets the strategy apply it. A
-round commits only if this peer's group holds a majority of the live peers (or everyone), so at most one version of
-each epoch exists; a peer whose round failed keeps its local progress and retries, and a peer that finds the swarm
-ahead of it downloads the swarm's state instead of training on stale parameters.
+swarm has processed ``target_batch_size`` samples it begins the strategy's round and runs it (``swarm_opt.round``:
+waiting for it, or polling it when it averages in the background). A round commits only if this peer's group holds
+a majority of the live peers (or everyone), so at most one version of each epoch exists; a peer whose round failed
+keeps its local progress and retries, and a peer that finds the swarm ahead of it downloads the swarm's state
+instead of training on stale parameters.
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
+from swarm_opt.round import RoundInFlight, RoundRunner
 from swarm_opt.serialization import flatten, unflatten
-from swarm_opt.strategies.base import HeldRound, Strategy
+from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
-
-_MAX_SWARM_SIZE = 1_000_000  # a count of live peers in a groupmate's gather beyond this is not believed
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -55,33 +55,6 @@ class RoundReport:
     seconds: float
     caught_up: bool
     helpers: int = 0  # auxiliary peers that reduced parts of the round (they count in no majority)
-
-
-class _BackgroundRound:
-    """A round averaging in a thread of its own while the training loop goes on (``Overlap()``); the loop concludes
-    it at its first ``step()`` after the thread ended."""
-
-    def __init__(self, run: Callable[[], Optional[AveragingResult]], values: HeldRound, progress: SwarmProgress,
-                 round_id: int, samples: int, started: float) -> None:
-        self.values, self.progress, self.round_id, self.samples, self.started = (values, progress, round_id, samples,
-                                                                                 started)
-        self._result: Optional[AveragingResult] = None
-        self._thread = threading.Thread(target=self._run, args=(run,), name="swarm_opt.BackgroundRound", daemon=True)
-        self._thread.start()
-
-    def _run(self, run: Callable[[], Optional[AveragingResult]]) -> None:
-        try:
-            with torch.no_grad():
-                self._result = run()
-        except Exception as e:  # a bug, not a network failure (all_reduce returns None for those): say so
-            logger.error(f"A background averaging round failed unexpectedly: {e!r}")
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def result(self, timeout: Optional[float] = None) -> Optional[AveragingResult]:
-        self._thread.join(timeout)
-        return self._result
 
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -179,7 +152,6 @@ class Optimizer(torch.optim.Optimizer):
         self._state_lock = threading.RLock()
         self._next_catch_up = 0.0
         self._synced = False  # True once this peer's state is the swarm's (a committed round or a download)
-        self._background: Optional[_BackgroundRound] = None  # a round averaging while training goes on
         self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
@@ -191,10 +163,12 @@ class Optimizer(torch.optim.Optimizer):
                                         config=tracker or TrackerConfig())
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
-            templates=self.strategy.tensors_to_average(), timeouts=self.timeouts,
+            templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
             member_info=self._member_info, access=run_access(dht, progress_key(run_id)), lane=transport,
         )
+        self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
+                                   await_target=self._await_target)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
@@ -262,9 +236,8 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, self._samples)
 
         progress = self._tracker.progress
-        if self._background is not None:  # a round in flight: nothing else starts until it is applied
-            if self._background.done():
-                self._finish_background_round()
+        if self._rounds.in_flight:  # a round in the background: nothing else starts until it is concluded
+            self._rounds.poll()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
         elif progress.ready or self._reached_share(progress, batch_size):
@@ -293,26 +266,20 @@ class Optimizer(torch.optim.Optimizer):
         if self._samples == 0:  # nothing to contribute: others may still be finishing; wait for their epoch
             self._averager.cancel_scheduled()  # and leave no group waiting for this peer
             return
-        started, round_id = time.monotonic(), self._epoch + 1
-        if progress.num_peers <= 1:  # a round alone: its mean is our own values
-            self._conclude_round(AveragingResult(peers=(self._averager.peer_id,), gathered={}), progress, round_id,
-                                 started, held=None)
-            return
-        def round_is_over() -> bool:  # the swarm completed this round without us
-            return self._tracker.progress.epoch >= round_id
-        if self.strategy.runs_rounds_in_background:
-            with torch.no_grad(), self._state_lock:
-                held = self.strategy.hold_round()
-            def run() -> Optional[AveragingResult]:
-                self._await_target(round_id)
-                return self._averager.all_reduce(held.write, held.weight, round_id, round_is_over)
-            self._background = _BackgroundRound(run, held, progress, round_id, self._samples, started)
-            return
-        self._await_target(round_id)
-        with torch.no_grad():
-            result = self._averager.all_reduce(self.strategy.write_round, self.strategy.averaging_weight(),
-                                               round_id, round_is_over)
-        self._conclude_round(result, progress, round_id, started, held=None)
+        round_id = self._epoch + 1
+        with torch.no_grad(), self._state_lock:
+            begun = self.strategy.begin_round()
+        self._rounds.run(begun, round_id=round_id, num_peers=progress.num_peers, samples=self._samples,
+                         round_is_over=lambda: self._tracker.progress.epoch >= round_id)  # completed without us
+
+    def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
+        """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
+        size its majority was measured against."""
+        self.last_round = RoundReport(flight.round_id, result.group_size, num_peers, flight.samples,
+                                      flight.round.weight, time.monotonic() - flight.started, caught_up=False,
+                                      helpers=len(result.helpers))
+        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
+        self._check_agreement(result)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
@@ -325,7 +292,7 @@ class Optimizer(torch.optim.Optimizer):
         """Having computed its share before the swarm reached the target, wait (not computing) until the target is
         due within ``matchmaking_time``, so that this peer looks for its group when the others do, or until the
         group it was already matched into waits for it; bounded by ``averaging_timeout`` in case the others' speeds
-        were overrated."""
+        were overrated. Runs before each round's all-reduce, in the thread that runs the round."""
         deadline = time.monotonic() + self.timeouts.averaging_timeout
         progress = self._tracker.progress
         while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
@@ -334,47 +301,10 @@ class Optimizer(torch.optim.Optimizer):
             time.sleep(0.02)
             progress = self._tracker.progress
 
-    def _finish_background_round(self) -> None:
-        background, self._background = self._background, None
-        assert background is not None
-        self._conclude_round(background.result(), background.progress, background.round_id, background.started,
-                             held=background)
-
-    def _settle_background_round(self) -> None:
-        """Wait for a round in flight and conclude it, before anything replaces the state it would update."""
-        if self._background is not None:
-            self._finish_background_round()
-
-    def _conclude_round(self, result: Optional[AveragingResult], progress: SwarmProgress, round_id: int,
-                        started: float, held: Optional[_BackgroundRound]) -> None:
-        """Commit a round that averaged a majority of the live peers (or everyone); otherwise keep its values for
-        the next round (a held round gives them back)."""
-        num_peers = progress.num_peers if result is None else _swarm_size_seen_by(result, progress.num_peers)
-        if result is None or not _is_majority(result.group_size, num_peers):
-            outcome = f"failed: {self._averager.last_failure}" if result is None else f"group of {result.group_size}"
-            logger.info(f"Round for epoch {round_id} did not reach a majority of {num_peers} peers "
-                        f"({outcome}); keeping local progress")
-            if held is not None:
-                with torch.no_grad(), self._state_lock:
-                    held.values.give_back()
-            return
-        with torch.no_grad(), self._state_lock:
-            if held is None:
-                weight, samples = self.strategy.averaging_weight(), self._samples
-                self.strategy.apply_round(result)
-            else:
-                weight, samples = held.values.weight, held.samples
-                held.values.apply(result)
-            self._averager.commit(result, round_id)
-            self.last_round = RoundReport(round_id, result.group_size, num_peers, samples, weight,
-                                          time.monotonic() - started, caught_up=False, helpers=len(result.helpers))
-            self._advance_epoch(self.last_round, progress.samples_per_second)
-        self._check_agreement(result)
-
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
         applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
-        peers it sees (``_swarm_size_seen_by``)."""
+        peers it sees (``swarm_opt.round.swarm_size_seen_by``)."""
         info: Dict[str, Any] = {"peers": self._tracker.progress.num_peers}
         if self.strategy.shares_parameters:
             with self._state_lock:
@@ -461,7 +391,7 @@ class Optimizer(torch.optim.Optimizer):
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
         ``StateDownloadError``."""
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
-        self._settle_background_round()
+        self._rounds.settle()
         deadline, delay, attempts = time.monotonic() + timeout, 0.5, 0
         while True:
             remaining = deadline - time.monotonic()
@@ -570,7 +500,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
         extra = state_dict.get("swarm_opt", {})
-        self._settle_background_round()
+        self._rounds.settle()
         with self._state_lock:
             self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
             if self.scheduler is not None and extra.get("scheduler") is not None:
@@ -591,8 +521,7 @@ class Optimizer(torch.optim.Optimizer):
         self._closed = True
         self._tracker.shutdown()
         self._averager.shutdown()  # a round in flight returns at once
-        if self._background is not None:
-            self._background.result(timeout=10.0)
+        self._rounds.abandon(timeout=10.0)
 
     def __enter__(self) -> Optimizer:
         return self
@@ -704,24 +633,6 @@ def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_r
     if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:
         return False
     return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
-
-
-def _swarm_size_seen_by(result: AveragingResult, own_view: int) -> int:
-    """How many live peers a round's majority is measured against: the largest count that its members saw (each
-    sends its own in the gather), and at least the group. Every member computes it from the same gather, so a group
-    commits on all its members or on none: measured against each member's own count, a member that had not seen a
-    newcomer yet committed a group of 2 as a majority of 3 while its groupmate, seeing 4, discarded it, and the two
-    then stood at different epochs for good. A member that exaggerates can only fail the round, which it could by
-    not sending. ``own_view`` serves only when no member sent a count (a group of helpers and peers too old)."""
-    views = [info.get("peers") for peer, info in result.gathered.items()
-             if peer in result.peers and isinstance(info, dict)]
-    views = [v for v in views if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SWARM_SIZE]
-    return max(views + [result.group_size]) if views else max(own_view, result.group_size)
-
-
-def _is_majority(group_size: int, num_peers: int) -> bool:
-    """At most one group per epoch can hold a strict majority of the live peers, so at most one version commits."""
-    return 2 * group_size > num_peers or group_size >= num_peers
 
 
 def model_schema(params: List[torch.Tensor], strategy_name: str) -> str:

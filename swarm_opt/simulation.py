@@ -1,12 +1,13 @@
 """Run averaging rounds inside one process, with the same strategy code a real swarm runs.
 
 For tests of the algorithms' maths and for benchmarks that sweep many settings: ``average_in_process`` does what
-a round of ``TensorAverager`` does (each member writes its buffers, gets the weighted mean), without a network.
+a round of ``TensorAverager`` does (each member begins a round and writes its buffers, gets the weighted mean and
+applies it), without a network. ``round_values`` shows what a strategy would send now.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -15,22 +16,35 @@ from swarm_opt.strategies.base import Strategy
 
 
 def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence[Sequence[int]]] = None) -> None:
-    """One round: each group (default: everyone) averages its members' tensors weighted by their
-    ``averaging_weight()`` and every member applies the round. A group whose weights are all zero does nothing."""
+    """One round: each group (default: everyone) averages its members' values weighted by their rounds' ``weight``
+    and every member applies the round. A group whose weights are all zero gives its rounds back."""
     groups = [list(range(len(strategies)))] if groups is None else groups
     for group in groups:
         members = [strategies[i] for i in group]
-        weights = [s.averaging_weight() for s in members]
-        total = sum(weights)
-        if total <= 0:
-            continue
         with torch.no_grad():
-            buffers = [[buffer_like(t) for t in s.tensors_to_average()] for s in members]
-            for s, own in zip(members, buffers):
-                s.write_round(own)
+            rounds = [s.begin_round() for s in members]
+            weights = [r.weight for r in rounds]
+            total = sum(weights)
+            if total <= 0:
+                for r in rounds:
+                    r.give_back()
+                continue
+            buffers = [[buffer_like(t) for t in s.buffer_templates()] for s in members]
+            for r, own in zip(rounds, buffers):
+                r.write(own)
             means = [sum(b.to(torch.float64) * (w / total) for b, w in zip(column, weights))
                      for column in zip(*buffers)]
-            for s, own in zip(members, buffers):
+            for r, own in zip(rounds, buffers):
                 for b, mean in zip(own, means):
                     b.copy_(mean)
-                s.apply_round(AveragingResult(peers=tuple(group), gathered={}, averaged=tuple(own)))
+                r.apply(AveragingResult(peers=tuple(group), gathered={}, averaged=tuple(own)))
+
+
+def round_values(strategy: Strategy) -> List[torch.Tensor]:
+    """The values ``strategy`` would send in a round now (a round begun, written and given back)."""
+    with torch.no_grad():
+        begun = strategy.begin_round()
+        buffers = [buffer_like(t) for t in strategy.buffer_templates()]
+        begun.write(buffers)
+        begun.give_back()
+    return buffers

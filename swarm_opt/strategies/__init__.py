@@ -10,14 +10,16 @@ from typing import TYPE_CHECKING, Any, Dict
 if TYPE_CHECKING:
     from swarm_opt.strategies.base import Strategy
     from swarm_opt.strategies.diloco import DiLoCo
+    from swarm_opt.strategies.fednova import FedNova
     from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap
-    from swarm_opt.strategies.local_updates import FedProx, LocalUpdates
+    from swarm_opt.strategies.local_updates import Anchored, FedProx, LocalUpdates
     from swarm_opt.strategies.scaffold import Scaffold
 
 STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUpdates", "fedprox": "FedProx",
-                                  "scaffold": "Scaffold", "diloco": "DiLoCo"}
+                                  "scaffold": "Scaffold", "diloco": "DiLoCo", "fednova": "FedNova"}
 _MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
-            "LocalUpdates": "local_updates", "FedProx": "local_updates", "Scaffold": "scaffold", "DiLoCo": "diloco"}
+            "LocalUpdates": "local_updates", "FedProx": "local_updates", "Anchored": "local_updates",
+            "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova"}
 
 
 def __getattr__(name: str) -> Any:
@@ -34,4 +36,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx",
-           "Scaffold", "DiLoCo"]
+           "Anchored", "Scaffold", "DiLoCo", "FedNova"]

@@ -1,9 +1,18 @@
 """The interface between the optimizer's fixed step loop and an algorithm.
 
-The loop calls ``local_step`` on every ``Optimizer.step()``; when the swarm has processed ``target_batch_size``
-samples it lets the strategy write its values into the averaging buffers (``write_round``; by default a copy of
-``tensors_to_average()``), all-reduces them weighted by ``averaging_weight()`` and calls ``apply_round`` with the
-group's mean. A round that failed is never applied: the strategy keeps its local state and the loop retries.
+The loop calls ``local_step`` on every ``Optimizer.step()``. When the swarm has processed ``target_batch_size``
+samples it begins a round, ``begin_round() -> Round`` (``swarm_opt.round``): the round writes this peer's values
+into averaging buffers shaped like ``buffer_templates()``, they are all-reduced weighted by ``Round.weight``, and the
+round either applies the group's mean or, if it failed, gives its values back to be averaged next time.
+
+Writing an algorithm: most override ``buffer_templates`` (the shapes of what a round averages), ``write_round``
+(the values this peer sends), ``averaging_weight`` and ``apply_round`` (what to do with the group's mean); the
+default ``begin_round`` wraps these in a round over the strategy's live state, which the loop waits for. A strategy
+whose rounds run while training goes on returns a ``Round`` of its own that sets its values aside
+(``GradientAveraging(overlap=Overlap())``). Algorithms that average parameters build on ``LocalUpdates`` and,
+when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` (both in
+``swarm_opt.strategies.local_updates``; ``x`` itself is a ``swarm_opt.strategies.anchor.Anchor``): FedNova
+(``fednova.py``) is an example in a few lines.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import torch
 
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.errors import IncompatibleStateError
+from swarm_opt.round import Round
 
 
 class Strategy(ABC):
@@ -40,14 +50,13 @@ class Strategy(ABC):
         (non-finite gradients): its samples then do not count."""
 
     @abstractmethod
-    def tensors_to_average(self) -> List[torch.Tensor]:
-        """This peer's values for a round; their shapes and dtypes (the same every round) size the buffers."""
+    def buffer_templates(self) -> List[torch.Tensor]:
+        """Tensors whose shapes and dtypes (the same every round) size the averaging buffers, in ``write_round``'s
+        order; their values do not matter."""
 
+    @abstractmethod
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Write this peer's values of the round into the averaging buffers (fp32 or wider, on the CPU). Override
-        to compute them straight into the buffers instead of through a tensor of one's own."""
-        for buffer, tensor in zip(buffers, self.tensors_to_average()):
-            buffer.copy_(tensor.detach())
+        """Write this peer's values of the round into the averaging buffers (fp32 or wider, on the CPU)."""
 
     @abstractmethod
     def averaging_weight(self) -> float:
@@ -56,21 +65,16 @@ class Strategy(ABC):
     @abstractmethod
     def apply_round(self, result: AveragingResult) -> None:
         """Finish the round from the group's mean, ``result.averaged`` (in ``write_round``'s order; ``None`` for a
-        round alone, whose mean is this peer's own values)."""
+        round alone, whose mean is this peer's own values). The buffers are the round's: they may be changed."""
+
+    def begin_round(self) -> Round:
+        """Begin a round; the loop ends it with ``Round.apply`` or ``Round.give_back``. Default: a round over the
+        live state (``write_round`` / ``apply_round``), so local steps wait until it ended."""
+        return LiveRound(self)
 
     @abstractmethod
     def reset(self) -> None:
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""
-
-    @property
-    def runs_rounds_in_background(self) -> bool:
-        """Whether rounds run while local steps go on (``hold_round``), instead of blocking ``step()``."""
-        return False
-
-    def hold_round(self) -> HeldRound:
-        """Set this round's values aside for averaging in the background; later local steps start the next round.
-        Only called if ``runs_rounds_in_background``."""
-        raise NotImplementedError(f"{type(self).__name__} does not average in the background")
 
     @property
     def shares_parameters(self) -> bool:
@@ -96,28 +100,25 @@ class Strategy(ABC):
             raise IncompatibleStateError(f"{type(self).__name__} has no state, but got keys {sorted(map(str, state))}")
 
 
-class HeldRound(ABC):
-    """A round's values set aside by ``Strategy.hold_round`` while they are averaged in the background. Used from
-    two threads: ``write`` (and ``weight``) from the round's, ``apply`` or ``give_back`` from the training loop's,
-    after the round ended; the strategy never touches held values in between."""
+class LiveRound(Round):
+    """A round over the strategy's live state: nothing is set aside, so a failed round has nothing to give back."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+        self._weight = strategy.averaging_weight()
 
     @property
-    @abstractmethod
     def weight(self) -> float:
-        """This peer's weight in the round's weighted mean."""
+        return self._weight
 
-    @abstractmethod
     def write(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Write the held values into the averaging buffers."""
+        self.strategy.write_round(buffers)
 
-    @abstractmethod
     def apply(self, result: AveragingResult) -> None:
-        """The round succeeded: apply the group's mean (as ``Strategy.apply_round``), keeping the next round's
-        progress."""
+        self.strategy.apply_round(result)
 
-    @abstractmethod
     def give_back(self) -> None:
-        """The round failed: fold the held values back into the round in progress, to be averaged next time."""
+        pass
 
 
 def state_dtype(tensor: torch.Tensor) -> torch.dtype:

@@ -6,15 +6,14 @@ from typing import Any, Callable, Dict, Iterable, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
 from swarm_opt.errors import ConfigTypeError, IncompatibleStateError
-from swarm_opt.strategies.base import state_dtype
-from swarm_opt.strategies.local_updates import LocalUpdates, _checked_tensors, _copy_into, _entry
+from swarm_opt.strategies.anchor import entry
+from swarm_opt.strategies.local_updates import Anchored
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
 
-class DiLoCo(LocalUpdates):
+class DiLoCo(Anchored):
     """Keep an anchor copy ``x`` of the parameters (fp32, on CPU); after each round's average ``ybar`` the
     pseudo-gradient ``x - ybar`` is given to the outer optimizer, which steps from ``x``; every peer then continues
     from the new ``x``.
@@ -24,9 +23,10 @@ class DiLoCo(LocalUpdates):
 
     A peer that missed a round downloads the swarm's state: the anchor and outer optimizer must be the swarm's.
 
-    Memory: the anchor (1x the parameters, fp32), the outer optimizer's state and hivemind's averaging buffer; the
-    pseudo-gradient is computed in place. torch's multi-tensor ("foreach") SGD allocates a parameter-sized temporary
-    for Nesterov momentum at each outer step; ``torch.optim.SGD(..., foreach=False)`` keeps it to one tensor.
+    Memory: the anchor (1x the trainable parameters, fp32), the outer optimizer's state and the averaging buffer;
+    the pseudo-gradient is computed in place. torch's multi-tensor ("foreach") SGD allocates a parameter-sized
+    temporary for Nesterov momentum at each outer step; ``torch.optim.SGD(..., foreach=False)`` keeps it to one
+    tensor.
     """
 
     name = "diloco"
@@ -42,14 +42,14 @@ class DiLoCo(LocalUpdates):
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self._anchor = [p.detach().to("cpu", state_dtype(p), copy=True) for p in self.params]
-        self.outer = self._outer_factory(self._anchor)
+        self.outer = self._outer_factory(self.anchor.tensors)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise ConfigTypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
 
-    def apply_round(self, result: AveragingResult) -> None:
-        super().apply_round(result)
-        for x, p in zip(self._anchor, self.params):
+    def start_next_round(self) -> None:
+        """The parameters hold the group's mean ``ybar``: the outer optimizer steps from ``x`` on ``x - ybar``, and
+        the next round starts from the new ``x``."""
+        for x, p in zip(self.anchor.tensors, self.anchor.params):
             y = p.detach()
             if (y.dtype, y.device) == (x.dtype, x.device):  # the pseudo-gradient x - ybar, computed in place in p
                 x.grad = torch.sub(x, y, out=y)  # (p is overwritten with the new x below): no model-sized temporary
@@ -57,28 +57,19 @@ class DiLoCo(LocalUpdates):
                 x.grad = x - y.to(x.device, x.dtype)
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for x, p in zip(self._anchor, self.params):
-            p.detach().copy_(x)
-
-    def reset(self) -> None:
-        """After a download: continue from the swarm's anchor, not from the donor's half-finished local model."""
-        super().reset()
-        for x, p in zip(self._anchor, self.params):
-            p.detach().copy_(x)
-
-    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
-        return False
+        self.anchor.restore()
+        self.lr_sums.clear()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"anchor": [x.clone() for x in self._anchor], "outer": self.outer.state_dict()}
+        return {**super().state_dict(), "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        outer = _entry(state, "outer")
+        outer = entry(state, "outer")
         if not isinstance(outer, dict):
             raise IncompatibleStateError("DiLoCo outer: expected the outer optimizer's state_dict")
-        anchor = _checked_tensors(self._anchor, state.get("anchor"), "DiLoCo anchor")
+        load_anchor = self.checked_state(state)
         try:  # torch checks the groups before it changes anything
             self.outer.load_state_dict(outer)
         except (KeyError, ValueError, TypeError) as e:
             raise IncompatibleStateError(f"DiLoCo outer: the outer optimizer's state does not fit: {e!r}") from e
-        _copy_into(self._anchor, anchor)
+        load_anchor()

@@ -10,7 +10,8 @@ import torch
 
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.errors import ConfigTypeError
-from swarm_opt.strategies.base import HeldRound, Strategy, grads_are_finite, state_dtype
+from swarm_opt.round import Round
+from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,6 @@ class GradientAveraging(Strategy):
         self.overlap = overlap
 
     @property
-    def runs_rounds_in_background(self) -> bool:
-        return self.overlap is not None
-
-    @property
     def shares_parameters(self) -> bool:
         return True
 
@@ -64,7 +61,7 @@ class GradientAveraging(Strategy):
         self._mean = [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params]
         self._samples = 0
         self._spare: Optional[List[torch.Tensor]] = None  # a zeroed mean to accumulate into while a round is held
-        self._held: Optional[_HeldGradients] = None
+        self._held: Optional[_HeldGradients] = None  # a round set aside (Overlap), until it is applied or given back
 
     def local_step(self, batch_size: int) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -79,8 +76,12 @@ class GradientAveraging(Strategy):
         self._samples += batch_size
         return True
 
-    def tensors_to_average(self) -> List[torch.Tensor]:
+    def buffer_templates(self) -> List[torch.Tensor]:
         return self._mean
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        for buffer, mean in zip(buffers, self._mean):
+            buffer.copy_(mean)
 
     def averaging_weight(self) -> float:
         return float(self._samples)
@@ -89,6 +90,17 @@ class GradientAveraging(Strategy):
         self._step_with(self._mean if result.averaged is None else result.averaged)
         self.reset()
 
+    def begin_round(self) -> Round:
+        """Without overlap, a round over the running mean (the loop waits for it); with ``Overlap()`` the round
+        takes the mean with it (the loop polls it) and the next round accumulates into a spare buffer."""
+        if self.overlap is None:
+            return super().begin_round()
+        assert self._held is None, "one round at a time"
+        spare = self._spare if self._spare is not None else [torch.zeros_like(m) for m in self._mean]
+        self._held = _HeldGradients(self, self._mean, self._samples)
+        self._mean, self._spare, self._samples = spare, None, 0
+        return self._held
+
     def _step_with(self, means: Sequence[torch.Tensor]) -> None:
         for p, mean in zip(self.params, means):
             # the averaged buffer itself when it fits: no copy (it is not touched again until the next round)
@@ -96,13 +108,6 @@ class GradientAveraging(Strategy):
         self.inner.step()
         for p in self.params:
             p.grad = None
-
-    def hold_round(self) -> HeldRound:
-        assert self._held is None, "one round at a time"
-        spare = self._spare if self._spare is not None else [torch.zeros_like(m) for m in self._mean]
-        self._held = _HeldGradients(self, self._mean, self._samples)
-        self._mean, self._spare, self._samples = spare, None, 0
-        return self._held
 
     def _release(self, held: _HeldGradients) -> None:
         for mean in held.means:
@@ -121,8 +126,10 @@ class GradientAveraging(Strategy):
         return {}
 
 
-class _HeldGradients(HeldRound):
+class _HeldGradients(Round):
     """The mean gradient of a round set aside while it is averaged in the background."""
+
+    in_background = True
 
     def __init__(self, owner: GradientAveraging, means: List[torch.Tensor], samples: int) -> None:
         self.owner, self.means, self.samples = owner, means, samples

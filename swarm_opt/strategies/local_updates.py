@@ -1,13 +1,15 @@
-"""Local updates with periodic state averaging: local SGD / FedAvg without a server, and FedProx on top of it."""
+"""Local updates with periodic state averaging: local SGD / FedAvg without a server; FedProx on top of it; and
+``Anchored``, the base of the variants whose rounds are measured from the swarm's starting point ``x``."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.strategies.anchor import Anchor, LrSums, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
 
 
@@ -54,7 +56,9 @@ class LocalUpdates(Strategy):
         """Hook for variants that correct the weights after the step (SCAFFOLD)."""
 
     # --- the round ----------------------------------------------------------------------------------------------------
-    def tensors_to_average(self) -> List[torch.Tensor]:
+    def averaged_state(self) -> List[torch.Tensor]:
+        """The live tensors a round averages as they are: the parameters, then the averaged optimizer statistics
+        (the first entries of ``buffer_templates``, ``write_round`` and ``result.averaged``)."""
         return list(self.params) + self._optimizer_statistics()
 
     def _optimizer_statistics(self) -> List[torch.Tensor]:
@@ -67,12 +71,19 @@ class LocalUpdates(Strategy):
                 i += 1
         return stats
 
+    def buffer_templates(self) -> List[torch.Tensor]:
+        return self.averaged_state()
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        for buffer, tensor in zip(buffers, self.averaged_state()):
+            buffer.copy_(tensor.detach())
+
     def averaging_weight(self) -> float:
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
         if result.averaged is not None:
-            for tensor, mean in zip(LocalUpdates.tensors_to_average(self), result.averaged):
+            for tensor, mean in zip(self.averaged_state(), result.averaged):
                 tensor.detach().copy_(mean)
         self._samples = 0
 
@@ -100,49 +111,80 @@ class FedProx(LocalUpdates):
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self._anchor = [p.detach().to("cpu", state_dtype(p), copy=True) for p in self.params]
+        self.anchor = Anchor([self.params])  # the pull's centre: local, restarted from the parameters
 
     def before_inner_step(self) -> None:
-        for p, x in zip(self.params, self._anchor):
+        for p, x in zip(self.anchor.params, self.anchor.tensors):
             if p.grad is not None:
                 p.grad.add_((p.detach() - x.to(p.device, p.dtype)), alpha=self.mu)
 
     def apply_round(self, result: AveragingResult) -> None:
         super().apply_round(result)
-        self._restart_anchor()
+        self.anchor.restart()
 
     def reset(self) -> None:
         super().reset()
-        self._restart_anchor()
-
-    def _restart_anchor(self) -> None:
-        for x, p in zip(self._anchor, self.params):
-            x.copy_(p.detach())
+        self.anchor.restart()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"anchor": [x.clone() for x in self._anchor]}
+        return {"anchor": self.anchor.state()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        _copy_into(self._anchor, _checked_tensors(self._anchor, _entry(state, "anchor"), "FedProx anchor"))
+        self.anchor.load(self.anchor.check(entry(state, "anchor"), "FedProx anchor"))
 
 
-def _entry(state: Any, key: str) -> Any:
-    """``state[key]`` of a saved strategy state, which may come from another strategy or model (or a hostile peer)."""
-    if not isinstance(state, dict):
-        raise IncompatibleStateError(f"a strategy state must be a dict, got {type(state).__name__}")
-    return state.get(key)
+class Anchored(LocalUpdates):
+    """LocalUpdates measured from the swarm's starting point of the round, ``x`` (``self.anchor``, over the trainable
+    parameters), with ``self.lr_sums`` the learning rates spent since: DiLoCo, SCAFFOLD and FedNova build on it,
+    overriding what a round sends (``buffer_templates``, ``write_round``), what it makes of the group's mean
+    (``apply_round``; ``super().apply_round`` copies the mean into the parameters) and where the next round starts
+    (``start_next_round``).
 
+    ``x`` is the swarm's: every peer ends a committed round from the same one, a peer that missed a round holds an
+    outdated ``x`` and downloads the swarm's state, and after a download it continues from the swarm's ``x`` (not
+    from the donor's half-finished local model). ``x`` and the learning rates spent since are part of the state.
+    """
 
-def _checked_tensors(into: List[torch.Tensor], values: Any, what: str) -> List[torch.Tensor]:
-    """Saved tensors that fit ``into`` one for one; a state loads only once every part of it was checked."""
-    if not isinstance(values, list) or len(values) != len(into):
-        raise IncompatibleStateError(f"{what}: expected {len(into)} tensors")
-    for dst, src in zip(into, values):
-        if not isinstance(src, torch.Tensor) or src.shape != dst.shape:
-            raise IncompatibleStateError(f"{what}: a tensor does not match the model")
-    return values
+    def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
+        super().bind(params, inner)
+        self.anchor = Anchor.of_trainable(inner)
+        self.lr_sums = LrSums(inner)
 
+    def after_inner_step(self) -> None:
+        self.lr_sums.add_step()
 
-def _copy_into(into: List[torch.Tensor], values: List[torch.Tensor]) -> None:
-    for dst, src in zip(into, values):
-        dst.copy_(src)
+    def apply_round(self, result: AveragingResult) -> None:
+        super().apply_round(result)
+        self.start_next_round()
+
+    def start_next_round(self) -> None:
+        """The round's result is in the parameters; the next round starts from them: ``x <- p``."""
+        self.anchor.restart()
+        self.lr_sums.clear()
+
+    def reset(self) -> None:
+        super().reset()
+        self.anchor.restore()
+        self.lr_sums.clear()
+
+    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        """No: this peer's ``x`` is a round behind the swarm's, and its next update would be measured from it."""
+        return False
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"anchor": self.anchor.state(), "lr_sums": list(self.lr_sums.values)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.checked_state(state)()
+
+    def checked_state(self, state: Any) -> Callable[[], None]:
+        """Check this class's parts of a saved state; the function returned loads them. A subclass loads its own
+        parts only once every part was checked: a state that does not fit changes nothing."""
+        name = type(self).__name__
+        lr_sums = self.lr_sums.check(entry(state, "lr_sums"), f"{name} lr_sums")
+        anchor = self.anchor.check(state.get("anchor"), f"{name} anchor")
+
+        def load() -> None:
+            self.anchor.load(anchor)
+            self.lr_sums.values = lr_sums
+        return load

@@ -15,7 +15,7 @@ import torch
 
 import swarm_opt
 from swarm_opt.averaging import buffer_like
-from swarm_opt.simulation import average_in_process
+from swarm_opt.simulation import average_in_process, round_values
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ STRATEGIES = {
         inner=lambda p: torch.optim.AdamW(p, lr=0.01),
         bad_arguments=((lambda: swarm_opt.DiLoCo(outer_optimizer=torch.optim.SGD([torch.zeros(1)], lr=1)),
                         TypeError, "factory"),)),
+    "fednova": StrategyInfo(
+        lambda: swarm_opt.FedNova(average_optimizer_state=("momentum_buffer",)),
+        bad_arguments=((lambda: swarm_opt.FedNova(average_optimizer_state=[1]), TypeError, "sequence"),)),
 }
 
 
@@ -104,27 +107,14 @@ def test_rounds_keep_peers_finite_and_in_sync(name):
 
 
 def _fail_a_round(strategy: swarm_opt.Strategy) -> List[torch.Tensor]:
-    """What the optimizer does with a round whose all-reduce failed (``Optimizer._run_round`` then
-    ``_conclude_round`` with no result): the averager asks for the weight and the values, then nothing is applied,
-    and a round held in the background is given back."""
-    buffers = [buffer_like(t) for t in strategy.tensors_to_average()]
+    """What the optimizer does with a round whose all-reduce failed (``swarm_opt.round.RoundRunner``): the round
+    begins, the averager takes its weight and its values, then the round is given back."""
+    buffers = [buffer_like(t) for t in strategy.buffer_templates()]
     with torch.no_grad():
-        if strategy.runs_rounds_in_background:
-            held = strategy.hold_round()
-            assert held.weight > 0
-            held.write(buffers)
-            held.give_back()
-        else:
-            assert strategy.averaging_weight() > 0
-            strategy.write_round(buffers)
-    return buffers
-
-
-def _round_values(strategy: swarm_opt.Strategy) -> List[torch.Tensor]:
-    """The values this peer would send in a round now."""
-    buffers = [buffer_like(t) for t in strategy.tensors_to_average()]
-    with torch.no_grad():
-        strategy.write_round(buffers)
+        begun = strategy.begin_round()
+        assert begun.weight > 0
+        begun.write(buffers)
+        begun.give_back()
     return buffers
 
 
@@ -146,7 +136,7 @@ def test_a_failed_round_is_a_no_op(name):
     peer.train(2)
     twin.train(2)
     assert peer.strategy.averaging_weight() == twin.strategy.averaging_weight()
-    for a, b in zip(_round_values(peer.strategy), _round_values(twin.strategy)):
+    for a, b in zip(round_values(peer.strategy), round_values(twin.strategy)):
         assert torch.equal(a, b)
     average_in_process([peer.strategy])
     average_in_process([twin.strategy])

@@ -62,7 +62,7 @@ def make_strategy(name: str):
     return {
         "grad": swarm_opt.GradientAveraging,
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
-        "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold,
+        "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
@@ -94,8 +94,23 @@ def install_fault(cfg: dict) -> None:
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
       ``OUT.slowed`` the first time.
+    * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
+      the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
+    if cfg.get("bug_in_write"):
+        from swarm_opt.averaging import TensorAverager
+
+        original_all_reduce = TensorAverager.all_reduce
+
+        def write_with_a_bug(buffers):
+            raise RuntimeError("injected bug in write")
+
+        @functools.wraps(original_all_reduce)
+        def all_reduce(self, write, *args, **kwargs):
+            return original_all_reduce(self, write_with_a_bug, *args, **kwargs)
+
+        TensorAverager.all_reduce = all_reduce
     if cfg.get("serve_perturbed"):
         from swarm_opt.averaging import TensorAverager
         from swarm_opt.optimizer import Optimizer
@@ -251,9 +266,12 @@ def save(cfg: dict, result: dict) -> None:
 def run_lsq(cfg: dict, opt, model) -> None:
     """Full-gradient steps on this rank's least-squares problem; records the controls and weights of every round.
 
-    With ``steps_per_round`` the peer runs in lockstep: after that many steps it only waits for the round, calling
-    ``step()`` with non-finite gradients, which swarm_opt skips (no inner step, no samples), so that every peer
-    completes exactly that many steps per round and the run is deterministic."""
+    With ``steps_per_round`` (one number, or one per rank) the peer runs in lockstep: after that many steps it only
+    waits for the round, calling ``step()`` with non-finite gradients, which swarm_opt skips (no inner step, no
+    samples), so that every peer completes exactly that many steps per round and the run is deterministic."""
+    steps_per_round = cfg.get("steps_per_round", float("inf"))
+    if isinstance(steps_per_round, list):
+        steps_per_round = steps_per_round[cfg["rank"]]
     outputs = cfg.get("lsq_outputs", 1)
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
     weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
@@ -262,7 +280,7 @@ def run_lsq(cfg: dict, opt, model) -> None:
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
         (0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()).backward()
-        if steps_in_round >= cfg.get("steps_per_round", float("inf")):
+        if steps_in_round >= steps_per_round:
             model.weight.grad.fill_(float("nan"))
         else:
             steps_in_round += 1

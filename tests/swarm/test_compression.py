@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.simulation import average_in_process
+from swarm_opt.simulation import average_in_process, round_values
 from tests.swarm.peer import LSQ_DIM, lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -64,7 +64,7 @@ def reference_run(strategy_cls: type) -> Reference:
                 inner.zero_grad()
                 (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
                 strategy.local_step(BATCH)
-        sent = [torch.cat([t.detach().reshape(-1) for t in s.tensors_to_average()]) for _, _, s, _ in peers]
+        sent = [torch.cat([t.reshape(-1) for t in round_values(s)]) for _, _, s, _ in peers]
         mean = sum(sent) / len(sent)
         magnitudes.append(max(float(x.abs().max()) for x in sent) + float(mean.abs().max()))
         average_in_process([s for _, _, s, _ in peers])

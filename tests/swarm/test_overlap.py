@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import time
 
 import pytest
 import torch
@@ -75,3 +76,20 @@ def test_overlapped_rounds_apply_each_epochs_gradients_at_the_parameters_they_we
     for r in fresh:
         r["versions"] = {e: [e - 1] * len(vs) for e, vs in r["versions"].items()}
     assert not _close(results[0]["params"], delayed_reference(fresh, epochs), 1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["grad", "grad_overlap"])
+def test_a_bug_inside_a_round_is_raised_from_step_whether_the_round_blocks_or_runs_in_the_background(swarm,
+                                                                                                      strategy):
+    """One round protocol for both: an unexpected error in a round's ``write`` gives the round back and surfaces
+    from ``step()`` (a background round's at the next ``step()``), instead of being logged and retried forever."""
+    swarm.start(0, batch_size=8, target_batch_size=64, inner="sgd", epochs=3, expect_peers=2, strategy=strategy)
+    buggy = swarm.start(1, batch_size=8, target_batch_size=64, inner="sgd", epochs=3, expect_peers=2,
+                        strategy=strategy, bug_in_write=True)
+    deadline = time.monotonic() + 150  # start-up takes most of it on a loaded machine; the peer exits at its round
+    while buggy.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = swarm.log(1)
+    assert buggy.returncode not in (None, 0), log
+    assert "RuntimeError: injected bug in write" in log and "in step" in log, log
+    assert "keeping local progress" not in log and "failed unexpectedly" not in log, log

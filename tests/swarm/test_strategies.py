@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm_opt.simulation import average_in_process
-from swarm_opt.strategies import LocalUpdates, Scaffold
+from swarm_opt.strategies import FedNova, LocalUpdates, Scaffold
 from tests.swarm.peer import lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -57,11 +57,12 @@ def _lockstep(swarm, tmp_path, strategy: str, name: str, **config) -> list:
         other.kill_all()
 
 
-def _simulate(strategy_cls, problems: list, rounds: int, steps: int, history=None) -> torch.Tensor:
+def _simulate(strategy_cls, problems: list, rounds: int, steps, history=None) -> torch.Tensor:
     """The same strategy code, averaged in-process: what the swarm must compute. ``history`` maps an epoch to
     (members, downloaders): the peers whose tensors that round averaged, and those that ended it by downloading
     the result (a peer whose side of the round failed, whether or not the others averaged its tensors: the last
-    message of a round can always be lost). A downloader starts the next round like a newcomer (zero controls)."""
+    message of a round can always be lost). A downloader starts the next round like a newcomer (zero controls).
+    ``steps``: local steps per round, one number for every peer or a list of one per peer."""
     peers = []
     for problem in problems:
         w = torch.nn.Parameter(torch.zeros(1, 5, dtype=torch.float64))
@@ -70,9 +71,10 @@ def _simulate(strategy_cls, problems: list, rounds: int, steps: int, history=Non
         strategy.bind([w], inner)
         peers.append((w, inner, strategy, lsq_problem(problem)))
     everyone = list(range(len(peers)))
+    steps = steps if isinstance(steps, list) else [steps] * len(peers)
     for epoch in range(1, rounds + 1):
-        for w, inner, strategy, (a, b) in peers:
-            for _ in range(steps):
+        for (w, inner, strategy, (a, b)), k in zip(peers, steps):
+            for _ in range(k):
                 inner.zero_grad()
                 (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
                 strategy.local_step(16)
@@ -128,6 +130,19 @@ def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp
     expected = _simulate(Scaffold, range(4), rounds=8, steps=10, history=history)
     for r in hetero:
         torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
+
+
+def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_what_its_maths_says(swarm, tmp_path):
+    """FedNova's round through hivemind's all-reduce (the normalized updates and, as one more part, each peer's sum
+    of learning rates) gives the in-process simulation's model; FedAvg's would differ."""
+    steps = [4, 6, 8, 10]
+    results = _lockstep(swarm, tmp_path, "fednova", "fednova", steps_per_round=steps,
+                        target_batch_size=16 * sum(steps), epochs=6)
+    history = _check_lockstep(results, 6)
+    expected = _simulate(FedNova, range(4), rounds=6, steps=steps, history=history)
+    for r in results:
+        torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
+    assert (expected - _simulate(LocalUpdates, range(4), rounds=6, steps=steps, history=history)).norm() > 1e-2
 
 
 @pytest.mark.extended

@@ -4,7 +4,8 @@ member reads from the same gather, not against each member's own view of the swa
 from __future__ import annotations
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.optimizer import _is_majority, _swarm_size_seen_by
+from swarm_opt.round import is_majority as _is_majority
+from swarm_opt.round import swarm_size_seen_by as _swarm_size_seen_by
 
 
 def group(*views, helpers=0) -> AveragingResult:

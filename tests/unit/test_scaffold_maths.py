@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from swarm_opt.simulation import average_in_process
+from swarm_opt.simulation import average_in_process, round_values
 from swarm_opt.strategies import LocalUpdates, Scaffold
 
 DIM = 5
@@ -116,7 +116,7 @@ def test_5_a_failed_round_changes_nothing_and_churn_stays_exact():
         p.local_steps(10)
     before = [(p.w.detach().clone(), p.strategy.state_dict()) for p in peers]
     for p in peers:
-        p.strategy.tensors_to_average()  # a round that was prepared, sent, and failed: nothing is applied
+        round_values(p.strategy)  # a round that was begun, sent, and failed (given back): nothing is applied
     for p, (w, state) in zip(peers, before):
         assert torch.equal(p.w.detach(), w)
         for key in ("controls", "anchor"):

@@ -8,6 +8,7 @@ import torch
 import swarm_opt
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.serialization import flatten, unflatten
+from swarm_opt.simulation import round_values
 from swarm_opt.strategies import GradientAveraging
 
 
@@ -24,7 +25,7 @@ def test_accumulation_is_weighted_by_samples_not_calls():
     for grad, batch in [(torch.tensor([1.0, 0, 0]), 1), (torch.tensor([0, 3.0, 0]), 3)]:
         w.grad = grad.clone()
         assert strategy.local_step(batch)
-    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([0.25, 2.25, 0.0]))
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([0.25, 2.25, 0.0]))
     assert strategy.averaging_weight() == 4.0
 
 
@@ -33,10 +34,10 @@ def test_non_finite_gradients_are_skipped_and_never_accumulated():
     strategy, _ = _bound([w])
     w.grad = torch.tensor([1.0, float("inf")])
     assert not strategy.local_step(8)
-    assert strategy.averaging_weight() == 0 and torch.all(strategy.tensors_to_average()[0] == 0)
+    assert strategy.averaging_weight() == 0 and torch.all(round_values(strategy)[0] == 0)
     w.grad = torch.tensor([2.0, 2.0])
     assert strategy.local_step(2)
-    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([2.0, 2.0]))
 
 
 def test_apply_round_steps_the_inner_optimizer_on_the_average_and_resets():
@@ -44,7 +45,7 @@ def test_apply_round_steps_the_inner_optimizer_on_the_average_and_resets():
     strategy, _ = _bound([w])
     w.grad = torch.tensor([1.0, 1.0])
     strategy.local_step(4)
-    strategy.tensors_to_average()[0].copy_(torch.tensor([0.5, -0.5]))  # what the all-reduce would write
+    strategy.buffer_templates()[0].copy_(torch.tensor([0.5, -0.5]))  # the running mean, as if averaged
     strategy.apply_round(AveragingResult(peers=(), gathered={}))
     torch.testing.assert_close(w.detach(), torch.tensor([0.5, 1.5]))
     assert w.grad is None and strategy.averaging_weight() == 0
@@ -57,7 +58,7 @@ def test_a_parameter_without_gradient_counts_as_zero_gradient():
     strategy.local_step(1)
     a.grad, b.grad = torch.ones(1), None
     strategy.local_step(1)
-    torch.testing.assert_close(strategy.tensors_to_average()[1], torch.tensor([0.5]))
+    torch.testing.assert_close(round_values(strategy)[1], torch.tensor([0.5]))
 
 
 def test_a_strategy_instance_serves_one_optimizer():
@@ -102,15 +103,15 @@ def test_a_held_round_that_fails_is_pooled_with_the_next_one_by_samples():
     w = torch.nn.Parameter(torch.zeros(2))
     strategy = _overlapping([w])
     _steps(strategy, w, [([1.0, 0.0], 2), ([3.0, 0.0], 2)])
-    held = strategy.hold_round()
+    held = strategy.begin_round()
     assert held.weight == 4.0
     buffers = [torch.zeros(2)]
     held.write(buffers)
     torch.testing.assert_close(buffers[0], torch.tensor([2.0, 0.0]))
     _steps(strategy, w, [([0.0, 8.0], 4)])  # the next round accumulates apart
-    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([0.0, 8.0]))
+    torch.testing.assert_close(strategy.buffer_templates()[0], torch.tensor([0.0, 8.0]))
     held.give_back()
-    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([1.0, 4.0]))  # mean over 8 samples
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([1.0, 4.0]))  # mean over 8 samples
     assert strategy.averaging_weight() == 8.0 and torch.equal(w.detach(), torch.zeros(2))
 
 
@@ -118,14 +119,14 @@ def test_a_held_round_that_succeeds_steps_on_the_group_mean_and_keeps_the_next_r
     w = torch.nn.Parameter(torch.zeros(2))
     strategy = _overlapping([w])
     _steps(strategy, w, [([1.0, 1.0], 2)])
-    held = strategy.hold_round()
+    held = strategy.begin_round()
     _steps(strategy, w, [([5.0, 5.0], 3)])
     held.apply(AveragingResult(peers=(), gathered={}, averaged=[torch.tensor([0.5, -1.0])]))
     torch.testing.assert_close(w.detach(), torch.tensor([-0.5, 1.0]))  # SGD lr 1 on the group's mean
-    torch.testing.assert_close(strategy.tensors_to_average()[0], torch.tensor([5.0, 5.0]))
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([5.0, 5.0]))
     assert strategy.averaging_weight() == 3.0
-    again = strategy.hold_round()  # the released buffer is reused, zeroed
-    assert again.weight == 3.0 and torch.equal(strategy.tensors_to_average()[0], torch.zeros(2))
+    again = strategy.begin_round()  # the released buffer is reused, zeroed
+    assert again.weight == 3.0 and torch.equal(strategy.buffer_templates()[0], torch.zeros(2))
 
 
 def test_overlap_is_an_option_object():

@@ -11,7 +11,7 @@ from swarm_opt.volunteer import make_strategy
 
 
 def test_registry_keys_are_the_strategies_names():
-    assert list(swarm_opt.strategies.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco"]
+    assert list(swarm_opt.strategies.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco", "fednova"]
     for name, strategy in swarm_opt.strategies.STRATEGIES.items():
         assert issubclass(strategy, swarm_opt.Strategy) and strategy.name == name
 
@@ -30,5 +30,6 @@ def test_the_command_line_builds_every_registered_strategy_by_its_name(name):
 def test_the_command_line_passes_each_strategy_its_options():
     assert make_strategy(_train_args("--strategy", "fedprox", "--fedprox-mu", "0.5")).mu == 0.5
     diloco = make_strategy(_train_args("--strategy", "diloco", "--outer-lr", "0.3", "--outer-momentum", "0"))
-    diloco.bind([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    w = torch.nn.Parameter(torch.zeros(2))
+    diloco.bind([w], torch.optim.SGD([w], lr=0.1))
     assert diloco.outer.defaults["lr"] == 0.3 and diloco.outer.defaults["nesterov"] is False

@@ -1,0 +1,179 @@
+"""The one round protocol: a strategy's ``Round``, and how the step loop runs and concludes it.
+
+A strategy begins a round with ``Strategy.begin_round()``. The ``Round`` it returns knows this peer's ``weight``,
+``write``\\s its values into the averaging buffers, and ends exactly once: ``apply`` (the group's mean was committed)
+or ``give_back`` (it was not: its values stay this peer's and are averaged next time). A round over the strategy's
+live state makes ``step()`` wait for it; a round that set its values aside (``Round.in_background``: gradient
+averaging with ``Overlap()``) averages in a thread of its own while training goes on, and ``step()`` polls it. Both
+end in ``RoundRunner._conclude``, the single place of the commit protocol:
+
+* an error raised inside the round (a bug: network failures make ``all_reduce`` return ``None``) gives the round
+  back and is raised from ``step()``, whichever thread ran the round;
+* a round that failed, or whose group holds no majority of the live peers, is given back;
+* otherwise the round is applied, committed and reported as one step under the optimizer's state lock, so that a
+  peer downloading our state never sees the new parameters with the old epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Optional, Sequence
+
+import torch
+
+from swarm_opt.averaging import AveragingResult, TensorAverager
+
+logger = logging.getLogger(__name__)
+
+
+class Round(ABC):
+    """One peer's part of one averaging round. ``write`` (and ``weight``) may run in another thread than the
+    training loop's; ``apply`` or ``give_back`` run in the loop's, after the all-reduce ended."""
+
+    #: True if the round set its values aside, so that local steps may go on while it averages
+    in_background: bool = False
+
+    @property
+    @abstractmethod
+    def weight(self) -> float:
+        """This peer's weight in the round's weighted mean (fixed when the round began)."""
+
+    @abstractmethod
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Write this peer's values into the averaging buffers (fp32 or wider, on the CPU, shaped like
+        ``Strategy.buffer_templates()``)."""
+
+    @abstractmethod
+    def apply(self, result: AveragingResult) -> None:
+        """The round committed: finish it from the group's mean ``result.averaged`` (``None`` for a round alone,
+        whose mean is this peer's own values)."""
+
+    @abstractmethod
+    def give_back(self) -> None:
+        """The round failed: leave this peer's values to the next round (a no-op for a round over live state)."""
+
+
+_MAX_SWARM_SIZE = 1_000_000  # a count of live peers in a groupmate's gather beyond this is not believed
+
+
+def is_majority(group_size: int, num_peers: int) -> bool:
+    """At most one group per epoch can hold a strict majority of the live peers, so at most one version commits."""
+    return 2 * group_size > num_peers or group_size >= num_peers
+
+
+def swarm_size_seen_by(result: AveragingResult, own_view: int) -> int:
+    """How many live peers a round's majority is measured against: the largest count that its members saw (each
+    sends its own in the gather), and at least the group. Every member computes it from the same gather, so a group
+    commits on all its members or on none: measured against each member's own count, a member that had not seen a
+    newcomer yet committed a group of 2 as a majority of 3 while its groupmate, seeing 4, discarded it, and the two
+    then stood at different epochs for good. A member that exaggerates can only fail the round, which it could by
+    not sending. ``own_view`` serves only when no member sent a count (a group of helpers and peers too old)."""
+    views = [info.get("peers") for peer, info in result.gathered.items()
+             if peer in result.peers and isinstance(info, dict)]
+    views = [v for v in views if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SWARM_SIZE]
+    return max(views + [result.group_size]) if views else max(own_view, result.group_size)
+
+
+@dataclass
+class RoundInFlight:
+    """A round between its start and its conclusion, with what the loop reports once it commits."""
+
+    round: Round
+    round_id: int
+    num_peers: int  # the live peers this peer saw when the round started (see swarm_size_seen_by)
+    samples: int  # this peer's samples in the round
+    started: float  # monotonic
+    result: Optional[AveragingResult] = None
+    error: Optional[BaseException] = None
+    thread: Optional[threading.Thread] = None
+
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+
+class RoundRunner:
+    """Runs the optimizer's rounds over ``averager``, one at a time, and concludes each by the protocol of the
+    module docstring. ``on_commit(flight, result, num_peers)`` (called under ``lock`` once a round was applied and
+    committed, with the swarm size its majority was measured against) moves the optimizer's epoch;
+    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round."""
+
+    def __init__(self, averager: TensorAverager, *, lock: ContextManager,
+                 on_commit: Callable[[RoundInFlight, AveragingResult, int], None],
+                 await_target: Callable[[int], None] = lambda round_id: None) -> None:
+        self._averager, self._lock, self._on_commit, self._await_target = averager, lock, on_commit, await_target
+        self._flight: Optional[RoundInFlight] = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._flight is not None
+
+    def run(self, round: Round, *, round_id: int, num_peers: int, samples: int,
+            round_is_over: Callable[[], bool]) -> None:
+        """Run ``round``: alone if ``num_peers <= 1`` (its mean is our own values), in a thread of its own if
+        ``round.in_background`` (``poll`` concludes it), otherwise here, concluding it before returning.
+        ``round_is_over()``: the swarm completed the round without us (see ``TensorAverager.all_reduce``)."""
+        assert self._flight is None, "one round at a time"
+        flight = RoundInFlight(round, round_id, num_peers, samples, time.monotonic())
+        if num_peers <= 1:
+            flight.result = AveragingResult(peers=(self._averager.peer_id,), gathered={})
+        elif round.in_background:
+            self._flight = flight
+            flight.thread = threading.Thread(target=self._all_reduce, args=(flight, round_is_over), daemon=True,
+                                             name="swarm_opt.BackgroundRound")
+            flight.thread.start()
+            return
+        else:
+            self._all_reduce(flight, round_is_over)
+        self._conclude(flight)
+
+    def poll(self) -> None:
+        """Conclude the round in flight if its all-reduce ended."""
+        if self._flight is not None and self._flight.done():
+            self._conclude(self._flight)
+
+    def settle(self) -> None:
+        """Wait for the round in flight and conclude it, before anything replaces the state it would update."""
+        if self._flight is not None:
+            if self._flight.thread is not None:
+                self._flight.thread.join()
+            self._conclude(self._flight)
+
+    def abandon(self, timeout: float) -> None:
+        """At shutdown (the averager stopped, so a round in flight returns at once): wait for its thread, conclude
+        nothing."""
+        if self._flight is not None and self._flight.thread is not None:
+            self._flight.thread.join(timeout)
+
+    def _all_reduce(self, flight: RoundInFlight, round_is_over: Callable[[], bool]) -> None:
+        try:
+            self._await_target(flight.round_id)
+            with torch.no_grad():
+                flight.result = self._averager.all_reduce(flight.round.write, flight.round.weight, flight.round_id,
+                                                          round_is_over)
+        except Exception as e:  # a bug (network failures return None): concluded in the training loop's thread
+            flight.error = e
+
+    def _conclude(self, flight: RoundInFlight) -> None:
+        self._flight = None
+        result = flight.result
+        num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
+        if flight.error is not None or result is None or not is_majority(result.group_size, num_peers):
+            if flight.error is None:
+                outcome = (f"failed: {self._averager.last_failure}" if result is None
+                           else f"group of {result.group_size}")
+                logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {num_peers} "
+                            f"peers ({outcome}); keeping local progress")
+            with torch.no_grad(), self._lock:
+                flight.round.give_back()
+            if flight.error is not None:
+                self._averager.cancel_scheduled()  # leave no group waiting for this peer
+                raise flight.error
+            return
+        with torch.no_grad(), self._lock:
+            flight.round.apply(result)
+            self._averager.commit(result, flight.round_id)
+            self._on_commit(flight, result, num_peers)

@@ -181,6 +181,77 @@ def run_swarm(n: int, config: TrackerConfig, seconds: float, warmup: float, epoc
     }
 
 
+async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[float]]:
+    """Bytes one DHT operation moves on a quiet DHT of ``nodes`` real nodes, against the records under the key:
+    a read (latest, hivemind's default beam / the sharded beam of 3) and a write (default beam / beam 5). One
+    operation at a time, so that CPU load cannot time anything out."""
+    from hivemind.utils import get_dht_time
+
+    from swarm_opt.progress import _SHARD_READ_BEAM, _SHARD_WRITE_BEAM, progress_validators
+    from swarm_opt.sharding import progress_key
+
+    dhts = await start_nodes(nodes)
+    for d in dhts:
+        d.add_validators(progress_validators("model"))
+    out: Dict[str, List[float]] = {"records": [], "read": [], "read_sharded": [], "write": [], "write_sharded": []}
+    value = {"peer_id": b"x" * 38, "instance": "0123456789abcdef", "epoch": 1, "samples": 1000,
+             "samples_per_second": 10.0, "time": 0.0, "client_mode": False, "model_schema": "m" * 64,
+             "target_batch_size": 10000, "params_digest": [0.5] * 8}
+    for size in sizes:
+        key = f"{progress_key('model')}_{size}"  # an unvalidated key of the same shape: each record is signed
+        writers = dhts[:size] if size <= len(dhts) else dhts
+        for i in range(size):
+            d = writers[i % len(writers)]
+            subkey = d.signer.local_public_key + f"/{i:016d}".encode()
+            await d.node.store(key, dict(value, time=get_dht_time()), get_dht_time() + 120, subkey=subkey)
+        reader, writer = dhts[-1], writers[0]
+        own = writer.signer.local_public_key + b"/0000000000000000"
+        read_beams = {"read": {}, "read_sharded": {"beam_size": _SHARD_READ_BEAM}}
+        write_beams = {"write": {}, "write_sharded": {"beam_size": _SHARD_WRITE_BEAM}}
+        for name in (*read_beams, *write_beams):
+            costs = []
+            for _ in range(3):
+                before = sum(d.bytes for d in dhts)
+                if name in read_beams:
+                    await reader.node.get(key, latest=True, **read_beams[name])
+                else:
+                    await writer.node.store(key, dict(value, time=get_dht_time()), get_dht_time() + 120, subkey=own,
+                                            **write_beams[name])
+                await asyncio.sleep(0.3)  # the caching store a read triggers
+                costs.append(sum(d.bytes for d in dhts) - before)
+            out[name].append(float(np.median(costs)))
+        out["records"].append(size)
+    for d in dhts:
+        await d.node.shutdown()
+    return out
+
+
+def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, Dict[int, float]]:
+    """Bytes per second per peer from the per-operation costs (linear in the records under the key, fitted) and
+    each design's rules: the baseline reads and writes the one key of N records once per ``refresh_period``; the
+    sharded design reads one shard and writes at each of its publishing levels once per ``sampled_period`` (once
+    per ``refresh_period`` while the swarm fits in one key)."""
+    from swarm_opt.sharding import ShardSample
+
+    lines = {name: np.polyfit(ops["records"], ops[name], 1) for name in ("read", "read_sharded", "write",
+                                                                         "write_sharded")}
+    cost = lambda name, records: float(np.polyval(lines[name], records))  # noqa: E731
+    out: Dict[str, Dict[int, float]] = {"baseline": {}, "sharded": {}}
+    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000):
+        out["baseline"][n] = (cost("read", n) + cost("write", n)) / config.refresh_period
+        sample = ShardSample(shard_size=config.shard_size, horizon=config.sample_horizon)
+        sample.observe(n)
+        if sample.level == 0:
+            out["sharded"][n] = (cost("read", n) + cost("write", n) * len(sample.publish_levels())) \
+                / config.refresh_period
+        else:
+            records = n / 2 ** sample.level
+            out["sharded"][n] = (cost("read_sharded", records)
+                                 + cost("write_sharded", records) * len(sample.publish_levels())) \
+                / config.sampled_period
+    return out
+
+
 def fit(points: List[Dict], design: str) -> Dict:
     """Least squares on the measured bytes per peer per second: linear in N for the baseline (every record read),
     a + b log2 N for the sharded design (a shard's size is bounded; DHT routes grow like log N)."""
@@ -195,7 +266,7 @@ def fit(points: List[Dict], design: str) -> Dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--peers", type=int, nargs="*", default=[2, 4, 8, 16, 32, 64], help="swarm sizes (none: only the per-operation costs)")
     parser.add_argument("--designs", nargs="+", default=list(DESIGNS), choices=list(DESIGNS))
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per swarm")
     parser.add_argument("--warmup", type=float, default=15.0)
@@ -203,8 +274,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="/tmp/tracker_traffic.json")
     parser.add_argument("--plot", default=None, help="PNG of bytes/s per peer against N (needs matplotlib)")
+    parser.add_argument("--model-nodes", type=int, default=32, help="DHT nodes for the per-operation costs")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
+
+    ops = asyncio.run(measure_operations(args.model_nodes, [1, 4, 16, 64]))
+    model = cost_model(ops, DESIGNS["sharded"])
+    print(table(["records under the key", "read (default beam)", "read (beam 3)", "write (default beam)",
+                 "write (beam 5)"], [[r, *(f"{ops[k][i] / 1e3:.1f} KB" for k in ("read", "read_sharded", "write",
+                                                                                  "write_sharded"))]
+                                     for i, r in enumerate(ops["records"])]))
+    print(table(["peers", "baseline KB/s per peer (model)", "sharded KB/s per peer (model)"],
+                [[n, f"{model['baseline'][n] / 1e3:.1f}", f"{model['sharded'][n] / 1e3:.1f}"]
+                 for n in model["baseline"]]), flush=True)
 
     results: Dict[str, List[Dict]] = {design: [] for design in args.designs}
     for n in args.peers:
@@ -235,7 +317,8 @@ def main() -> None:
         print(f"{design}: {f['model']} with a={f['a']:.0f} B/s, b={f['b']:.1f} -> {f['at_1000'] / 1e3:.1f} KB/s per "
               f"peer at 1,000 peers")
     payload = {"command": command_line(), "machine": machine(), "code": code_version(),
-               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": results, "fits": fits}
+               "finished": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), "results": results, "fits": fits,
+               "operations": ops, "model": model}
     with open(args.out, "w") as f:
         json.dump(payload, f, indent=2, default=str)
     print(f"wrote {args.out}; reproduce with: {command_line()}")

@@ -105,6 +105,15 @@ class TrackerConfig:
         then never start before every counted sample was reported, a little later on average) and turns off the other
         estimate from speeds, each peer's share of the global batch (rounds are then as deterministic as the steps).
     :param trust: how far other peers' claims are believed (``TrustConfig``).
+    :param shard_size: how many records a peer reads at a time in a large swarm: records are sharded over more DHT
+        keys as the swarm grows, so that each key holds about this many (``swarm_opt.progress``). Swarms up to this
+        size keep every record under one key, and every peer reads them all. A private run is never sharded (its
+        donors admit a newcomer by its record under that key), so its tracking costs each peer O(N).
+    :param sample_horizon: in a sharded swarm, a peer keeps the shards it read for this many seconds and estimates
+        the swarm from them; longer is more precise in a steady swarm, shorter follows churn sooner.
+    :param sampled_period: in a sharded swarm, a peer reads one shard and re-publishes its record this often (its
+        records then live ``record_ttl / heartbeat_period`` times as long); estimates are extrapolated in between.
+        The DHT bytes a peer spends on tracking are inversely proportional to it.
     """
 
     heartbeat_period: float = 1.0
@@ -112,11 +121,17 @@ class TrackerConfig:
     refresh_period: float = 1.0
     max_extrapolation: float = 2.0
     trust: TrustConfig = TrustConfig()
+    shard_size: int = 16
+    sample_horizon: float = 30.0
+    sampled_period: float = 3.0
 
     def __post_init__(self) -> None:
         _positive_float("heartbeat_period", self.heartbeat_period)
         _positive_float("record_ttl", self.record_ttl)
         _positive_float("refresh_period", self.refresh_period)
+        _positive_int("shard_size", self.shard_size)
+        _positive_float("sample_horizon", self.sample_horizon)
+        _positive_float("sampled_period", self.sampled_period)
         extrapolation = self.max_extrapolation
         if isinstance(extrapolation, bool) or not isinstance(extrapolation, (int, float)) \
                 or not 0 <= extrapolation < math.inf:

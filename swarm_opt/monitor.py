@@ -1,8 +1,9 @@
 """Watching a run from the outside: read every peer's progress record from the DHT and summarise the swarm.
 
-The monitor publishes nothing. It reads the records ``swarm_opt.progress.ProgressTracker`` publishes (same key,
-same validators, so a record that fails its signature or schema is never shown) and keeps a history of the global
-epoch over time for ``--plot``. The target batch comes from the records (``--target-batch-size`` overrides it).
+The monitor publishes nothing. It reads the records ``swarm_opt.progress.ProgressTracker`` publishes (same keys,
+same validators, so a record that fails its signature or schema is never shown; in a large swarm, a sample of them
+like a trainer's, ``swarm_opt.sharding``) and keeps a history of the global epoch over time for ``--plot``.
+The target batch comes from the records (``--target-batch-size`` overrides it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records, progress_key, progress_validators
+from swarm_opt.config import TrackerConfig
+from swarm_opt.progress import ProgressRecord, SampledRecords, aggregate_progress, progress_key, progress_validators
 from swarm_opt.trust import ClaimChecker
 
 
@@ -41,16 +43,17 @@ class RunSnapshot:
     epoch: int
     samples_accumulated: int  # in the global epoch, extrapolated at each peer's throughput
     samples_per_second: float
-    peers: Tuple[PeerView, ...]
+    peers: Tuple[PeerView, ...]  # in a large swarm, the sample read (each stands for ``scale`` peers)
     target_batch_size: Optional[int] = None
+    scale: float = 1.0
 
     @property
     def num_peers(self) -> int:
-        return len(self.peers)
+        return round(len(self.peers) * self.scale)
 
     @property
     def num_clients(self) -> int:
-        return sum(p.client_mode for p in self.peers)
+        return round(sum(p.client_mode for p in self.peers) * self.scale)
 
     @property
     def eta_seconds(self) -> Optional[float]:
@@ -76,16 +79,18 @@ def _peer_name(record: ProgressRecord) -> str:
 
 
 def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
-                          target_batch_size: Optional[int] = None, max_extrapolation: float = 0.0) -> RunSnapshot:
+                          target_batch_size: Optional[int] = None, max_extrapolation: float = 0.0,
+                          scale: float = 1.0) -> RunSnapshot:
     if target_batch_size is None:
         target_batch_size = _common_target(records)
-    swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=max_extrapolation)
+    swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=max_extrapolation,
+                               scale=scale)
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
                   r.model_schema) for r in records),
         key=lambda p: (p.client_mode, p.peer_id)))
     return RunSnapshot(run_id, now, swarm.epoch, swarm.samples_accumulated, swarm.samples_per_second, peers,
-                       target_batch_size)
+                       target_batch_size, scale)
 
 
 def _common_target(records: List[ProgressRecord]) -> Optional[int]:
@@ -108,17 +113,21 @@ class RunMonitor:
         dht.add_validators(progress_validators(run_id))
         self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
         self._checker = ClaimChecker()  # liars move the monitor's view no more than a trainer's
+        self._records = SampledRecords(dht, run_id, model_schema=model_schema,
+                                       config=TrackerConfig(max_extrapolation=max_extrapolation))
 
     def read(self, timeout: float = 10.0) -> RunSnapshot:
         try:
-            raw = self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)
+            records, _ = self._records.read(timeout)
         except TimeoutError:  # an unreachable DHT looks like a run with no live peers; the caller says so
-            raw = None
+            records = []
         now = get_dht_time()
-        records, _ = parse_records(raw, model_schema=self.model_schema, now=now)
         target = self.target_batch_size or _common_target(records)
         records = self._checker.check(records, None, now, target or 1)
-        snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size, self.max_extrapolation)
+        scale = self._records.sample.scale
+        snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size,
+                                         self._records.max_extrapolation, scale)
+        self._records.sample.observe(scale * len(records))
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))
         return snapshot

@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -41,6 +41,10 @@ from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
+
+#: a private run's tracking stays under one key, read whole (O(N) per peer): its donors check a newcomer's record there
+PRIVATE_RUN_SHARD_SIZE = 2**40
+
 
 @dataclass(frozen=True)
 class RoundReport:
@@ -159,13 +163,16 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round: Optional[RoundReport] = None
         self.model_schema = model_schema(self._params, strategy.name)
 
-        self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema,
-                                        config=tracker or TrackerConfig())
+        access = run_access(dht, progress_key(run_id))
+        tracker = tracker or TrackerConfig()
+        if access is not None:  # a private run's donors admit peers by their record under the run's one key
+            tracker = replace(tracker, shard_size=PRIVATE_RUN_SHARD_SIZE)  # (RunAccess): it is never sharded
+        self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
-            member_info=self._member_info, access=run_access(dht, progress_key(run_id)), lane=transport,
+            member_info=self._member_info, access=access, lane=transport,
         )
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
                                    await_target=self._await_target)

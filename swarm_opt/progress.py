@@ -3,10 +3,11 @@
 Each peer publishes one signed record (epoch, samples accumulated in that epoch, throughput, time) under the run's
 key. Reading all records gives the global epoch, the samples toward ``target_batch_size``, the live peers and an ETA.
 Records are validated twice: by hivemind's DHT validators when they are stored (schema and RSA signature, so a peer
-cannot write another peer's record) and again here when they are read (ranges, clock sanity, model schema), because
-a hostile peer's DHT node may serve anything. What a valid record claims is believed only as far as its owner
-plausibly could have progressed (``swarm_opt.trust``). The read path is one method, ``_read_records``, so that a
-large swarm can later read an aggregate or a sample instead of every record.
+cannot write another peer's record) and again here when they are read (ranges, clock sanity, model schema, shard),
+because a hostile peer's DHT node may serve anything. What a valid record claims is believed only as far as its owner
+plausibly could have progressed (``swarm_opt.trust``). A small swarm keeps every record under one key and every peer
+reads them all; a large one shards them and each peer reads a sample (``swarm_opt.sharding``), so that tracking costs
+a peer the same at 10 or 1,000 peers.
 """
 
 from __future__ import annotations
@@ -21,15 +22,30 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
+from swarm_opt.sharding import (
+    MAX_LEVEL,
+    Shard,
+    ShardSample,
+    all_shard_keys,
+    owner_hash,
+    progress_key,
+    shard_key,
+    shard_of,
+)
 from swarm_opt.trust import ClaimChecker
 
 logger = logging.getLogger(__name__)
 
+# A sharded read asks the 3 DHT nodes nearest to the shard's key (of the 5 that store it) instead of a beam of 20,
+# and a sharded write finds the 5 nearest with a beam of 5: each node a search visits answers with ~1 KB of routing
+# and the key's whole value, so the beam, not the shard, dominates a peer's bytes. Level 0 keeps hivemind's defaults.
+_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 3, 5
 _MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
 _MAX_SAMPLES_PER_SECOND = 1e9
 
@@ -61,14 +77,23 @@ class _ProgressSchema(pydantic.BaseModel):
     swarm_progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
 
 
-def progress_key(run_id: str) -> str:
-    return f"{run_id}_swarm_progress"
+class _ShardedSchemaValidator(SchemaValidator):
+    """The progress schema under the run's key and under each of its shard keys: hivemind's validator sees a key
+    only as the hash of its name, so every name it should recognise is hashed here, once."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(_ProgressSchema, prefix=run_id)
+        self._key_id_to_field_name.update(_shard_key_ids(run_id))
+
+
+def _shard_key_ids(run_id: str) -> Dict[bytes, str]:
+    return {DHTID.generate(source=key).to_bytes(): "swarm_progress" for key in all_shard_keys(run_id)}
 
 
 def progress_validators(run_id: str) -> list:
     """The DHT validators of a run's progress records: the schema, and an RSA signature so that nobody can write
     another peer's record. hivemind keeps one signer per DHT, so the process-wide key is shared."""
-    return [SchemaValidator(_ProgressSchema, prefix=run_id), RSASignatureValidator()]
+    return [_ShardedSchemaValidator(run_id), RSASignatureValidator()]
 
 
 @dataclass(frozen=True)
@@ -95,7 +120,7 @@ class SwarmProgress:
 
 def aggregate_progress(
     records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
-    epoch_started: Optional[float] = None, max_extrapolation: float = 2.0,
+    epoch_started: Optional[float] = None, max_extrapolation: float = 2.0, scale: float = 1.0,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
@@ -106,7 +131,8 @@ def aggregate_progress(
     Peers publish whenever their samples change, so a record older than ``max_extrapolation`` seconds belongs to a
     peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further; nor past the
     peer's share of the target (its share of the swarm's speed), where it stops computing and waits for the round.
-    Without ``local`` (an observer such as the monitor), only the records count.
+    Without ``local`` (an observer such as the monitor), only the records count. Each record stands for ``scale``
+    peers (a sample of a sharded swarm, ``swarm_opt.sharding``); ``local`` for one.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
     if local is not None:
@@ -114,7 +140,8 @@ def aggregate_progress(
     if not peers:
         return SwarmProgress(0, 0, target_batch_size, 0, 0, 0.0, now + 3600.0, now)
     epoch = max(r.epoch for r in peers)
-    throughput = sum(r.samples_per_second for r in peers)
+    weights = [1.0 if r is local else scale for r in peers]
+    throughput = sum(w * r.samples_per_second for w, r in zip(weights, peers))
     samples = 0.0
     for record in peers:
         # a peer stops computing at its share of the target (see ``Optimizer``): extrapolate it no further
@@ -123,9 +150,10 @@ def aggregate_progress(
             samples += record.samples if record.epoch == epoch else 0
         elif record.epoch == epoch:
             guess = record.samples_per_second * min(max_extrapolation, max(0.0, now - record.time))
-            samples += record.samples + min(guess, max(0.0, share - record.samples))
+            samples += scale * (record.samples + min(guess, max(0.0, share - record.samples)))
         elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
-            samples += min(share, record.samples_per_second * min(max_extrapolation, max(0.0, now - epoch_started)))
+            samples += scale * min(share, record.samples_per_second
+                                   * min(max_extrapolation, max(0.0, now - epoch_started)))
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
         eta = now
@@ -137,27 +165,34 @@ def aggregate_progress(
         epoch=epoch,
         samples_accumulated=int(samples),
         target_batch_size=target_batch_size,
-        num_peers=len(peers),
-        num_clients=sum(r.client_mode for r in peers),
+        num_peers=round(sum(weights)),
+        num_clients=round(sum(w for w, r in zip(weights, peers) if r.client_mode)),
         samples_per_second=throughput,
         eta=eta,
         time=now,
     )
 
 
-def parse_records(raw: object, *, model_schema: Optional[str], now: float) -> tuple[List[ProgressRecord], int]:
-    """Validate what the DHT returned. Returns the usable records and how many came from a different model.
+def parse_records(raw: object, *, model_schema: Optional[str], now: float,
+                  shard: Shard = (0, 0)) -> tuple[List[ProgressRecord], int]:
+    """Validate what the DHT returned for ``shard``. Returns the usable records and how many came from a different
+    model.
 
-    Anything malformed, out of range, from the far future or (unless ``model_schema`` is None: an observer) from a
-    peer with another model is dropped.
+    Anything malformed, out of range, from the far future, stored under a shard its signer's key does not hash to
+    or (unless ``model_schema`` is None: an observer) from a peer with another model is dropped.
     """
     if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
         return [], 0
     records, mismatched = [], 0
-    for entry in raw.value.values():
+    for subkey, entry in raw.value.items():
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
         if value is None:
             continue
+        if shard[0] > 0:
+            owner = owner_hash(subkey)
+            if owner is None or shard_of(owner, shard[0]) != shard:
+                logger.debug("Ignoring a progress record stored under another peer's shard: %r", subkey)
+                continue
         try:
             record = ProgressRecord.parse_obj(value)
         except (pydantic.ValidationError, TypeError, ValueError):
@@ -205,6 +240,74 @@ class _Throughput:
         return 0.0 if self._provisional else self._last
 
 
+class SampledRecords:
+    """Reads a run's records from the DHT one shard per call and holds a sample of the swarm (``swarm_opt.sharding``):
+    in a small swarm, the one key that holds every record. Shared by trackers and observers (the monitor)."""
+
+    def __init__(self, dht: DHT, run_id: str, *, model_schema: Optional[str], config: TrackerConfig,
+                 owner: Optional[int] = None, exclude_instance: Optional[str] = None) -> None:
+        self.dht, self.run_id, self.model_schema, self.config = dht, run_id, model_schema, config
+        self.sample = ShardSample(shard_size=config.shard_size, horizon=config.sample_horizon)
+        self.owner = owner if owner is not None else int.from_bytes(os.urandom(8), "little")
+        self._exclude = exclude_instance
+        self._probe_period = max(30.0, 5 * config.record_ttl)
+        self._last_probe = -math.inf
+
+    @property
+    def max_extrapolation(self) -> float:
+        """A sampled shard's records were re-timed when read (``_hold``): extrapolate them until read again."""
+        return self.config.max_extrapolation + (self.config.sample_horizon if self.sample.level > 0 else 0.0)
+
+    def read(self, timeout: float) -> Tuple[List[ProgressRecord], int]:
+        """Read the next shard; return every record held (other peers') and how many read came from another model.
+        A reader that holds nobody's record probes every level (a newcomer to a large swarm, or a lonely peer)."""
+        if not self.sample.records(get_dht_time()) and time.monotonic() - self._last_probe > self._probe_period:
+            mismatched = self.probe(timeout)
+        else:
+            shard = self.sample.next_read()
+            now = get_dht_time()
+            records, mismatched = self._parse(shard, self._get(shard, timeout), now)
+            self._hold(shard, records, now)
+        return self.sample.records(get_dht_time()), mismatched
+
+    def probe(self, timeout: float) -> int:
+        """Read our own shard at every level at once and settle on the level that holds the most records."""
+        self._last_probe = time.monotonic()
+        shards = [shard_of(self.owner, level) for level in range(MAX_LEVEL + 1)]
+        futures = [self._request(shard) for shard in shards]
+        now = get_dht_time()
+        found = []
+        for shard, future in zip(shards, futures):
+            try:
+                raw = future.result(timeout=timeout)
+            except Exception as e:  # a level that does not answer counts as empty
+                logger.debug("Progress probe of %s failed: %r", shard, e)
+                raw = None
+            found.append(self._parse(shard, raw, now))
+        level = self.sample.settle([len(records) for records, _ in found])
+        records, mismatched = found[level if level is not None else 0]
+        self._hold(shards[level if level is not None else 0], records, now)
+        return mismatched
+
+    def _get(self, shard: Shard, timeout: float) -> object:
+        return self._request(shard).result(timeout=timeout)
+
+    def _request(self, shard: Shard):
+        """The only place that reads the swarm's records."""
+        beam = {} if shard[0] == 0 else {"beam_size": _SHARD_READ_BEAM}
+        return self.dht.get(shard_key(self.run_id, shard), latest=True, return_future=True, **beam)
+
+    def _parse(self, shard: Shard, raw: object, now: float) -> Tuple[List[ProgressRecord], int]:
+        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now, shard=shard)
+        return [r for r in records if r.instance != self._exclude], mismatched
+
+    def _hold(self, shard: Shard, records: List[ProgressRecord], now: float) -> None:
+        if shard[0] > 0:  # held for up to a horizon: a record stale when read stays as stale as it was then
+            oldest = now - self.config.max_extrapolation
+            records = [r if r.time >= oldest else r.copy(update={"time": oldest}) for r in records]
+        self.sample.add(shard, records, now)
+
+
 class ProgressTracker:
     """Publishes this peer's progress and keeps a fresh view of the swarm's, in a background thread.
 
@@ -229,6 +332,11 @@ class ProgressTracker:
         # one subkey per tracker: several trackers in one process share the signing key but not the record
         self._instance = os.urandom(8).hex()
         self._subkey = validators[-1].local_public_key + b"/" + self._instance.encode()
+        self._owner = owner_hash(self._subkey)
+        self._records = SampledRecords(dht, run_id, model_schema=model_schema, config=config, owner=self._owner,
+                                       exclude_instance=self._instance)
+        self._run_id = run_id
+        self._stored_until: Dict[int, float] = {}  # level -> when our record stored there expires (DHT time)
         self._peer_id = dht.peer_id.to_bytes()
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
@@ -237,6 +345,7 @@ class ProgressTracker:
         self._throughput = _Throughput()
         self._checker = ClaimChecker(config.trust)
         self._others: List[ProgressRecord] = []
+        self._scale = 1.0  # how many peers each of ``_others`` stands for
         self._mismatch_reported = False
         self._published: Optional[tuple] = None
         self._last_publish = -math.inf
@@ -246,6 +355,7 @@ class ProgressTracker:
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
     def start(self) -> None:
+        self._records.probe(timeout=10.0)
         self.refresh()
         self._thread.start()
 
@@ -282,9 +392,9 @@ class ProgressTracker:
     @property
     def progress(self) -> SwarmProgress:
         with self._lock:
-            local, others, started = self._local_record(), self._others, self._epoch_started
+            local, others, started, scale = self._local_record(), self._others, self._epoch_started, self._scale
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
-                                  max_extrapolation=self.config.max_extrapolation)
+                                  max_extrapolation=self._records.max_extrapolation, scale=scale)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""
@@ -299,8 +409,9 @@ class ProgressTracker:
         if self._thread.is_alive():
             self._thread.join(timeout)
         try:
-            self.dht.store(self.key, subkey=self._subkey, value=None, expiration_time=get_dht_time() + 1.0,
-                           return_future=True).result(timeout=timeout)
+            now = get_dht_time()
+            self._store([level for level, until in self._stored_until.items() if until > now], None, now + 1.0,
+                        timeout)
         except Exception as e:  # the DHT may already be gone; leaving is best effort
             logger.debug("Could not withdraw the progress record: %r", e)
 
@@ -316,6 +427,8 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
+        if self._records.sample.level > 0:  # a sample's estimate is extrapolated between reads: no rush near the end
+            return self.config.sampled_period
         progress = self.progress
         until_target = progress.eta_seconds
         return min(self.config.refresh_period, max(0.05, until_target / 3))
@@ -332,20 +445,29 @@ class ProgressTracker:
     def _publish(self, *, force: bool, timeout: float) -> None:
         with self._lock:
             record = self._local_record()
-        state = (record.epoch, record.samples, record.params_digest)
+        levels = self._records.sample.publish_levels()
+        state = (record.epoch, record.samples, record.params_digest, levels)
         now = time.monotonic()
-        if not force and state == self._published and now - self._last_publish < self.config.heartbeat_period:
+        sampled = self._records.sample.level > 0
+        heartbeat = self.config.sampled_period if sampled else self.config.heartbeat_period
+        if not force and state == self._published and now - self._last_publish < heartbeat:
             return
-        self.dht.store(
-            self.key, subkey=self._subkey, value=record.dict(),
-            expiration_time=get_dht_time() + self.config.record_ttl, return_future=True,
-        ).result(timeout=timeout)
+        expiration = get_dht_time() + self.config.record_ttl * heartbeat / self.config.heartbeat_period
+        self._store(levels, record.dict(), expiration, timeout)
         self._published, self._last_publish = state, now
+        self._stored_until.update(dict.fromkeys(levels, expiration))
+
+    def _store(self, levels: Iterable[int], value: Optional[dict], expiration_time: float, timeout: float) -> None:
+        futures = [self.dht.store(shard_key(self._run_id, shard_of(self._owner, level)), subkey=self._subkey,
+                                  value=value, expiration_time=expiration_time, return_future=True,
+                                  **({"beam_size": _SHARD_WRITE_BEAM} if level > 0 else {}))
+                   for level in sorted(levels)]
+        for future in futures:
+            future.result(timeout=timeout)
 
     def _fetch(self, *, timeout: float) -> None:
-        raw = self._read_records(timeout)
+        records, mismatched = self._records.read(timeout)
         now = get_dht_time()
-        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now)
         if mismatched and not self._mismatch_reported:
             self._mismatch_reported = True
             logger.error(
@@ -354,11 +476,8 @@ class ProgressTracker:
             )
         with self._lock:
             local, started = self._local_record(), self._epoch_started
-        others = self._checker.check([r for r in records if r.instance != self._instance], local, now,
-                                     self.target_batch_size, started)
+        others = self._checker.check(records, local, now, self.target_batch_size, started)
+        scale = self._records.sample.scale
         with self._lock:
-            self._others = others
-
-    def _read_records(self, timeout: float) -> object:
-        """The only place that reads the swarm's records (see the module docstring)."""
-        return self.dht.get(self.key, latest=True, return_future=True).result(timeout=timeout)
+            self._others, self._scale = others, scale
+        self._records.sample.observe(1 + scale * len(others))

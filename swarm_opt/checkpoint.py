@@ -224,10 +224,10 @@ class ScoredCheckpointer:
         if not self.path.exists():
             return None
         try:
-            state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-            value = self.score(int(state["epoch"]), state.get("metrics", {}))
-        except Exception:  # an unreadable file is replaced by the next scored save
+            state = load_checkpoint(self.path)
+        except IncompatibleStateError:  # an unreadable file is replaced by the next scored save
             return None
+        value = self.score(int(state["epoch"]), state["metrics"])  # a bug in the scoring function surfaces
         return None if value is None or not math.isfinite(value) else float(value)
 
 

@@ -1,4 +1,4 @@
-"""All-reduce throughput: ``swarm_opt.averaging.TensorAverager`` against ``torch.distributed`` gloo, same run.
+"""All-reduce throughput: ``swarm_opt._hivemind.averager.TensorAverager`` against ``torch.distributed`` gloo, same run.
 
 For every peer count the script starts that many worker processes (this script with ``--worker``, each in its own
 session so that its p2pd daemon and averager process can be killed as a group). The workers join one hivemind DHT
@@ -171,7 +171,7 @@ def engine_options(options: Dict[str, Any]) -> Iterator[None]:
 def make_averager(dht: Any, world: int, size: int, name: str, options: Dict[str, Any], engine_opts: Dict[str, Any],
                   timeouts: Any, template: Any, auxiliary: bool = False) -> Any:
     import swarm_opt
-    from swarm_opt.averaging import TensorAverager
+    from swarm_opt._hivemind.averager import TensorAverager
 
     options = dict(options)
     codec = make_codec(options.pop("codec", "none"))

@@ -44,7 +44,7 @@ BENCH = Path(__file__).with_name("allreduce.py")
 
 # (category, predicate on one frame "function (file:line)"), tested from the innermost frame outwards; first wins
 AVERAGER_RULES: List[Tuple[str, Sequence[str]]] = [
-    ("finiteness check in codec (swarm_opt NoCompression)", ["_check_finite (swarm_opt/compression.py"]),
+    ("finiteness check in codec (swarm_opt NoCompression)", ["_check_finite (swarm_opt/compression/codecs.py"]),
     ("encode part: tensor -> bytes -> pb Tensor (NoCompression.compress)", ["compress (hivemind/compression/base.py"]),
     ("decode part: pb bytes -> bytearray -> tensor (extract)", ["extract (hivemind/compression/base.py",
                                                              "deserialize_torch_tensor"]),
@@ -71,8 +71,8 @@ AVERAGER_RULES: List[Tuple[str, Sequence[str]]] = [
 ]
 USER_RULES: List[Tuple[str, Sequence[str]]] = [
     ("write(buffers): copy into the shared buffer", ["write (allreduce.py", "write (benchmarks/allreduce.py"]),
-    ("finiteness scan before sending", ["swarm_opt/averaging.py:BEFORE"]),
-    ("finiteness scan of the result", ["swarm_opt/averaging.py:AFTER"]),
+    ("finiteness scan before sending", ["swarm_opt/_hivemind/averager.py:BEFORE"]),
+    ("finiteness scan of the result", ["swarm_opt/_hivemind/averager.py:AFTER"]),
     ("schedule / trigger / wait (StepControl, pipes)", ["averaging.py", "hivemind/"]),
 ]
 OUTSIDE_USER = "outside all_reduce (gloo, barriers, matchmaking poll)"
@@ -331,7 +331,7 @@ def main() -> None:
                                  for f in stack for n in [_line_no(f)]]
                         stack = [f.replace(f"averaging.py:{n})", "averaging.py:AFTER)") if n in after else f
                                  for f in stack for n in [_line_no(f)]]
-                        inside = any("all_reduce (swarm_opt/averaging.py" in f for f in stack)
+                        inside = any("all_reduce (swarm_opt/_hivemind/averager.py" in f for f in stack)
                         category = classify(stack, USER_RULES, "other") if inside else OUTSIDE_USER
                     else:
                         category = classify(stack, AVERAGER_RULES, "other")

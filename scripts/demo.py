@@ -195,7 +195,7 @@ def _monitor_output(swarm: LocalSwarm, monitor: Optional[subprocess.Popen]) -> s
 def train_single_process(args: argparse.Namespace) -> dict:
     """The reference: one process, the peers' initialisation, one step per global batch drawn from all the training
     data."""
-    from swarm_opt.tasks import evaluate, load_task
+    from swarm_opt.cli.tasks import evaluate, load_task
 
     task = load_task("mnist", seed=args.seed)
     x_train, y_train = task.train_dataset.tensors
@@ -212,7 +212,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
 
 def report(args: argparse.Namespace, swarm: dict, single: dict, workdir: Path) -> bool:
     from swarm_opt import load_checkpoint
-    from swarm_opt.tasks import evaluate
+    from swarm_opt.cli.tasks import evaluate
 
     task = single["task"]  # its model is overwritten with each peer's parameters in turn
     print(f"swarm: {args.peers} peers, {args.epochs} epochs of {args.target_batch_size} samples, wall time "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Dict, List
 
-from swarm_opt._logging import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
-from swarm_opt._logging import tame_hivemind_logging_when_imported
+from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
+from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
     ConfigError,
@@ -28,10 +28,10 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.auxiliary import AuxiliaryPeer
     from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
     from swarm_opt.compression import CODECS, Codec, Float16, Int8Blockwise, NoCompression, TopK, Uniform8Bit
+    from swarm_opt.compression.powersgd import PowerSGD
     from swarm_opt.gloo_lane import Gloo
     from swarm_opt.offload import Offload
     from swarm_opt.optimizer import Optimizer
-    from swarm_opt.powersgd import PowerSGD
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import (
@@ -58,7 +58,7 @@ _LAZY: Dict[str, str] = {
     "Gloo": "swarm_opt.gloo_lane",
     "Offload": "swarm_opt.offload",
     "Optimizer": "swarm_opt.optimizer",
-    "PowerSGD": "swarm_opt.powersgd",
+    "PowerSGD": "swarm_opt.compression.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",

@@ -3,8 +3,8 @@
 
 In the butterfly all-reduce each member reduces one share of the averaged tensors for the whole group: it receives
 every member's copy of each part of its share, combines them here, and sends every member the same encoded result
-(``swarm_opt._allreduce``). Replacing the weighted mean with a robust estimate therefore costs no extra round trip,
-and every member still ends a round with identical values.
+(``swarm_opt._hivemind.allreduce``). Replacing the weighted mean with a robust estimate therefore costs no extra
+round trip, and every member still ends a round with identical values.
 
 =======================  ===========================================================================  ==============
 aggregation              what one part becomes (``n`` copies of ``d`` values)                          cost per part

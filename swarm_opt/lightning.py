@@ -29,10 +29,10 @@ except ImportError as e:  # pragma: no cover - exercised by a test that hides li
 
 import torch
 
+from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
 from swarm_opt.compression import Compression
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
-from swarm_opt.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging

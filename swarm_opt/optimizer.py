@@ -24,9 +24,10 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt._hivemind.averager import TensorAverager
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
-from swarm_opt.averaging import AveragingResult, TensorAverager
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
@@ -85,7 +86,8 @@ class Optimizer(torch.optim.Optimizer):
         set ``state_download_timeout`` (how long a newcomer or a peer that fell behind tries to download the state).
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
-        gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
+        gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback,
+        ``swarm_opt.compression.powersgd``).
     :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
         norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``).
         Every peer of a run passes the same.

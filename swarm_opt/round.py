@@ -25,7 +25,8 @@ from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult, TensorAverager
+from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt.buffers import AveragingResult
 
 logger = logging.getLogger(__name__)
 

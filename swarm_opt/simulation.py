@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult, buffer_like
+from swarm_opt.buffers import AveragingResult, buffer_like
 from swarm_opt.strategies.base import Strategy
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.errors import IncompatibleStateError
 from swarm_opt.round import Round
 

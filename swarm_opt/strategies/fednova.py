@@ -8,7 +8,7 @@ from typing import Iterator, List, Sequence, Tuple
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.strategies.local_updates import Anchored
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.errors import ConfigTypeError
 from swarm_opt.round import Round
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype

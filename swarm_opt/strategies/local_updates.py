@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype

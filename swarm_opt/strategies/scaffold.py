@@ -1,4 +1,4 @@
-"""SCAFFOLD (Karimireddy et al., 2020, option II) without a server, as specified in shared ALGORITHMS.md §3.
+"""SCAFFOLD (Karimireddy et al., 2020, option II) without a server, as specified in docs/algorithms.md.
 
 Each peer keeps one tensor per trainable parameter, ``d_i = c - c_i``. After every completed inner step the weights
 are corrected, ``p <- p - lr_k * d_i`` (after the step, never through the gradient: momentum would amplify it), and
@@ -8,7 +8,7 @@ are corrected, ``p <- p - lr_k * d_i`` (after the step, never through the gradie
     d_i <- mean_w(u) - u_i  =  d_i + mean_w(z) - z_i - mean_w(d)
 
 which is the exact option-II control update followed by re-centring on the group's weighted mean control. That is
-the rule of ALGORITHMS.md (re-centre when members or weights changed) applied every round: when neither changed,
+the rule of docs/algorithms.md (re-centre when members or weights changed) applied every round: when neither changed,
 ``Σ w_i d_i`` is already 0 and re-centring is a no-op, so it costs nothing to always do it, and it needs no extra
 tensor. ``Σ w_i d_i = 0`` then holds in every group after every round, a departed peer leaves no bias, and a peer
 that missed the round keeps its ``d``. A failed round or a round alone leaves ``d`` unchanged. (Moshpit-style
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.errors import ConfigError
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
 from swarm_opt.strategies.base import state_dtype

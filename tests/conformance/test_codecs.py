@@ -23,7 +23,7 @@ from hivemind.compression import (
 from hivemind.proto import runtime_pb2
 
 import swarm_opt
-from swarm_opt import compression as codecs
+from swarm_opt.compression import codecs
 from swarm_opt.errors import ConfigError, ConfigTypeError, NonFiniteTensorError
 
 #: every registered codec with its defaults, plus non-default settings worth their own run

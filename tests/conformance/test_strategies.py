@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.averaging import buffer_like
+from swarm_opt.buffers import buffer_like
 from swarm_opt.simulation import average_in_process, round_values
 
 

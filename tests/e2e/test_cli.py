@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import swarm_opt
-from swarm_opt.cli import SUBCOMMANDS, main
+from swarm_opt.cli.commands import SUBCOMMANDS, main
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -42,7 +42,7 @@ def test_help_lists_the_planned_commands():
                                   ["monitor", "--help"]])
 def test_help_does_not_import_torch_or_hivemind(args):
     """Asking the command line for help must be instant: torch and hivemind are imported only by the commands."""
-    code = ("import sys\nfrom swarm_opt.cli import main\nstatus = main(sys.argv[1:])\n"
+    code = ("import sys\nfrom swarm_opt.cli.commands import main\nstatus = main(sys.argv[1:])\n"
             "heavy = sorted(m for m in ('torch', 'hivemind', 'numpy') if m in sys.modules)\n"
             "print('HEAVY:', ','.join(heavy), file=sys.stderr)\nsys.exit(status)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm_opt.cli import main, resolve_options
+from swarm_opt.cli.commands import main, resolve_options
 from swarm_opt.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

@@ -99,7 +99,7 @@ def install_fault(cfg: dict) -> None:
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
     if cfg.get("bug_in_write"):
-        from swarm_opt.averaging import TensorAverager
+        from swarm_opt._hivemind.averager import TensorAverager
 
         original_all_reduce = TensorAverager.all_reduce
 
@@ -112,7 +112,7 @@ def install_fault(cfg: dict) -> None:
 
         TensorAverager.all_reduce = all_reduce
     if cfg.get("serve_perturbed"):
-        from swarm_opt.averaging import TensorAverager
+        from swarm_opt._hivemind.averager import TensorAverager
         from swarm_opt.optimizer import Optimizer
 
         original_state, original_priority = Optimizer._shareable_state, TensorAverager.set_priority
@@ -128,7 +128,7 @@ def install_fault(cfg: dict) -> None:
     if cfg.get("slow_replies"):
         import asyncio
 
-        from swarm_opt._allreduce import AllOrNothingRunner
+        from swarm_opt._hivemind.allreduce import AllOrNothingRunner
 
         original_reply = AllOrNothingRunner._encoded_mean
 
@@ -173,7 +173,7 @@ def install_fault(cfg: dict) -> None:
 
         GlooLane._reduce = _reduce
     if cfg.get("die_while_serving"):
-        from swarm_opt.averaging import _Engine
+        from swarm_opt._hivemind.averager import _Engine
 
         original_download = _Engine.rpc_download_state
 

@@ -134,9 +134,9 @@ TOPK_FRACTION, TOPK_EPOCHS = 0.2, 6  # one value of LSQ_DIM = 5 per peer and rou
 
 
 def topk_reference() -> List[torch.Tensor]:
-    """TopK's maths in-process (``swarm_opt.sparse``), the all-reduce replaced by the exact mean: the weights after
-    every round. In lockstep each peer's round gradient is its full gradient at the round's weights."""
-    from swarm_opt.sparse import SparseFeedback
+    """TopK's maths in-process (``swarm_opt.compression.sparse``), the all-reduce replaced by the exact mean: the
+    weights after every round. In lockstep each peer's round gradient is its full gradient at the round's weights."""
+    from swarm_opt.compression.sparse import SparseFeedback
 
     problems = [lsq_problem(r) for r in range(PEERS)]
     w = torch.zeros(LSQ_DIM, dtype=torch.float64)

@@ -28,7 +28,13 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from swarm_opt.powersgd import ORTHOGONALIZATION_FLOOR, ErrorFeedback, PeerRound, initial_factors, simulate_round
+from swarm_opt.compression.powersgd import (
+    ORTHOGONALIZATION_FLOOR,
+    ErrorFeedback,
+    PeerRound,
+    initial_factors,
+    simulate_round,
+)
 from tests.swarm.peer import LSQ_DIM, lsq_problem
 from tests.swarm.test_grad_averaging import assert_quiet
 

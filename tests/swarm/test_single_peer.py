@@ -252,7 +252,7 @@ _PEER_UNTIL_CTRL_C = """
 import signal, sys, threading, time
 import torch, swarm_opt
 from hivemind.utils import get_dht_time
-from swarm_opt.node import start_dht
+from swarm_opt._hivemind.node import start_dht
 
 interrupted = threading.Event()
 signal.signal(signal.SIGINT, lambda *_: interrupted.set())

@@ -10,7 +10,7 @@ import torch
 from hivemind.averaging.allreduce import AllreduceException
 
 import swarm_opt
-from swarm_opt._allreduce import AllOrNothingReducer
+from swarm_opt._hivemind.allreduce import AllOrNothingReducer
 from swarm_opt.aggregation import as_aggregation, reduce_part
 from swarm_opt.errors import ConfigError, ConfigTypeError
 

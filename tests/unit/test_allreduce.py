@@ -12,7 +12,7 @@ from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto import runtime_pb2
 
-from swarm_opt._allreduce import AllOrNothingReducer, AllOrNothingRunner
+from swarm_opt._hivemind.allreduce import AllOrNothingReducer, AllOrNothingRunner
 
 
 async def _sender_fails_mid_part(reducer_type: type) -> object:

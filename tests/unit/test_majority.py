@@ -3,7 +3,7 @@ member reads from the same gather, not against each member's own view of the swa
 
 from __future__ import annotations
 
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.round import is_majority as _is_majority
 from swarm_opt.round import swarm_size_seen_by as _swarm_size_seen_by
 

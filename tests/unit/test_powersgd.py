@@ -11,21 +11,19 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.errors import ConfigError, ConfigTypeError
-from swarm_opt.powersgd import (
+from swarm_opt._hivemind.powersgd_engine import PowerSGDEngine, _Tag, _winning_lineage
+from swarm_opt.compression.powersgd import (
     ORTHOGONALIZATION_FLOOR,
     ErrorFeedback,
     PeerRound,
     PowerSGD,
-    _PowerSGDEngine,
-    _Tag,
-    _winning_lineage,
     initial_factors,
     is_compressed,
     orthogonalize,
     simulate_round,
     unit_columns,
 )
+from swarm_opt.errors import ConfigError, ConfigTypeError
 
 F64 = torch.float64
 
@@ -168,9 +166,9 @@ def test_members_with_another_compressed_set_fail_the_round_naming_the_differenc
         return {"powersgd": list(_Tag(0, codec.rank, codec.seed, 0, 1, float(codec.min_compression)))}
 
     same = [tag(ours.config), tag(PowerSGD(rank=4, min_compression=4.0))]
-    assert [t.min_compression for t in _PowerSGDEngine._check_tags(ours, group, same)] == [4.0, 4.0]
+    assert [t.min_compression for t in PowerSGDEngine._check_tags(ours, group, same)] == [4.0, 4.0]
     with pytest.raises(AllreduceException, match=r"min_compression=1\b.*min_compression=4"):
-        _PowerSGDEngine._check_tags(ours, group, [tag(ours.config), tag(PowerSGD(rank=4))])
+        PowerSGDEngine._check_tags(ours, group, [tag(ours.config), tag(PowerSGD(rank=4))])
 
 
 def test_bytes_per_round_of_a_784x256_matrix():

@@ -1,4 +1,4 @@
-"""The seven deterministic properties of ALGORITHMS.md §3, on the strategy code itself (no network).
+"""The seven deterministic properties of SCAFFOLD in docs/algorithms.md, on the strategy code itself (no network).
 
 Peers minimise heterogeneous least-squares problems f_i(w) = ½‖A_i w − b_i‖² with full gradients, in float64.
 """
@@ -155,7 +155,7 @@ def test_7_peers_completing_different_numbers_of_steps_reach_the_optimum():
 
 def test_rounds_that_some_peers_miss_keep_groups_centred_and_beat_fedavg():
     """A peer is offline for a round now and then (the others average without it). Each group re-centres its
-    controls (the rule of ALGORITHMS.md: members changed), the missing peer keeps its own. Re-centring on a partial
+    controls (the rule of docs/algorithms.md: members changed), the missing peer keeps its own. Re-centring on a partial
     group trades exactness for robustness to churn, so the swarm ends near, not at, the optimum: still far closer
     than FedAvg under the same schedule. (A permanent departure stays exact: see test 5.)"""
     probs = problems(4)

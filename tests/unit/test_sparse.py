@@ -1,5 +1,5 @@
-"""TopK's selection with error feedback (``swarm_opt.sparse``): what a round leaves out is delivered by later rounds,
-with its own weight; rounds that were not applied change nothing; refusals of what TopK cannot serve."""
+"""TopK's selection with error feedback (``swarm_opt.compression.sparse``): what a round leaves out is delivered by
+later rounds, with its own weight; rounds that were not applied change nothing; refusals of what TopK cannot serve."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import swarm_opt
 from swarm_opt.aggregation import as_aggregation
 from swarm_opt.compression import as_codec
+from swarm_opt.compression.sparse import SparseFeedback, select_top_k, top_k_count
 from swarm_opt.errors import ConfigError
-from swarm_opt.sparse import SparseFeedback, select_top_k, top_k_count
 
 SHAPES = [(40, 25), (25,)]
 FRACTION = 0.05

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.averaging import AveragingResult
+from swarm_opt.buffers import AveragingResult
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.simulation import round_values
 from swarm_opt.strategies import GradientAveraging

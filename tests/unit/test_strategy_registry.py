@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.cli import build_parser, resolve_options
-from swarm_opt.volunteer import make_strategy
+from swarm_opt.cli.commands import build_parser, resolve_options
+from swarm_opt.cli.train import make_strategy
 
 
 def test_registry_keys_are_the_strategies_names():

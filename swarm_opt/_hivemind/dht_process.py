@@ -20,7 +20,7 @@ import signal
 
 import hivemind
 
-from swarm_opt._fork import die_with_parent
+from swarm_opt._hivemind.fork import die_with_parent
 
 
 def _kill_own_group(signum: int, frame: object) -> None:

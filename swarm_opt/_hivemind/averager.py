@@ -20,7 +20,6 @@ import random
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,10 +34,11 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
-from swarm_opt._allreduce import AllOrNothingRunner
-from swarm_opt._fork import die_with_parent, without_tensor_memory
+from swarm_opt._hivemind.allreduce import AllOrNothingRunner
+from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
 from swarm_opt.aggregation import Aggregation, Mean, as_aggregation
 from swarm_opt.auth import RunAccess
+from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
 from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
 
@@ -53,42 +53,6 @@ _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of tw
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
-
-
-def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
-    """The averaging buffer of one tensor: on the CPU, in at least fp32 whatever the model's precision."""
-    dtype = torch.promote_types(tensor.dtype, torch.float32) if tensor.is_floating_point() else tensor.dtype
-    return torch.zeros_like(tensor, device="cpu", dtype=dtype)
-
-
-def all_finite(buffers: Sequence[torch.Tensor]) -> bool:
-    """Whether every floating-point value in ``buffers`` is finite, in about one read of their memory: NaN and inf
-    survive a sum, so a finite sum proves it; only a sum that is not finite (NaN/inf, or finite values that overflow
-    it) pays for the exact min/max pass. ``torch.isfinite(b).all()`` allocates |b| and three masks and costs 15-30x
-    more (53 ms against 1.7 ms for 10M fp32 values on one core), twice per round on the all-reduce's critical path."""
-    for b in buffers:
-        if not b.is_floating_point() or b.numel() == 0 or bool(torch.isfinite(b.sum())):
-            continue
-        low, high = torch.aminmax(b)
-        if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
-            return False
-    return True
-
-
-@dataclass(frozen=True)
-class AveragingResult:
-    """A finished round: the members that contributed, what each member sent along (``gather``), and the group's
-    weighted mean of every buffer (``averaged``: views of the averager's buffers, valid until the next round;
-    ``None`` for a round alone, where the mean is this peer's own values)."""
-
-    peers: Tuple[PeerID, ...]
-    gathered: dict
-    averaged: Optional[Sequence[torch.Tensor]] = None
-    helpers: Tuple[PeerID, ...] = ()  # auxiliary members: they reduced parts and contributed nothing
-
-    @property
-    def group_size(self) -> int:
-        return len(self.peers)
 
 
 class _Engine(DecentralizedAverager):
@@ -179,7 +143,7 @@ class _Engine(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                       group_id: Optional[bytes] = None, **kwargs: Any) -> None:
-        """hivemind's, with all-or-nothing reducers that return means (``swarm_opt._allreduce``): the buffers
+        """hivemind's, with all-or-nothing reducers that return means (``swarm_opt._hivemind.allreduce``): the buffers
         receive, part by part, the group's mean, identical on every member."""
         group_id = group_info.group_id if group_id is None else group_id
         # the members' modes: hivemind computes them and forgets to pass them on (its PR #432), so its auxiliary
@@ -704,7 +668,7 @@ class TensorAverager:
             # every donor listed for this run and model was tried: none is listed, or each download failed (each
             # donor's error is logged at DEBUG)
             return self._download_failed("no peer sent its state (none listed, or each download failed: see the "
-                                         "DEBUG log of swarm_opt.averaging)")
+                                         "DEBUG log of swarm_opt._hivemind.averager)")
         return downloaded
 
     def _download_failed(self, reason: str) -> None:

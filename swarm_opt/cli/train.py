@@ -17,11 +17,11 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
-from swarm_opt.cli import private_run
+from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
+from swarm_opt.cli.commands import private_run
+from swarm_opt.cli.tasks import Task, evaluate, load_task
 from swarm_opt.errors import ConfigError
-from swarm_opt.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, Strategy
-from swarm_opt.tasks import Task, evaluate, load_task
 
 logger = logging.getLogger(__name__)
 

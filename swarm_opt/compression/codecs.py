@@ -14,11 +14,11 @@ codec                  bytes per value  error of one value ``x`` after a round t
                        (≤ 4)            send stay in the peer's residual and go out in later rounds
 =====================  ===============  =====================================================================
 
-``TopK(fraction)`` sparsifies each peer's values before the wire, with error feedback (``swarm_opt.sparse``), and
-serves gradient averaging only.
+``TopK(fraction)`` sparsifies each peer's values before the wire, with error feedback
+(``swarm_opt.compression.sparse``), and serves gradient averaging only.
 
-``PowerSGD(rank)`` (``swarm_opt.powersgd``) is not elementwise: it sends low-rank factors of each gradient matrix
-with error feedback, through an averaging protocol of its own, and only with gradient averaging.
+``PowerSGD(rank)`` (``swarm_opt.compression.powersgd``) is not elementwise: it sends low-rank factors of each
+gradient matrix with error feedback, through an averaging protocol of its own, and only with gradient averaging.
 
 Every codec refuses NaN and infinite values with ``NonFiniteTensorError`` where it encodes them. A peer never gets
 there with its own tensors (``TensorAverager.all_reduce`` sits a round out when they are not finite); inside an
@@ -37,7 +37,7 @@ raises on it). Therefore:
 
 * ``NoCompression`` keeps hivemind's NONE slot and payload (plus the NaN check).
 * The lossy codecs share one slot, UNIFORM_8BIT, whose own hivemind codec cannot decode its payload under numpy 2
-  (``int()`` of a one-element array raises; see HIVEMIND_NOTES.md). Importing swarm_opt installs ``_SwarmSlot``
+  (``int()`` of a one-element array raises; see docs/hivemind.md). Importing swarm_opt installs ``_SwarmSlot``
   there. Our payloads start with a 5-byte header (magic + codec tag) and carry their parameters (the block size),
   so any peer decodes any of our codecs; a payload without the header goes to hivemind's original decoder.
 * The slot re-encodes a reducer's differences with the codec of the averager in the same process: a codec claims
@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 import struct
 from abc import abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Optional, Sequence, Tuple, Type, Union
+from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 import numpy as np
 import torch
@@ -62,13 +62,10 @@ from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
 from swarm_opt.aggregation import Mean
+from swarm_opt.compression.sparse import SparseFeedback
 from swarm_opt.errors import ConfigError, ConfigTypeError, NonFiniteTensorError
-from swarm_opt.sparse import SparseFeedback
 
-if TYPE_CHECKING:
-    from swarm_opt.powersgd import PowerSGD
-
-__all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "TopK", "CODECS", "as_codec"]
+__all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "TopK", "CODECS"]
 
 _MAGIC = b"SWO\x01"  # hivemind's UNIFORM_8BIT payload starts with int64 256 = b"\x00\x01...", never with this
 _HEADER = len(_MAGIC) + 1  # magic + one byte naming the codec
@@ -386,7 +383,7 @@ class Uniform8Bit(_SlotCodec):
 class TopK(_SlotCodec):
     """Top-k sparsification with error feedback: each round a peer sends, per tensor, only the ``fraction`` of its
     values of largest magnitude (after adding its residual), as indices + values (COO), and keeps the rest for later
-    rounds (``swarm_opt.sparse``). Gradient averaging only: ``compression=swarm_opt.TopK(fraction=0.01)``.
+    rounds (``swarm_opt.compression.sparse``). Gradient averaging only: ``compression=swarm_opt.TopK(fraction=0.01)``.
 
     The selection happens on the peer's values before they reach the wire; the wire itself is exact for them (this
     codec's ``compress`` drops nothing: a part goes as COO, 8 bytes per nonzero, or dense in float32 when that is
@@ -484,30 +481,10 @@ class TopK(_SlotCodec):
         return dense
 
 
-#: what ``compression=`` accepts: an elementwise codec, or PowerSGD (low-rank factors, its own averaging protocol)
-Compression = Union[Codec, "PowerSGD"]
 #: every elementwise codec, once; the conformance tests and ``as_codec``'s error message iterate over it
 CODECS: Tuple[Type[Codec], ...] = (NoCompression, Float16, Int8Blockwise, Uniform8Bit, TopK)
 _CODEC_BY_TAG: Dict[int, Type[_SlotCodec]] = {c.tag: c for c in CODECS if issubclass(c, _SlotCodec)}
 assert len(_CODEC_BY_TAG) == sum(issubclass(c, _SlotCodec) for c in CODECS), "two codecs share a tag"
-
-
-def as_codec(compression: Optional[Compression], strategy: Any) -> Compression:
-    """The codec to use for ``compression=`` with ``strategy`` (None means ``NoCompression()``); anything else, or
-    PowerSGD with a strategy that does not average gradients, is refused."""
-    from swarm_opt.powersgd import PowerSGD  # not at the top: powersgd builds on this module
-
-    if compression is None:
-        return NoCompression()
-    if isinstance(compression, Codec):
-        compression.check_strategy(strategy)
-        return compression
-    if isinstance(compression, PowerSGD):
-        compression.check_strategy(strategy)
-        return compression
-    choices = ", ".join([*(f"swarm_opt.{c.__name__}()" for c in CODECS), "swarm_opt.PowerSGD(rank=4)"])
-    hint = f" (pass an instance: {compression.__name__}())" if isinstance(compression, type) else ""
-    raise ConfigTypeError(f"compression must be one of {choices}; got {compression!r}{hint}")
 
 
 class _SwarmSlot(CompressionBase):

@@ -422,7 +422,7 @@ def _setup_logging(verbose: int) -> None:
 
 
 def run_dht(args: argparse.Namespace) -> int:
-    from swarm_opt.node import StopRequest, ensure_identity, start_dht
+    from swarm_opt._hivemind.node import StopRequest, ensure_identity, start_dht
 
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
@@ -451,8 +451,8 @@ def run_dht(args: argparse.Namespace) -> int:
 
 
 def run_monitor(args: argparse.Namespace) -> int:
+    from swarm_opt._hivemind.node import StopRequest, start_dht
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
-    from swarm_opt.node import StopRequest, start_dht
 
     dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
                     private_run=private_run(args))
@@ -506,7 +506,7 @@ def private_run(args: argparse.Namespace) -> Any:
     from swarm_opt.auth import PrivateRun
 
     if args.allow_peers is not None and args.identity_path is not None:
-        from swarm_opt.node import ensure_identity
+        from swarm_opt._hivemind.node import ensure_identity
 
         ensure_identity(args.identity_path)
     return PrivateRun.from_files(secret_file=args.run_secret_file, allow_peers_file=args.allow_peers,
@@ -514,7 +514,7 @@ def private_run(args: argparse.Namespace) -> Any:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from swarm_opt.volunteer import run_train
+    from swarm_opt.cli.train import run_train
 
     return run_train(args)
 

@@ -7,7 +7,7 @@ Signals: a terminal's Ctrl-C reaches every process of the foreground group, incl
 processes and the Go ``p2pd`` daemon, which would die before this peer could leave the swarm cleanly. Python
 processes started inside ``children_ignore_sigint()`` inherit SIGINT as ignored, so only the main process reacts and
 shuts them down in order. The daemon does not inherit it (hivemind spawns it through libuv, which resets every
-signal), so the DHT process and its daemon live in a process group of their own (``swarm_opt._dht_process``).
+signal), so the DHT process and its daemon live in a process group of their own (``swarm_opt._hivemind.dht_process``).
 """
 
 from __future__ import annotations
@@ -124,11 +124,12 @@ def start_dht(
     private_run: Optional[PrivateRun] = None,
 ):
     """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start. Started from
-    the main thread, the DHT and its p2p daemon run in a process group of their own (``swarm_opt._dht_process``).
+    the main thread, the DHT and its p2p daemon run in a process group of their own
+    (``swarm_opt._hivemind.dht_process``).
     With ``private_run``, only peers holding the same credentials can talk to it (``swarm_opt.auth``)."""
     import hivemind
 
-    from swarm_opt._dht_process import OwnGroupDHT
+    from swarm_opt._hivemind.dht_process import OwnGroupDHT
 
     initial_peers = parse_maddrs(initial_peers, option="--initial-peers", need_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, option="--host-maddrs")

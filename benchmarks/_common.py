@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: statistics, result files, the reproduce line, process cleanup."""
+"""Helpers shared by the benchmark scripts: statistics, result files, the reproduce line; peers are started and
+reaped with ``swarm_opt.testing``, the harness the tests and the demo use too."""
 
 from __future__ import annotations
 
@@ -6,17 +7,26 @@ import json
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
 if str(REPO) not in sys.path:  # the scripts run as `python benchmarks/X.py` from the repo root
     sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+import swarm_opt  # noqa: E402 (needs the repository on sys.path)
+import swarm_opt.strategies  # noqa: E402
+from swarm_opt import testing  # noqa: E402
+from swarm_opt.testing import kill as kill_all  # noqa: E402,F401 (the benchmarks' names for the shared harness)
+from swarm_opt.testing import leftovers, tail  # noqa: E402,F401
+from swarm_opt.testing import processes_named as processes_in_groups  # noqa: E402,F401
 
 
 def command_line() -> str:
@@ -78,12 +88,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 def launch(args: List[str], log_path: Path, env_extra: Dict[str, str] | None = None,
            prefix: Sequence[str] = ()) -> subprocess.Popen:
-    """Start a worker in its own session, so that its whole process group (p2pd, averagers) can be killed;
-    ``prefix`` runs it through another command (``ip netns exec HOST``)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), **(env_extra or {}))
-    log = open(log_path, "w")
-    return subprocess.Popen([*prefix, sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=env, cwd=str(REPO))
+    """Start a worker with ``swarm_opt.testing`` (its own session, output to ``log_path``), with ``env_extra`` on top
+    of a local peer's environment."""
+    return testing.start(args, log=log_path, env=testing.peer_env(**(env_extra or {})), prefix=prefix)
 
 
 def wait_all(procs: Sequence[subprocess.Popen], timeout: float, logs: Sequence[Path]) -> None:
@@ -97,53 +104,6 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout: float, logs: Sequence[P
             raise RuntimeError(message) from None
         if proc.returncode != 0:
             raise RuntimeError(f"worker {proc.args} exited with {proc.returncode}; log tail:\n{tail(log)}")
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "<no log>"
-
-
-def kill_all(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGKILL each worker's process group (also after a clean exit: p2pd or averager orphans may remain)."""
-    for proc in procs:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for proc in procs:
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _group_processes(procs: Sequence[subprocess.Popen]) -> Iterable[Path]:
-    """The /proc entries of the live (not zombie) processes in the process groups of our workers."""
-    groups = {proc.pid for proc in procs}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
-            if int(fields[2]) in groups and fields[0] != "Z":
-                yield entry
-        except (OSError, IndexError, ValueError):
-            continue
-
-
-def leftovers(procs: Sequence[subprocess.Popen]) -> List[str]:
-    """Processes still alive in the process groups of our workers (should be none after ``kill_all``)."""
-    found = []
-    for entry in _group_processes(procs):
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
-        except OSError:
-            continue
-        found.append(f"{entry.name} {cmdline}")
-    return found
 
 
 def stop_workers(procs: Sequence[subprocess.Popen], logs: Sequence[Path], keep_logs_as: str) -> None:
@@ -200,18 +160,6 @@ def join_loopback_swarm(workdir: Path, rank: int, timeout: float = 120.0, host: 
                         start=True)
 
 
-def processes_in_groups(procs: Sequence[subprocess.Popen], name: str) -> List[int]:
-    """Pids of the live processes called ``name`` (e.g. "p2pd") in the process groups of our workers."""
-    found = []
-    for entry in _group_processes(procs):
-        try:
-            if (entry / "comm").read_text().strip() == name:
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def tcp_bytes_sent(pids: Iterable[int]) -> Dict[str, int]:
     """``bytes_sent`` (the kernel's count of TCP payload bytes sent, retransmissions included) of every open TCP
     socket owned by one of ``pids``, keyed by "local address -> peer address". Read with ``ss -tinp``; a socket
@@ -247,3 +195,26 @@ def source_fingerprint() -> str:
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+# --- the strategies the benchmarks compare, keyed by Strategy.name ---------------------------------------------------
+@dataclass(frozen=True)
+class StrategyInfo:
+    label: str
+    make: Callable[[], swarm_opt.Strategy]
+    averages_every_step: bool = False  # gradient averaging: one all-reduce per global step
+
+
+def _outer(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+STRATEGIES: Dict[str, StrategyInfo] = {
+    "grad": StrategyInfo("GradientAveraging", swarm_opt.GradientAveraging, averages_every_step=True),
+    "local": StrategyInfo("LocalUpdates (FedAvg)", swarm_opt.LocalUpdates),
+    "fedprox": StrategyInfo("FedProx mu=0.01", lambda: swarm_opt.FedProx(mu=0.01)),
+    "scaffold": StrategyInfo("Scaffold", swarm_opt.Scaffold),
+    "diloco": StrategyInfo("DiLoCo (outer SGD 0.7, m 0.9, nesterov)", lambda: swarm_opt.DiLoCo(outer_optimizer=_outer)),
+}
+assert all(swarm_opt.strategies.STRATEGIES[name] is type(info.make()) for name, info in STRATEGIES.items()), \
+    "benchmark entries are keyed by Strategy.name, as swarm_opt.strategies.STRATEGIES"

@@ -35,9 +35,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict
 
-from _common import RESULTS_DIR, kill_all, launch, leftovers, table, tail, write_json
+from _common import RESULTS_DIR, STRATEGIES, kill_all, launch, leftovers, table, tail, write_json
 
-STRATEGIES = ["grad", "local", "fedprox", "scaffold", "diloco"]
 GOALS = {"grad": 2.0, "local": 2.0, "fedprox": 2.0, "scaffold": 3.0, "diloco": 3.0}  # from the issue; see RESULTS.md
 MB = 1e6
 
@@ -141,12 +140,7 @@ def worker(args: argparse.Namespace) -> None:
     Path(f"/proc/{me}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     hwm_reset = smaps(me)["VmHWM"]
 
-    strategy = {
-        "grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold,
-        "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
-        "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
-                                                                                        nesterov=True)),
-    }[args.strategy]()
+    strategy = STRATEGIES[args.strategy].make()
     opt = swarm_opt.Optimizer(dht=dht, run_id=f"memory_{args.strategy}_{me}", target_batch_size=64,
                               batch_size_per_step=16, params=params, strategy=strategy,
                               optimizer=lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9),
@@ -213,7 +207,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--hidden", type=int, default=2800, help="MLP 784-h-h-10; 2800 = 10.07M parameters")
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     p.add_argument("--malloc-mmap-threshold", type=int, default=0,
                    help="set MALLOC_MMAP_THRESHOLD_ in the workers (e.g. 1048576): every large tensor is then mmapped "
                         "and returned to the OS when freed, which separates live memory from glibc's retention")

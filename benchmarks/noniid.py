@@ -41,14 +41,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from _common import (  # also puts the repo on sys.path for swarm_opt
     RESULTS_DIR,
+    STRATEGIES,
     command_line,
     join_loopback_swarm,
     launch,
@@ -66,29 +66,6 @@ from swarm_opt.simulation import average_in_process
 
 TARGETS = (0.85, 0.90)
 LAST = 5  # final accuracy = mean of the last LAST rounds
-
-
-# --- the strategies under test --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StrategyInfo:
-    label: str
-    make: Callable[[], swarm_opt.Strategy]
-    averages_every_step: bool = False  # gradient averaging: one all-reduce per global step
-
-
-def _outer(params):
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-STRATEGIES: Dict[str, StrategyInfo] = {
-    "grad": StrategyInfo("GradientAveraging", swarm_opt.GradientAveraging, averages_every_step=True),
-    "local": StrategyInfo("LocalUpdates (FedAvg)", swarm_opt.LocalUpdates),
-    "fedprox": StrategyInfo("FedProx mu=0.01", lambda: swarm_opt.FedProx(mu=0.01)),
-    "scaffold": StrategyInfo("Scaffold", swarm_opt.Scaffold),
-    "diloco": StrategyInfo("DiLoCo (outer SGD 0.7, m 0.9, nesterov)", lambda: swarm_opt.DiLoCo(outer_optimizer=_outer)),
-}
-assert all(swarm_opt.strategies.STRATEGIES[name] is type(info.make()) for name, info in STRATEGIES.items()), \
-    "benchmark entries are keyed by Strategy.name, as swarm_opt.strategies.STRATEGIES"
 
 
 # --- data, split, model ---------------------------------------------------------------------------------------------

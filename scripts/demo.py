@@ -16,7 +16,6 @@ when the swarm reaches ``--min-accuracy`` (exit status 0) or FAIL (exit status 1
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import subprocess
@@ -29,6 +28,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python scripts/demo.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+from swarm_opt import testing  # noqa: E402 (needs the checkout on sys.path)
+
 RUN_ID = "mnist_demo"
 BATCH_SIZE = 32
 LR, MOMENTUM = 0.1, 0.9  # the peers' inner SGD (swarm-opt train's defaults, passed explicitly) and the baseline's
@@ -49,15 +53,10 @@ class LocalSwarm:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args, self.workdir = args, workdir
         self.procs: Dict[str, subprocess.Popen] = {}
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-            [str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
 
     def spawn(self, name: str, command: Sequence[str]) -> subprocess.Popen:
         """``python -m swarm_opt COMMAND...`` (what the ``swarm-opt`` script runs), output to ``name.log``."""
-        with open(self.workdir / f"{name}.log", "w") as log:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "swarm_opt", *command], stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True, env=self.env, cwd=str(REPO))
+        self.procs[name] = testing.start(["-m", "swarm_opt", *command], log=self.workdir / f"{name}.log")
         return self.procs[name]
 
     def start_bootstrap(self, timeout: float = 60.0) -> List[str]:
@@ -117,26 +116,14 @@ class LocalSwarm:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is bounded; a second Ctrl-C must not cut it short
         for proc in self.procs.values():
             if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGINT)
+                testing.signal_group(proc, signal.SIGINT)
         deadline = time.monotonic() + grace
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs.values():  # whatever a process left behind in its group (p2pd, averagers)
-            _signal_group(proc.pid, signal.SIGKILL)
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):  # the whole group has already exited
-        pass
+        testing.kill(self.procs.values(), timeout=5)  # whatever a process left behind in its group (p2pd, averagers)
 
 
 def train_swarm(args: argparse.Namespace, workdir: Path) -> dict:

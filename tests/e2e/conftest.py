@@ -15,16 +15,15 @@ from typing import Dict, List, Optional
 
 import pytest
 
+from swarm_opt import testing
+
 REPO = Path(__file__).resolve().parents[2]
 TAG_VARIABLE = "SWARMOPT_CLI_TEST_TAG"
 
 
 def cli_env(**extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_OPT_")}  # the user's own settings
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+    """A local peer's environment without the user's own ``SWARM_OPT_*`` settings."""
+    return {k: v for k, v in testing.peer_env(**extra).items() if not k.startswith("SWARM_OPT_") or k in extra}
 
 
 def run_cli(*args: str, timeout: float = 90, cwd: Optional[Path] = None, **env: str) -> subprocess.CompletedProcess:
@@ -37,9 +36,7 @@ class CliProcess:
     def __init__(self, name: str, args: List[str], workdir: Path, env: Dict[str, str]) -> None:
         self.name, self.args = name, args
         self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "swarm_opt", *args], stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=err, cwd=workdir, env=env, start_new_session=True)
+        self.proc = testing.start(["-m", "swarm_opt", *args], log=self.out, stderr_log=self.err, env=env, cwd=workdir)
 
     @property
     def stdout(self) -> str:
@@ -69,7 +66,7 @@ class CliProcess:
 
     def interrupt(self) -> None:
         """Ctrl-C in a terminal: SIGINT to the whole process group (hivemind's processes and p2pd included)."""
-        os.killpg(self.proc.pid, signal.SIGINT)
+        testing.signal_group(self.proc, signal.SIGINT)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -81,15 +78,7 @@ class CliProcess:
         return f"--- {self.name} stdout ---\n{self.stdout[-3000:]}\n--- {self.name} stderr ---\n{self.stderr[-3000:]}"
 
     def kill(self) -> None:
-        for sig in (signal.SIGKILL,):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        testing.kill([self.proc])
 
 
 def processes_tagged(tag: str, variable: str = TAG_VARIABLE) -> Dict[int, str]:

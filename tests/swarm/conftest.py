@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import torch
+
+from swarm_opt import testing
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -46,10 +45,7 @@ class Swarm:
         config = dict(rank=rank, out=str(out), **config)
         path = self.tmp / f"peer{rank}.json"
         path.write_text(json.dumps(config))
-        log = open(self.tmp / f"peer{rank}.log", "w")
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        proc = subprocess.Popen([sys.executable, str(script), str(path)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env, cwd=str(REPO))
+        proc = testing.start([str(script), str(path)], log=self.tmp / f"peer{rank}.log")
         self.procs[rank] = proc
         return proc
 
@@ -94,27 +90,10 @@ class Swarm:
 
     def kill(self, rank: int) -> None:
         """SIGKILL a peer's whole process group (its DHT, averager and p2pd daemons die with it)."""
-        proc = self.procs.pop(rank)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        testing.kill([self.procs.pop(rank)])
 
     def kill_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for proc in self.procs.values():
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-            # the peer's session may hold orphans (p2pd, averager) even after the leader is gone
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        testing.kill(self.procs.values())
 
 
 @pytest.fixture

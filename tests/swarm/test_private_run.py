@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from swarm_opt import testing
 from tests.swarm.conftest import REPO
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -18,9 +18,8 @@ SECRET = "correct horse battery staple 42"
 
 
 def run_tool(args: list, swarm, timeout: float = 90) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=env,
-                          start_new_session=True)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=str(REPO),
+                          env=testing.peer_env(), start_new_session=True)
 
 
 def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(swarm):

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.swarm.conftest import REPO
+from swarm_opt import testing
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
@@ -26,10 +23,7 @@ def start_liar(swarm, **lie) -> subprocess.Popen:
     cfg = dict(initial_peers=swarm.initial_peers, run_id="test_run", out=str(swarm.tmp / "liar.started"), **lie)
     path = swarm.tmp / "liar.json"
     path.write_text(json.dumps(cfg))
-    log = open(swarm.tmp / "liar.log", "w")
-    return subprocess.Popen([sys.executable, str(LIAR), str(path)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=str(REPO),
-                            env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    return testing.start([str(LIAR), str(path)], log=swarm.tmp / "liar.log")
 
 
 def run_with_liar(swarm, epochs: int, **lie) -> list:
@@ -49,8 +43,7 @@ def run_with_liar(swarm, epochs: int, **lie) -> list:
             (swarm.tmp / f"peer{rank}.pt.hold").unlink()
         swarm.wait(timeout=180)
     finally:
-        os.killpg(liar.pid, signal.SIGKILL)
-        liar.wait(10)
+        testing.kill([liar])
     return [swarm.result(rank) for rank in range(3)]
 
 

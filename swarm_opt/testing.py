@@ -1,0 +1,104 @@
+"""Run peers on one machine and always clean them up: the one harness of the test suite, the benchmarks and the demo.
+
+A peer is several processes (the user's, a DHT process, its ``p2pd`` daemon, an averager). Each peer started here
+runs in a session of its own, so that one signal reaches all of it, as a terminal's Ctrl-C does, and a SIGKILL of its
+process group leaves nothing behind even when the peer itself died first and left orphans. Output goes to files, so
+a hung peer never blocks on a full pipe and its log survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+#: the directory that holds the ``swarm_opt`` package (a checkout's root): peers import swarm_opt from there
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def peer_env(**extra: str) -> Dict[str, str]:
+    """The environment of a local peer: this process's, importing this swarm_opt, one thread per peer (peers share
+    the machine's cores), unbuffered output (a log shows what happened up to a kill)."""
+    path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start(argv: Sequence[str], *, log: Path, stderr_log: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
+          cwd: Optional[Path] = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
+    """Start ``python ARGV...`` in a session of its own, output to ``log`` (stderr too, unless ``stderr_log``).
+    ``prefix`` runs it through another command (``ip netns exec HOST``)."""
+    with open(log, "w") as out, open(stderr_log or os.devnull, "w") as err:
+        return subprocess.Popen([*prefix, sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=err if stderr_log else subprocess.STDOUT, start_new_session=True,
+                                env=peer_env() if env is None else env, cwd=str(cwd or SOURCE_ROOT))
+
+
+def signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (nothing if the whole group is gone)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """SIGKILL the process groups of ``procs`` and reap them; also after a clean exit, because a peer's session may
+    still hold orphans (``p2pd``, an averager) after its leader is gone."""
+    procs = list(procs)
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        signal_group(proc, signal.SIGKILL)
+
+
+def _group_entries(procs: Iterable[subprocess.Popen]) -> Iterable[Path]:
+    """The /proc entries of the live (not zombie) processes in the process groups of ``procs``."""
+    groups = {proc.pid for proc in procs}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) in groups and fields[0] != "Z":
+                yield entry
+        except (OSError, IndexError, ValueError):
+            continue
+
+
+def leftovers(procs: Iterable[subprocess.Popen]) -> List[str]:
+    """``"pid command"`` of every process still alive in the process groups of ``procs`` (none after ``kill``)."""
+    found = []
+    for entry in _group_entries(procs):
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")[:120].decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{entry.name} {command}")
+    return found
+
+
+def processes_named(procs: Iterable[subprocess.Popen], name: str) -> List[int]:
+    """Pids of the live processes called ``name`` (e.g. ``"p2pd"``) in the process groups of ``procs``."""
+    found = []
+    for entry in _group_entries(procs):
+        try:
+            if (entry / "comm").read_text().strip() == name:
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    """The last ``lines`` lines of a log, for error messages."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "<no log>"

@@ -32,10 +32,10 @@ from typing import Dict, List
 
 import noniid
 import torch
-from _common import command_line, join_loopback_swarm, table, wait_for, write_json
+from _common import STRATEGIES, command_line, join_loopback_swarm, table, wait_for, write_json
 
 LOOPS = ("plain", "lightning")
-NAMES = ("fedavg", "scaffold")
+NAMES = ("local", "scaffold")  # keys of _common.STRATEGIES
 
 
 # --- one Lightning peer ---------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
     try:
         swarm = SwarmCallback(
             dht=dht, run_id=f"noniid_{args.strategy_name}", target_batch_size=args.peers * args.steps * args.batch_size,
-            batch_size=args.batch_size, strategy=noniid.STRATEGIES[args.strategy_name].make(),
+            batch_size=args.batch_size, strategy=STRATEGIES[args.strategy_name].make(),
             matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout)
         trainer = L.Trainer(max_epochs=1, callbacks=[swarm, Rounds(tmp, xt, yt)], logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -197,7 +197,7 @@ def report(runs: dict, args: argparse.Namespace) -> None:
     rows = []
     for alpha, loops in runs.items():
         for loop in LOOPS:
-            f, s = loops[loop]["fedavg"], loops[loop]["scaffold"]
+            f, s = loops[loop]["local"], loops[loop]["scaffold"]
             vs_plain = [loops[loop][n]["round_s"] / loops["plain"][n]["round_s"] for n in NAMES]
             rows.append([alpha, loop, f"{100 * f['final']:.2f}", f"{100 * s['final']:.2f}",
                          f"{100 * (s['final'] - f['final']):+.2f}", f"{f['round_s']:.2f}", f"{s['round_s']:.2f}",

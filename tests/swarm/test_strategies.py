@@ -113,10 +113,20 @@ def _check_lockstep(results: list, epochs: int) -> dict:
     return history
 
 
-def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp_path):
-    """Every peer completes 10 steps per round. Identical data: SCAFFOLD's controls stay zero, so it equals FedAvg
-    (the in-process LocalUpdates). Heterogeneous data: the real SCAFFOLD swarm follows the in-process simulation of
-    the same strategy code."""
+def test_a_lockstep_scaffold_swarm_computes_exactly_what_the_strategy_maths_says(swarm, tmp_path):
+    """Every peer completes 10 steps per round on heterogeneous data: the real SCAFFOLD swarm follows the in-process
+    simulation of the same strategy code."""
+    hetero = _lockstep(swarm, tmp_path, "scaffold", "scaffold_hetero")
+    history = _check_lockstep(hetero, 8)
+    expected = _simulate(Scaffold, range(4), rounds=8, steps=10, history=history)
+    for r in hetero:
+        torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.extended
+def test_a_lockstep_scaffold_swarm_on_identical_data_equals_fedavg(swarm, tmp_path):
+    """Identical data: SCAFFOLD's controls stay zero, so the swarm equals FedAvg (the in-process LocalUpdates). The
+    same property holds in process (tests/unit/test_scaffold_maths.py); this is the same check over the network."""
     scaffold = _lockstep(swarm, tmp_path, "scaffold", "scaffold_same", problem=0)
     _check_lockstep(scaffold, 8)
     fedavg = _simulate(LocalUpdates, [0] * 4, rounds=8, steps=10)
@@ -124,12 +134,6 @@ def test_lockstep_swarms_compute_exactly_what_the_strategy_maths_says(swarm, tmp
         torch.testing.assert_close(s["w"], fedavg, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
         assert s["rounds"][-1]["d"].abs().max() < 1e-6
     assert fedavg.norm() > 1.0  # the runs trained
-
-    hetero = _lockstep(swarm, tmp_path, "scaffold", "scaffold_hetero")
-    history = _check_lockstep(hetero, 8)
-    expected = _simulate(Scaffold, range(4), rounds=8, steps=10, history=history)
-    for r in hetero:
-        torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
 
 
 def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_what_its_maths_says(swarm, tmp_path):

@@ -28,7 +28,7 @@ workers, taking turns with gloo in every repetition; a lossy codec's "max err" i
 True)``, as ``swarm_opt.AuxiliaryPeer`` builds it: a helper process on the same machine that reduces a share of
 every round and contributes nothing); the time is still the slowest trainer's.
 
-``--lane`` runs every averager (of a codec the lane carries: none, fp16) a second time over the gloo fast lane
+``--lane`` runs every averager (of a codec the lane carries: none, fp16, PowerSGD) a second time over the gloo lane
 (``TensorAverager(lane=swarm_opt.Gloo(host="127.0.0.1"))``, as ``Optimizer(transport=...)`` builds it), taking turns
 with gloo and hivemind's path in every repetition. "lane rounds" counts the timed rounds that went over the lane on
 every member; "lane setup ms" is the time the member that began the round last took to meet the group on the
@@ -95,7 +95,7 @@ def make_codec(name: str):
     return CODECS[name][1](swarm_opt)
 
 
-LANE_CODECS = ("none", "fp16")  # the codecs the gloo lane carries
+LANE_CODECS = ("none", "fp16", "powersgd4", "powersgd1")  # the codecs the gloo lane carries
 ALLREDUCE_ONLY_OPTS = ("prefetch",)  # options of the all-reduce, not of the averager's constructor
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 

@@ -100,15 +100,18 @@ class Gloo:
 
 
 def lane_codec_dtype(codec: Any) -> torch.dtype:
-    """The dtype the lane carries a codec's values in; a codec the lane cannot carry is refused (ConfigError)."""
-    from swarm_opt.compression import Float16, NoCompression
+    """The dtype the lane carries a codec's values in; a codec the lane cannot carry is refused (ConfigError).
+    PowerSGD's two all-reduces of factors travel in its ``factors`` codec's dtype."""
+    from swarm_opt.compression import Float16, NoCompression, PowerSGD
 
+    if isinstance(codec, PowerSGD):
+        codec = codec.factors
     if type(codec) is NoCompression:
         return torch.float32
     if type(codec) is Float16:
         return torch.float16
-    raise ConfigError(f"transport=Gloo() carries NoCompression() and Float16() only, got compression={codec!r}; "
-                      f"use one of those, or drop transport=Gloo() to average through hivemind")
+    raise ConfigError(f"transport=Gloo() carries NoCompression(), Float16() and PowerSGD(...) only, got "
+                      f"compression={codec!r}; use one of those, or drop transport=Gloo() to average through hivemind")
 
 
 def lane_key(access: Any) -> bytes:

@@ -98,7 +98,7 @@ class _Engine(DecentralizedAverager):
             infos = [_member_info(self.serializer, data) for data in group_info.gathered]
             addresses = lane_addresses(infos)
             if addresses is not None:
-                return await self._lane_round(group_info, addresses, infos, kwargs["weight"])
+                return await self._lane_round(group_info, addresses, infos, **kwargs)
         aggregation = asyncio.ensure_future(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
         watchdog = asyncio.ensure_future(self._first_failure(group_info))
         try:
@@ -117,35 +117,47 @@ class _Engine(DecentralizedAverager):
             await asyncio.gather(watchdog, aggregation, return_exceptions=True)
 
     async def _lane_round(self, group_info: Any, addresses: List[Tuple[str, int]], infos: List[dict],
-                          weight: float) -> dict:
+                          **kwargs: Any) -> dict:
         """The round over the gloo lane: every member chose it from the same gather, so nobody takes hivemind's path.
-        Members get as long to begin as ``_first_failure`` gives them on hivemind's path."""
-        assert self.lane is not None
-        peer_ids = [peer.to_bytes() for peer in group_info.peer_ids]
+        Members get as long to begin as ``_first_failure`` gives them on hivemind's path. The all-reduces of the
+        round (PowerSGD runs two) go through ``_run_allreduce_inplace_`` as on hivemind's path, with ``lane=``."""
         start_timeout = _START_TIMEOUT + 2 * max(_seconds(info.get("step_period")) for info in infos)
-        self._running_groups[group_info.group_id].set_result(_LaneRound(self.lane, peer_ids))
         async with enter_asynchronously(self.get_tensors()) as tensors:
-            future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_info.group_id, addresses,
-                                      weight, start_timeout)
-            try:
-                self._lane_setup.value = await asyncio.wrap_future(future)
-            except LaneFailure as e:
-                raise AllreduceException(f"gloo lane: {e}") from None
-            except asyncio.CancelledError:
-                # the buffers stay locked until the lane's thread lets go of them: abort its process group
-                self.lane.drop(peer_ids)
-                await asyncio.wait({asyncio.wrap_future(future)}, timeout=_GOODBYE_TIMEOUT)
-                raise
+            await self._run_allreduce_inplace_(tensors, group_info, lane=(addresses, start_timeout), **kwargs)
         with self._lane_rounds.get_lock():
             self._lane_rounds.value += 1
         return {peer: self.serializer.loads(self.serializer.loads(data)[2])
                 for peer, data in zip(group_info.peer_ids, group_info.gathered)}
 
+    async def _lane_allreduce(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes,
+                              addresses: List[Tuple[str, int]], start_timeout: float, weight: float) -> None:
+        """One all-reduce of a lane round, in the lane's thread, registered as ``group_id``."""
+        assert self.lane is not None
+        peer_ids = [peer.to_bytes() for peer in group_info.peer_ids]
+        self._running_groups[group_id].set_result(_LaneRound(self.lane, peer_ids))
+        future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_id, addresses, weight,
+                                  start_timeout)
+        try:
+            self._lane_setup.value = await asyncio.wrap_future(future)
+        except LaneFailure as e:
+            raise AllreduceException(f"gloo lane: {e}") from None
+        except asyncio.CancelledError:
+            # the buffers stay locked until the lane's thread lets go of them: abort its process group
+            self.lane.drop(peer_ids)
+            await asyncio.wait({asyncio.wrap_future(future)}, timeout=_GOODBYE_TIMEOUT)
+            raise
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
-                                      group_id: Optional[bytes] = None, **kwargs: Any) -> None:
+                                      group_id: Optional[bytes] = None, *,
+                                      lane: Optional[Tuple[List[Tuple[str, int]], float]] = None,
+                                      **kwargs: Any) -> None:
         """hivemind's, with all-or-nothing reducers that return means (``swarm_opt._hivemind.allreduce``): the buffers
-        receive, part by part, the group's mean, identical on every member."""
+        receive, part by part, the group's mean, identical on every member. In a lane round (``lane``: the members'
+        addresses and how long they may take to begin) the lane computes the same mean instead."""
         group_id = group_info.group_id if group_id is None else group_id
+        if lane is not None:
+            await self._lane_allreduce(tensors, group_info, group_id, *lane, weight=float(kwargs["weight"]))
+            return
         # the members' modes: hivemind computes them and forgets to pass them on (its PR #432), so its auxiliary
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
@@ -312,7 +324,8 @@ class _Engine(DecentralizedAverager):
     def _check_complete(self, group_id: bytes) -> None:
         """Fail the round if the all-reduce registered as ``group_id`` left any part not averaged by everyone."""
         future = self._running_groups.get(group_id)
-        if future is not None and future.done() and not future.cancelled() and not future.exception():
+        if future is not None and future.done() and not future.cancelled() and not future.exception() \
+                and not isinstance(future.result(), _LaneRound):  # a lane all-reduce completes in full or raises
             failure = _partial_failure(future.result())
             if failure:
                 raise AllreduceException(failure)

@@ -292,7 +292,8 @@ def run_lsq(cfg: dict, opt, model) -> None:
                                d=None if controls is None else controls[0].clone()[0]))
             steps_in_round = 0
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights()))
+    save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights(),
+                   lane_rounds=opt._averager.lane_rounds))
 
 
 def run_mlp(cfg: dict, opt, model, dtype) -> None:

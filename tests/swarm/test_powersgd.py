@@ -52,7 +52,7 @@ def optimum() -> torch.Tensor:
     return torch.linalg.solve(sum(a.T @ a for a, _ in problems), sum(a.T @ b for a, b in problems)).T
 
 
-def reference_run(rank: Optional[int], lr: float) -> Tuple[List[torch.Tensor], List[float]]:
+def reference_run(rank: Optional[int], lr: float, epochs: int = EPOCHS) -> Tuple[List[torch.Tensor], List[float]]:
     """The weights after each round, and ‖update‖ of each round: PowerSGD of ``rank`` (exact averaging for None)
     with the averager's own maths, in float64 with exact sums."""
     problems = [lsq_problem(r, OUTPUTS) for r in range(PEERS)]
@@ -62,7 +62,7 @@ def reference_run(rank: Optional[int], lr: float) -> Tuple[List[torch.Tensor], L
     feedback = [ErrorFeedback([shape], [F64]) for _ in range(PEERS)]
     total_weight: Optional[float] = None
     trajectory, update_norms = [], []
-    for epoch in range(EPOCHS):
+    for epoch in range(epochs):
         grads = [(w @ a.T - b.T) @ a for a, b in problems]
         if rank is None:
             update = sum(grads) / PEERS
@@ -84,7 +84,7 @@ def reference_run(rank: Optional[int], lr: float) -> Tuple[List[torch.Tensor], L
 
 def run_swarm(swarm, **config) -> list:
     for rank in range(PEERS):
-        swarm.start(rank, strategy="grad", expect_peers=PEERS, **LOCKSTEP, **config)
+        swarm.start(rank, strategy="grad", expect_peers=PEERS, **{**LOCKSTEP, **config})
     swarm.wait(timeout=240)
     return [swarm.result(r) for r in range(PEERS)]
 
@@ -120,8 +120,25 @@ def test_three_peers_run_exactly_powersgd_and_reach_the_uncompressed_optimum(swa
     assert float((results[0]["w"] - exact[-1]).norm()) > 10 * max_deviation
 
 
-def assert_identical_every_round(results: list) -> None:
-    for epoch in range(1, EPOCHS + 1):
+def test_powersgd_over_the_gloo_lane_runs_the_same_protocol(swarm):
+    """With ``transport=Gloo()`` both of PowerSGD's all-reduces of a round go over the lane; the peers compute what
+    the protocol's maths say, as over hivemind's path."""
+    rank, lr, epochs = 1, 0.05, 4
+    results = run_swarm(swarm, compression="PowerSGD", compression_args=dict(rank=rank), lsq_lr=lr, lane=True,
+                        epochs=epochs)
+    for r in results:
+        assert r["epoch"] == epochs and r["lane_rounds"] == epochs, (r["lane_rounds"], r["rounds"])
+        assert all(rnd["group_size"] == PEERS and not rnd["caught_up"] for rnd in r["rounds"]), swarm.round_events()
+        assert_quiet(swarm.log(r["rank"]))
+    expected, update_norms = reference_run(rank, lr, epochs)
+    max_deviation = lr * (1 / ORTHOGONALIZATION_FLOOR + 2) * 2.0**-24 * (PEERS + 1) * sum(update_norms)
+    deviation = max(float((rnd["w"] - expected[rnd["epoch"] - 1]).norm()) for r in results for rnd in r["rounds"])
+    assert deviation <= max_deviation
+    assert_identical_every_round(results, epochs)
+
+
+def assert_identical_every_round(results: list, epochs: int = EPOCHS) -> None:
+    for epoch in range(1, epochs + 1):
         values = [rnd["w"] for r in results for rnd in r["rounds"] if rnd["epoch"] == epoch]
         assert len(values) == PEERS and all(torch.equal(values[0], v) for v in values), f"round {epoch}"
 

@@ -52,10 +52,12 @@ def test_gloo_listens_on_the_first_free_port_of_a_range_and_names_the_fix_when_n
             assert sock.getsockname()[0] == "127.0.0.1" and sock.getsockname()[1] > port
 
 
-def test_the_lane_carries_fp32_and_fp16_and_refuses_other_codecs_at_construction():
+def test_the_lane_carries_fp32_fp16_and_powersgd_factors_and_refuses_other_codecs_at_construction():
     assert lane_codec_dtype(swarm_opt.NoCompression()) == torch.float32
     assert lane_codec_dtype(swarm_opt.Float16()) == torch.float16
-    for codec in (swarm_opt.Int8Blockwise(), swarm_opt.Uniform8Bit(), swarm_opt.PowerSGD(rank=4)):
+    assert lane_codec_dtype(swarm_opt.PowerSGD(rank=4)) == torch.float32
+    assert lane_codec_dtype(swarm_opt.PowerSGD(rank=4, factors=swarm_opt.Float16())) == torch.float16
+    for codec in (swarm_opt.Int8Blockwise(), swarm_opt.Uniform8Bit()):
         with pytest.raises(ConfigError, match="drop transport=Gloo"):
             lane_codec_dtype(codec)
 

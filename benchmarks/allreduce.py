@@ -135,7 +135,7 @@ def variants_of(args: argparse.Namespace) -> List[Tuple[str, Dict[str, Any]]]:
 @contextlib.contextmanager
 def engine_options(options: Dict[str, Any]) -> Iterator[None]:
     """While active, ``TensorAverager`` builds its hivemind averager with ``options`` (benchmark experiments only)."""
-    from swarm_opt import averaging
+    from swarm_opt._hivemind import averager as averaging
 
     if not options:
         yield

@@ -33,6 +33,7 @@ from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint
 from swarm_opt.compression import Compression
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
@@ -53,6 +54,10 @@ class SwarmCallback(Callback):
     :param host_maddrs: where the DHT the callback starts listens (default: any interface, any free port).
     :param dht: a started ``hivemind.DHT`` to use instead; it stays the caller's (not stopped at teardown).
     :param batch_size: samples per batch; by default read from each batch, as Lightning does for logging.
+    :param offload: ``swarm_opt.Offload()`` keeps the inner optimizer's state and swarm_opt's buffers in host memory
+        (the model stays on its device): the module's optimizer steps host copies of its parameters. Lightning's
+        gradient clipping and 16-bit loss scaling act on the optimizer's parameters, the host copies, so they are
+        refused with it (``precision="bf16-mixed"`` needs no scaling).
 
     Nothing happens at construction (no DHT, no process; the callback pickles). Refused at setup, each with the
     alternative: manual optimization, several optimizers, Lightning's distributed strategies (DDP, FSDP, ...: run
@@ -73,8 +78,12 @@ class SwarmCallback(Callback):
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
         tracker: Optional[TrackerConfig] = None,
+        offload: Optional[Offload] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size)
+        if offload is not None and not isinstance(offload, Offload):
+            raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
+        self.offload = offload
         self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
         if isinstance(initial_peers, str):
             raise ConfigTypeError("initial_peers must be a list of multiaddrs, e.g. initial_peers=[ADDRESS]")
@@ -126,6 +135,14 @@ class SwarmCallback(Callback):
                 f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: each process is "
                 f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
                 f"the same run_id")
+        if self.offload is not None and trainer.gradient_clip_val:
+            raise ConfigError("SwarmCallback(offload=...) with gradient_clip_val: Lightning would clip the host "
+                              "copies' gradients, not the model's. Clip in the module (on_before_optimizer_step, "
+                              "torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or drop offload")
+        if self.offload is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ConfigError("SwarmCallback(offload=...) with a loss scaler (precision='16-mixed'): Lightning would "
+                              "unscale the host copies' gradients, not the model's. Use precision='bf16-mixed' (no "
+                              "scaler) or drop offload")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         inner = _single_optimizer(trainer.strategy.optimizers)
@@ -137,7 +154,8 @@ class SwarmCallback(Callback):
             with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
                 self._optimizer = Optimizer(
                     dht=self._dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
-                    optimizer=inner, scheduler=scheduler, strategy=copy.deepcopy(self.strategy),
+                    optimizer=inner, offload=self.offload, scheduler=scheduler,
+                    strategy=copy.deepcopy(self.strategy),
                     matchmaking_time=self.timeouts.matchmaking_time,
                     averaging_timeout=self.timeouts.averaging_timeout,
                     compression=self.compression, tracker=self.tracker)

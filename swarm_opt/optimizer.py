@@ -142,7 +142,7 @@ class Optimizer(torch.optim.Optimizer):
         aggregation = as_aggregation(aggregation, compression)
 
         self._offload = _make_offload(offload, optimizer, params)
-        if self._offload is not None:
+        if self._offload is not None and params is not None:
             params = self._offload.groups
         self.inner = _make_inner_optimizer(optimizer, params)
         self.scheduler = _make_scheduler(scheduler, self.inner,
@@ -604,10 +604,20 @@ def _make_offload(offload: Any, optimizer: Any, params: Optional[Iterable[Any]])
         return None
     if not isinstance(offload, Offload):
         raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
-    if isinstance(optimizer, torch.optim.Optimizer) or params is None:
-        raise ConfigError("offload=Offload() builds the inner optimizer over host copies of the parameters: pass a "
-                          "factory and the parameters, optimizer=lambda p: torch.optim.AdamW(p, lr=...), "
-                          "params=model.parameters()")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # a ready optimizer steps the host copies once its param groups point at them: sound while it has no state
+        if optimizer.state:
+            raise ConfigError("offload=Offload() moves the optimizer onto host copies of the parameters, which needs "
+                              "an optimizer that has not stepped yet (its state would stay on the device): create "
+                              "the swarm optimizer before training, or pass a factory, optimizer=lambda p: "
+                              "torch.optim.AdamW(p, lr=...), params=model.parameters()")
+        offloaded = OffloadedParameters([dict(group) for group in optimizer.param_groups], offload)
+        for group, host in zip(optimizer.param_groups, offloaded.groups):
+            group["params"] = host["params"]
+        return offloaded
+    if params is None:
+        raise ConfigError("offload=Offload() with an optimizer factory needs the parameters: "
+                          "optimizer=lambda p: torch.optim.AdamW(p, lr=...), params=model.parameters()")
     return OffloadedParameters(list(params), offload)
 
 

@@ -170,12 +170,14 @@ def test_offloaded_training_equals_training_in_place(dht, strategy):
     make_strategy = {"grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates,
                      "scaffold": swarm_opt.Scaffold}[strategy]
     finals = []
-    for offload in (None, swarm_opt.Offload()):
+    # in place; offloaded with an optimizer factory; offloaded with a ready optimizer (its groups re-pointed)
+    for offload, ready in ((None, False), (swarm_opt.Offload(), False), (swarm_opt.Offload(), True)):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-        opt, _ = make(dht, f"offload_{strategy}_{offload is not None}", model=model, batch_size_per_step=16,
-                      target=32, strategy=make_strategy(), offload=offload,
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        inner = dict(optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), params=None) if ready else \
+            dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        opt, _ = make(dht, f"offload_{strategy}_{offload is not None}_{ready}", model=model, batch_size_per_step=16,
+                      target=32, strategy=make_strategy(), offload=offload, **inner)
         data = torch.Generator().manual_seed(1)
         with opt:
             if offload is not None:
@@ -186,8 +188,9 @@ def test_offloaded_training_equals_training_in_place(dht, strategy):
                 opt.step()
             assert opt.local_epoch == 4
         finals.append([p.detach().clone() for p in model.parameters()])
-    for offloaded, in_place in zip(*finals):
-        torch.testing.assert_close(offloaded, in_place, rtol=0, atol=0)
+    for in_place, *offloaded in zip(*finals):
+        for tensor in offloaded:
+            torch.testing.assert_close(tensor, in_place, rtol=0, atol=0)
     torch.manual_seed(0)
     initial = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).parameters()
     assert any((p - q).abs().max() > 1e-3 for p, q in zip(finals[0], initial))  # training did move the model
@@ -212,11 +215,16 @@ def test_offload_keeps_weights_and_state_the_user_loads(dht):
             assert torch.all(opt.param_groups[0]["params"][0] == 42.0)  # the host copy followed the model
 
 
-def test_offload_needs_an_optimizer_factory(dht):
+def test_offload_needs_a_factory_or_an_optimizer_that_has_not_stepped(dht):
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(ConfigError, match="optimizer factory|pass a factory"):
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    with pytest.raises(ConfigError, match="has not stepped yet"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, offload=swarm_opt.Offload(), optimizer=stepped)
+    with pytest.raises(ConfigError, match="needs the parameters"):
         swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, offload=swarm_opt.Offload(),
-                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     with pytest.raises(ConfigTypeError, match="Offload"):
         swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, offload=True, params=model.parameters(),
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1))

@@ -91,6 +91,7 @@ def test_construction_has_no_side_effects_and_pickles(no_leftovers):
     (dict(initial_peers=["/ip4/127.0.0.1/tcp/1"]), ConfigError, "/p2p/PEER_ID"),
     (dict(dht=object()), ConfigTypeError, "hivemind.DHT"),
     (dict(tracker=dict(record_ttl=1)), ConfigTypeError, "TrackerConfig"),
+    (dict(offload=True), ConfigTypeError, "swarm_opt.Offload"),
 ])
 def test_bad_arguments_are_refused_at_construction(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -235,6 +236,39 @@ def test_single_peer_fit_wraps_the_optimizer_and_moves_the_scheduler(no_leftover
     assert t.callback_metrics["swarm/epoch"] == 1
     assert "swarm/peers" in t.callback_metrics and "swarm/samples_per_second" in t.callback_metrics
     assert cb.dht is None and cb.optimizer is None  # left at teardown
+
+
+def test_offload_moves_the_modules_optimizer_onto_host_copies_and_trains_the_same(no_leftovers, recwarn):
+    """``offload=Offload()``: the module's optimizer steps host copies of the parameters (its param groups now point
+    at them), its scheduler stays bound, and a single-peer fit ends with the parameters of the same fit without
+    offload."""
+    def fit(offload):
+        L.seed_everything(0, verbose=False)
+        module, cb = BoringModel(), callback(offload=offload)
+        seen = {}
+
+        class Probe(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                seen["optimizer"] = trainer.optimizers[0]
+
+        trainer(cb, max_steps=12, callbacks=[cb, Probe()]).fit(module)
+        return [p.detach().clone() for p in module.parameters()], seen["optimizer"]
+
+    plain, _ = fit(None)
+    offloaded, opt = fit(swarm_opt.Offload(pin_memory=False))
+    model_params = set(map(id, opt._offload.model))
+    assert model_params and not any(id(p) in model_params for group in opt.param_groups for p in group["params"])
+    assert opt.local_epoch == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.01)  # StepLR moved along
+    for a, b in zip(plain, offloaded):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not [w for w in recwarn if "swarm_opt" in str(w.filename) or "lr_scheduler" in str(w.message)]
+
+
+def test_offload_with_lightnings_gradient_clipping_is_refused_before_any_dht_starts(no_leftovers):
+    cb = callback(offload=swarm_opt.Offload(pin_memory=False))
+    with pytest.raises(ConfigError, match="gradient_clip_val: Lightning would clip the host"):
+        trainer(cb, gradient_clip_val=1.0).fit(BoringModel())
+    assert cb.dht is None
 
 
 def test_a_checkpoint_of_another_strategy_is_refused(tmp_path, no_leftovers):

@@ -147,7 +147,7 @@ class PowerSGDEngine(_Engine):
             return
         kwargs.update(weight=1.0, tensor_infos=None)  # every value below travels pre-scaled
         group_size = len(group_info.peer_ids)
-        grads = [matrix_view(tensors[i]) for i in self._compressed]
+        grads = [matrix_view(tensors[i]) for i in self._compressed]  # views of contiguous buffers
         if self._q is None or self._feedback is None:
             dtypes = [g.dtype for g in grads]
             self._q = initial_factors([g.shape for g in grads], self.config.rank, self.config.seed, dtypes)
@@ -182,8 +182,10 @@ class PowerSGDEngine(_Engine):
         self._check_complete(group_info.group_id)
         if not all(bool(torch.isfinite(q).all()) for q in q_hats):
             raise AllreduceException("phase 2 of PowerSGD produced non-finite values")
-        for i, update in zip(self._compressed, peer.finish(q_hats)):
-            tensors[i].copy_(update.reshape(tensors[i].shape))
+        peer.finish(q_hats, out=grads)  # the updates overwrite the gradients' matrix views
+        for i, update in zip(self._compressed, grads):
+            if update.data_ptr() != tensors[i].data_ptr():  # a buffer that is not contiguous was copied: write back
+                tensors[i].copy_(update.reshape(tensors[i].shape))
         self._q = q_hats
         with self._lineage.get_lock():
             self._lineage[:] = [winner[0] + 1, _lineage_hash(str(winner).encode(), bytes(group_info.group_id))]

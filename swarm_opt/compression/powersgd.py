@@ -321,14 +321,16 @@ class PeerRound:
         self.own_qs = []
         for g, residual, share, p_hat in zip(self.grads, self.residuals, self.shares, self.p_hats):
             torch.add(residual, g, alpha=self.fraction, out=share)
-            self.own_qs.append(share.T @ p_hat)
+            self.own_qs.append((p_hat.T @ share).T.contiguous())  # = Yᵀ P̂, Y read row by row (6x faster)
         return self.own_qs
 
-    def finish(self, q_hats: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Given Q̂ = Σ_i Q_i: the update M̂ = P̂ Q̂ᵀ of each tensor; ``shares`` now hold the candidate residuals."""
+    def finish(self, q_hats: Sequence[torch.Tensor], out: Optional[Sequence[torch.Tensor]] = None
+               ) -> List[torch.Tensor]:
+        """Given Q̂ = Σ_i Q_i: the update M̂ = P̂ Q̂ᵀ of each tensor, written into ``out`` (matrix views of the
+        averaged buffers) when given; ``shares`` now hold the candidate residuals."""
         updates = []
-        for p_hat, q_hat, share, own_q in zip(self.p_hats, q_hats, self.shares, self.own_qs):
-            updates.append(p_hat @ q_hat.T)
+        for k, (p_hat, q_hat, share, own_q) in enumerate(zip(self.p_hats, q_hats, self.shares, self.own_qs)):
+            updates.append(torch.mm(p_hat, q_hat.T, out=None if out is None else out[k]))
             share.addmm_(p_hat, own_q.T, alpha=-1.0)  # what of Y was not sent
         return updates
 

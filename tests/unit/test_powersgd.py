@@ -254,6 +254,25 @@ def test_full_rank_round_averages_exactly():
     assert float(sum(group.residuals()).abs().max()) < 1e-12
 
 
+def test_finish_writes_the_update_into_the_buffers_it_is_given():
+    """The averager passes matrix views of its buffers as ``out``: the same update, in place, no model-sized copy."""
+    shape, peers = (12, 10), 2
+    results = []
+    for in_place in (False, True):
+        qs = initial_factors([shape], 2, seed=0, dtypes=[F64])
+        grads = [torch.randn(*shape, generator=gen(20 + i), dtype=F64) for i in range(peers)]
+        rounds = [PeerRound([g], [torch.zeros(shape, dtype=F64)], [torch.empty(shape, dtype=F64)], qs, weight=1.0)
+                  for g in grads]
+        p_means = [sum(ps) / peers for ps in zip(*(r.phase1() for r in rounds))]
+        q_hats = [sum(q) for q in zip(*(r.phase2(p_means, float(peers)) for r in rounds))]
+        outs = [[torch.empty(shape, dtype=F64)] if in_place else None for _ in rounds]
+        updates = [r.finish(q_hats, out=out) for r, out in zip(rounds, outs)]
+        if in_place:
+            assert all(u[0].data_ptr() == out[0].data_ptr() for u, out in zip(updates, outs))
+        results.append(updates[0][0])
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
 def test_a_round_applies_the_projection_of_the_true_mean_even_with_a_stale_member():
     """A member whose Q is not the group's sends zeros in phase 1; the update is still P̂P̂ᵀ of the exact weighted
     mean, identical on every member, and Σ residuals is exactly what was not sent."""

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
-from swarm_opt.errors import IncompatibleStateError
+from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.round import Round
 
 
@@ -36,7 +36,7 @@ class Strategy(ABC):
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
         if getattr(self, "_bound", False):
-            raise ValueError(
+            raise ConfigError(
                 f"This {type(self).__name__} instance is already used by another optimizer; "
                 f"pass a new instance, e.g. strategy={type(self).__name__}()"
             )

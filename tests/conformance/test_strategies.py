@@ -106,6 +106,13 @@ def test_rounds_keep_peers_finite_and_in_sync(name):
         torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
 
 
+@names
+def test_one_instance_serves_one_optimizer(name):
+    peer = Peer(STRATEGIES[name], 0)
+    with pytest.raises(swarm_opt.errors.ConfigError, match="pass a new instance"):
+        peer.strategy.bind(list(peer.model.parameters()), peer.inner)
+
+
 def _fail_a_round(strategy: swarm_opt.Strategy) -> List[torch.Tensor]:
     """What the optimizer does with a round whose all-reduce failed (``swarm_opt.round.RoundRunner``): the round
     begins, the averager takes its weight and its values, then the round is given back."""

@@ -184,6 +184,8 @@ class Optimizer(torch.optim.Optimizer):
         # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
         # their first round's digests tell them apart and all but one group download (see _check_agreement)
         self._synced = self._tracker.progress.epoch == 0
+        if self._synced:
+            self._averager.offer_state(self._epoch)
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
     @property
@@ -360,7 +362,7 @@ class Optimizer(torch.optim.Optimizer):
                 self.scheduler.step()
         self._samples = 0  # the strategy keeps its own round's weight: its local work is averaged in next round
         self._tracker.report(self._epoch, 0)
-        self._averager.set_priority(self._epoch)
+        self._averager.offer_state(self._epoch)
 
     def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
         self._epoch += 1
@@ -369,7 +371,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.scheduler is not None:
             self.scheduler.step()
         self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
-        self._averager.set_priority(self._epoch)
+        self._averager.offer_state(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
         privacy = self.privacy.log_suffix() if self.privacy is not None else ""
@@ -483,7 +485,7 @@ class Optimizer(torch.optim.Optimizer):
             self._samples = 0
             self.strategy.reset()
         self._tracker.report(self._epoch, 0, params_digest=digest)
-        self._averager.set_priority(self._epoch)
+        self._averager.offer_state(self._epoch)
         self._push_offloaded()
         return epoch
 
@@ -520,7 +522,7 @@ class Optimizer(torch.optim.Optimizer):
                 self._synced = True  # our own history; if the swarm moved on, step() catches up as usual
         if "epoch" in extra:
             self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
-            self._averager.set_priority(self._epoch)
+            self._averager.offer_state(self._epoch)
 
     # --- lifetime ---------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -53,6 +53,9 @@ _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of tw
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
+#: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
+#: that many newcomers joining together spread over the donors (and come back, with backoff, if all are busy)
+MAX_UPLOADS_AT_ONCE = 4
 
 
 class _Engine(DecentralizedAverager):
@@ -74,6 +77,9 @@ class _Engine(DecentralizedAverager):
         self._serving = 0  # reducer streams in flight (averager process)
         self._lane_rounds = mp.Value("i", 0)  # rounds this peer averaged over the gloo lane (shared)
         self._lane_setup = mp.Value("d", 0.0)  # seconds the last lane round took to set up (shared)
+        self._uploads = 0  # state downloads this donor serves now (averager process)
+        self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
+        self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -192,12 +198,23 @@ class _Engine(DecentralizedAverager):
 
     async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """hivemind's, for members of a private run only (an empty answer sends the peer to its next donor). The
-        parameters keep hivemind's names: its servicer reads the request type by the parameter's name."""
+        """hivemind's, for members of a private run only, and at most ``MAX_UPLOADS_AT_ONCE`` at a time (an empty
+        answer sends the peer to its next donor). The parameters keep hivemind's names: its servicer reads the
+        request type by the parameter's name."""
         if self.access is not None and not await self.access.admits(self.dht, _context.remote_id):
             return
-        async for message in super().rpc_download_state(_request, _context):
-            yield message
+        if self._uploads >= MAX_UPLOADS_AT_ONCE:
+            with self._uploads_declined.get_lock():
+                self._uploads_declined.value += 1
+            return
+        self._uploads += 1
+        with self._uploads_most.get_lock():
+            self._uploads_most.value = max(self._uploads_most.value, self._uploads)
+        try:
+            async for message in super().rpc_download_state(_request, _context):
+                yield message
+        finally:
+            self._uploads -= 1
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None, *,
                               donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (), max_bytes: int = 2**62
@@ -474,6 +491,7 @@ class TensorAverager:
             request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
             next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0, auxiliary=auxiliary,
+            allow_state_sharing=False,  # until offer_state()
             # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
             # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); about 16 parts in all below 32 MiB (a part
             # never spans two tensors: a model's small tensors add more), so that each member of a group of up
@@ -526,6 +544,11 @@ class TensorAverager:
         return int(self._engine._lane_rounds.value)
 
     @property
+    def uploads(self) -> Tuple[int, int]:
+        """(the most state downloads this donor served at once, how many it declined for being busy)."""
+        return int(self._engine._uploads_most.value), int(self._engine._uploads_declined.value)
+
+    @property
     def lane_setup_seconds(self) -> float:
         """How long the last lane round took to meet its group and find (or create) the process group."""
         return float(self._engine._lane_setup.value)
@@ -534,10 +557,16 @@ class TensorAverager:
     def peer_id(self) -> PeerID:
         return self._engine.peer_id
 
-    def set_priority(self, priority: float) -> None:
-        """Newcomers download state from the donors of highest priority first (we use the epoch)."""
-        if not self.client_mode and self._engine.state_sharing_priority != priority:
+    def offer_state(self, priority: float) -> None:
+        """Serve this peer's state to downloading peers from now on (a peer offers it once its state is the swarm's:
+        a newcomer that has not caught up yet would hand out its own initial model), at ``priority``: newcomers ask
+        the donors of highest priority first (we use the epoch)."""
+        if self.client_mode or self.auxiliary:
+            return
+        if self._engine.state_sharing_priority != priority:
             self._engine.state_sharing_priority = float(priority)
+        if not self._engine.allow_state_sharing:
+            self._engine.allow_state_sharing = True
 
     def schedule(self, when: float, round_id: int) -> None:
         """Start matchmaking now for round ``round_id`` (the epoch it completes), due at DHT time ``when``."""

@@ -115,16 +115,16 @@ def install_fault(cfg: dict) -> None:
         from swarm_opt._hivemind.averager import TensorAverager
         from swarm_opt.optimizer import Optimizer
 
-        original_state, original_priority = Optimizer._shareable_state, TensorAverager.set_priority
+        original_state, original_offer = Optimizer._shareable_state, TensorAverager.offer_state
 
         def _shareable_state(self):
             metadata, tensors = original_state(self)
             return metadata, [t + 0.01 if i < len(self._params) else t for i, t in enumerate(tensors)]
 
-        def set_priority(self, priority):
-            original_priority(self, priority + 0.5)
+        def offer_state(self, priority):
+            original_offer(self, priority + 0.5)
 
-        Optimizer._shareable_state, TensorAverager.set_priority = _shareable_state, set_priority
+        Optimizer._shareable_state, TensorAverager.offer_state = _shareable_state, offer_state
     if cfg.get("slow_replies"):
         import asyncio
 

@@ -136,8 +136,9 @@ def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
     """Three donors at the same epoch; two newcomers download the state ten times each. hivemind's newcomers all
     hammered one donor (hivemind#169); ours draw among the donors of the highest epoch."""
     for rank in range(3):
+        # the donors stay until the test ends (swarm.wait stops everyone): newcomers may take a minute to start
         swarm.start(rank, batch_size=16, target_batch_size=128, inner="sgd", epochs=2, expect_peers=3,
-                    step_sleep=0.01)
+                    step_sleep=0.01, linger=240.0)
     deadline = time.monotonic() + 120
     while not all((swarm.tmp / f"peer{rank}.pt").exists() for rank in range(3)):
         assert time.monotonic() < deadline, [swarm.log(rank)[-2000:] for rank in range(3)]

@@ -1,0 +1,76 @@
+"""Newcomers joining together spread over the donors: a donor serves at most ``MAX_UPLOADS_AT_ONCE`` state downloads
+at a time and sends the others on (an empty answer); they come back with backoff, and every one of them gets the
+state. In process: one donor ahead of three newcomers, each with its own DHT on loopback; the newcomers are client-mode
+peers (behind NAT, say), which never serve state themselves, so the donor is the only one they can ask."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import hivemind
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt._hivemind import averager as averager_module
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def _optimizer(dht, model):
+    return swarm_opt.Optimizer(dht=dht, run_id="newcomers", target_batch_size=16, batch_size_per_step=8,
+                               params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                               matchmaking_time=0.5, averaging_timeout=10.0)
+
+
+def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monkeypatch):
+    monkeypatch.setattr(averager_module, "MAX_UPLOADS_AT_ONCE", 1)  # read in the averager process, forked below
+    dhts, opts = [hivemind.DHT(host_maddrs=LOOPBACK, start=True)], []
+    try:
+        donor_model = torch.nn.Linear(16, 4)
+        donor = _optimizer(dhts[0], donor_model)
+        opts.append(donor)
+        while donor.local_epoch < 1:  # alone: its rounds commit by themselves, and it is the swarm's epoch 1
+            donor.zero_grad()
+            donor_model(torch.ones(8, 16)).sum().backward()
+            donor.step()
+        snapshot = donor._shareable_state
+
+        def slow_snapshot():  # each download holds the donor's slot for a while: the three overlap for sure
+            time.sleep(1.0)
+            return snapshot()
+
+        donor._averager._engine.state_provider = slow_snapshot
+        newcomer_models = [torch.nn.Linear(16, 4) for _ in range(3)]
+        for model in newcomer_models:
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), host_maddrs=LOOPBACK, client_mode=True,
+                                     start=True))
+            opts.append(_optimizer(dhts[-1], model))
+        start, errors = threading.Barrier(3), []
+
+        def join(opt):
+            try:
+                start.wait()
+                opt.load_state_from_peers(timeout=60)
+            except Exception as e:  # reported below, with the others'
+                errors.append(e)
+
+        threads = [threading.Thread(target=join, args=(opt,)) for opt in opts[1:]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        assert not errors, errors
+        for opt, model in zip(opts[1:], newcomer_models):
+            assert opt.local_epoch == 1 and torch.equal(model.weight, donor_model.weight)
+        most, declined = donor._averager.uploads
+        assert most == 1, most  # never two at once
+        assert declined >= 1, declined  # three newcomers asked at once: the donor sent some on
+    finally:
+        for opt in opts:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()

@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         Overlap,
         Scaffold,
         Strategy,
+        WorkerMomentum,
     )
 
 __version__ = "0.1.0"
@@ -62,7 +63,7 @@ _LAZY: Dict[str, str] = {
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
-                     "Strategy"), "swarm_opt.strategies"),
+                     "Strategy", "WorkerMomentum"), "swarm_opt.strategies"),
 }
 
 
@@ -93,6 +94,7 @@ __all__ = [
     "load_checkpoint",
     "GradientAveraging",
     "Overlap",
+    "WorkerMomentum",
     "LocalUpdates",
     "FedProx",
     "Scaffold",

@@ -161,7 +161,7 @@ class Optimizer(torch.optim.Optimizer):
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
-        self.model_schema = model_schema(self._params, strategy.name)
+        self.model_schema = model_schema(self._params, strategy.name + strategy.variant)
 
         access = run_access(dht, progress_key(run_id))
         tracker = tracker or TrackerConfig()

@@ -135,5 +135,5 @@ def test_a_lying_reducer_goes_unnoticed_without_the_audit(swarm):
     results = run(swarm, epochs, None, lie_in_reduce_rank=ATTACKER)
     for r in results:
         assert r["epoch"] == epochs, swarm.round_events()
-        assert all(report["group_size"] == 4 for report in r["reports"]), r["reports"]
+        assert all(report["caught_up"] or report["group_size"] == 4 for report in r["reports"]), r["reports"]
         assert drift(r["params"]) < -0.1, drift(r["params"])

@@ -34,21 +34,42 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from _common import command_line, load_mnist, table, write_json  # also puts the repo on sys.path for swarm_opt
 
 import swarm_opt
+from swarm_opt._allreduce import audit_order, liars
 from swarm_opt.aggregation import reduce_part
 
 PEERS = 8
-AGGREGATIONS: Dict[str, swarm_opt.Aggregation] = {
-    "plain mean": swarm_opt.Mean(max_norm_ratio=None),
-    "Mean() (norm-bounded)": swarm_opt.Mean(),
-    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25),
-    "CenteredClip()": swarm_opt.CenteredClip(),
+LIE = 0.01  # what a lying reducer adds to every value it reduces (an honest gradient's values are ~1e-2)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One column: the reducers' aggregation, and whether peers send their momentum (``WorkerMomentum``)."""
+
+    aggregation: swarm_opt.Aggregation
+    momentum: Optional[swarm_opt.WorkerMomentum] = None
+
+
+SETTINGS: Dict[str, Setting] = {
+    "plain mean": Setting(swarm_opt.Mean(max_norm_ratio=None)),
+    "Mean() (norm-bounded)": Setting(swarm_opt.Mean()),
+    "TrimmedMean(0.25)": Setting(swarm_opt.TrimmedMean(0.25)),
+    "CenteredClip()": Setting(swarm_opt.CenteredClip()),
+    "TrimmedMean(0.25) + momentum": Setting(swarm_opt.TrimmedMean(0.25), swarm_opt.WorkerMomentum(0.9)),
+    "CenteredClip() + momentum": Setting(swarm_opt.CenteredClip(), swarm_opt.WorkerMomentum(0.9)),
+    "CenteredClip(tau=1) + momentum": Setting(swarm_opt.CenteredClip(tau=1.0), swarm_opt.WorkerMomentum(0.9)),
+    "Audited(CenteredClip()) + momentum": Setting(swarm_opt.Audited(swarm_opt.CenteredClip()),
+                                                  swarm_opt.WorkerMomentum(0.9)),
 }
+AGGREGATIONS: Dict[str, swarm_opt.Aggregation] = {  # the reducer's compute per part
+    "plain mean": swarm_opt.Mean(max_norm_ratio=None), "Mean() (norm-bounded)": swarm_opt.Mean(),
+    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25), "CenteredClip()": swarm_opt.CenteredClip()}
 
 
 def attack_sign(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
@@ -73,6 +94,7 @@ def attack_alie(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
 
 ATTACKS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "sign": attack_sign, "x100": attack_x100, "noise": attack_noise, "nan": attack_nan, "alie": attack_alie}
+REDUCER_ATTACK = "reducer"  # the attackers send honest values and lie as reducers (see lying_reducers)
 
 
 def make_model(seed: int) -> torch.nn.Module:
@@ -97,17 +119,44 @@ def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequ
     return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), [32.0] * len(grads)) for a, b in bounds])
 
 
-def run(aggregation: swarm_opt.Aggregation, attack: Optional[str], attackers: int, seed: int, epochs: int,
-        data: tuple) -> dict:
+def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bounds: Sequence[tuple],
+                   members: List[int], attackers: int, g: torch.Generator) -> tuple:
+    """One round of ``members`` (peer ranks; ranks below ``attackers`` lie as reducers) in a random order, as
+    hivemind shuffles a group: part ``j`` is reduced by the ``j % n``-th member of the order, and a liar adds
+    ``LIE`` to every mean it returns. ``Audited``: each part is reduced again by the next member of the order
+    (``audit_order``), the round fails if any part's two results differ, and ``liars`` names who disagreed with two
+    partners. Returns (the result or None for a failed round, the ranks named liars)."""
+    order = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
+    honest = reduce(aggregation, sent[members], bounds)
+    results = [honest.clone() for _ in range(2)]
+    audited = isinstance(aggregation, swarm_opt.Audited)
+    second = audit_order(order, [1.0] * len(order)) if audited else order
+    pairs = set()
+    for j, (a, b) in enumerate(bounds):
+        reducers = (order[j % len(order)], second[j % len(order)])
+        for result, reducer in zip(results, reducers):
+            if reducer < attackers:
+                result[a:b] += LIE
+        if audited and aggregation.disagree(results[0][a:b], results[1][a:b]):
+            pairs.add(reducers)
+    return (None if pairs else results[0]), liars(pairs)
+
+
+def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epochs: int, data: tuple) -> dict:
     x, y, xt, yt = data
     model = make_model(seed)
     params = list(model.parameters())
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # with momentum sent by the peers the inner optimizer has none: lr 1.0 on a momentum dampened by (1 - 0.9)
+    # takes the steps of lr 0.1 on an undampened one
+    opt = torch.optim.SGD(params, lr=1.0) if setting.momentum else torch.optim.SGD(params, lr=0.1, momentum=0.9)
     bounds = part_bounds(model)
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(x), generator=g).reshape(PEERS, -1)
     steps = epochs * shards.shape[1] // 32
     reduce_s: List[float] = []
+    momentum: Optional[List[torch.Tensor]] = None  # every peer's, one row each
+    members, failed = list(range(PEERS)), 0
+    orders = torch.Generator().manual_seed(seed)  # the groups' orders, apart from the batches
     for _ in range(steps):
         grads = []
         for rank in range(PEERS):
@@ -116,13 +165,28 @@ def run(aggregation: swarm_opt.Aggregation, attack: Optional[str], attackers: in
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
         stacked = torch.stack(grads)
-        if attack is not None:
-            honest = stacked[attackers:].clone()
+        if setting.momentum is not None:  # the values each peer sends (the strategy's own maths)
+            sent = torch.empty_like(stacked)
+            setting.momentum.send(momentum, list(stacked), list(sent))
+        else:
+            sent = stacked
+        if attack in ATTACKS:
+            honest = sent[attackers:].clone()
+            sent = sent.clone()
             for rank in range(attackers):
-                stacked[rank] = ATTACKS[attack](stacked[rank], honest)
+                sent[rank] = ATTACKS[attack](sent[rank], honest)
         t0 = time.perf_counter()
-        mean = reduce(aggregation, stacked, bounds)
+        if attack == REDUCER_ATTACK:
+            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders)
+            members = [m for m in members if m not in named]  # left out of every later group
+        else:
+            mean = reduce(setting.aggregation, sent, bounds)
         reduce_s.append(time.perf_counter() - t0)
+        if mean is None:  # an audited round that failed: nothing is applied, nothing advances
+            failed += 1
+            continue
+        if setting.momentum is not None:  # a committed round: every peer's own momentum advances
+            momentum = setting.momentum.advance(momentum, list(stacked))
         offset = 0
         for p in params:
             p.grad = mean[offset:offset + p.numel()].reshape(p.shape).clone()
@@ -131,7 +195,8 @@ def run(aggregation: swarm_opt.Aggregation, attack: Optional[str], attackers: in
     with torch.no_grad():
         finite = all(bool(torch.isfinite(p).all()) for p in params)
         acc = float((model(xt).argmax(1) == yt).float().mean()) if finite else 0.0
-    return {"accuracy": acc, "finite": finite, "steps": steps, "reduce_s_per_round": statistics.median(reduce_s)}
+    return {"accuracy": acc, "finite": finite, "steps": steps, "failed_rounds": failed,
+            "reduce_s_per_round": statistics.median(reduce_s)}
 
 
 def part_cost(repeats: int = 5) -> Dict[str, float]:
@@ -152,8 +217,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=list(ATTACKS))
+    attacks = [*ATTACKS, REDUCER_ATTACK]
+    parser.add_argument("--attacks", nargs="+", default=attacks, choices=attacks)
     parser.add_argument("--attackers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
+                        help=f"columns (default: all): {', '.join(SETTINGS)}")
     parser.add_argument("--out", default="byzantine.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -163,30 +231,31 @@ def main() -> None:
     cases = [("honest", None, 0)] + [(f"{a} x{m}", a, m) for m in args.attackers for a in args.attacks]
     for label, attack, attackers in cases:
         results[label] = {}
-        for name, aggregation in AGGREGATIONS.items():
-            runs = [run(aggregation, attack, attackers, seed, args.epochs, data) for seed in args.seeds]
+        for name in args.settings:
+            runs = [run(SETTINGS[name], attack, attackers, seed, args.epochs, data) for seed in args.seeds]
             results[label][name] = {
                 "accuracy": statistics.fmean(r["accuracy"] for r in runs),
                 "per_seed": [r["accuracy"] for r in runs], "finite": all(r["finite"] for r in runs),
+                "failed_rounds": [r["failed_rounds"] for r in runs],
                 "reduce_s_per_round": statistics.fmean(r["reduce_s_per_round"] for r in runs),
             }
         print(f"  {label}: " + ", ".join(f"{n} {100 * v['accuracy']:.1f}" for n, v in results[label].items())
               + f"  [{time.monotonic() - started:.0f} s]", flush=True)
-    honest = {name: results["honest"][name]["accuracy"] for name in AGGREGATIONS}
+    honest = {name: results["honest"][name]["accuracy"] for name in args.settings}
     rows = [[label] + [f"{100 * v['accuracy']:.1f}" + ("" if v["finite"] else " (inf)") +
                        ("" if label == "honest" else f" ({100 * (v['accuracy'] - honest[n]):+.1f})")
                        for n, v in results[label].items()] for label in results]
     print(f"\nMNIST-5k, {PEERS} peers, {args.epochs} epochs, seeds {args.seeds}: test accuracy % "
-          f"(in brackets: pp against the honest-only run with the same aggregation)\n")
-    print(table(["attack x attackers", *AGGREGATIONS], rows))
+          f"(in brackets: pp against the honest-only run of the same column; '+ momentum': WorkerMomentum(0.9), "
+          f"inner SGD lr 1.0)\n")
+    print(table(["attack x attackers", *args.settings], rows))
     costs = part_cost()
     per_round = {n: statistics.fmean(results[label][n]["reduce_s_per_round"] for label in results)
-                 for n in AGGREGATIONS}
-    print("\nreducer compute: " + ", ".join(
-        f"{n} {1e3 * per_round[n]:.1f} ms/round ({1e3 * costs[n]:.0f} ms per 2 MiB part of 8 senders)"
-        for n in AGGREGATIONS))
+                 for n in args.settings}
+    print("\nreducer compute: " + ", ".join(f"{n} {1e3 * per_round[n]:.1f} ms/round" for n in args.settings))
+    print("per 2 MiB part of 8 senders: " + ", ".join(f"{n} {1e3 * c:.0f} ms" for n, c in costs.items()))
     worst = {n: min(results[label][n]["accuracy"] - honest[n] for label in results if label != "honest")
-             for n in AGGREGATIONS}
+             for n in args.settings}
     print("worst drop against honest-only: " + ", ".join(f"{n} {100 * w:+.1f} pp" for n, w in worst.items()))
     path = write_json(args.out, {"benchmark": "byzantine", "args": vars(args), "results": results,
                                  "reduce_s_per_round": per_round, "part_cost_s": costs, "worst_drop": worst,

@@ -32,13 +32,28 @@ run with the same aggregation; and the reducer's compute per round (all parts of
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
-from _common import command_line, load_mnist, table, write_json  # also puts the repo on sys.path for swarm_opt
+from _common import (  # also puts the repo on sys.path for swarm_opt
+    command_line,
+    join_loopback_swarm,
+    launch,
+    load_mnist,
+    quantiles,
+    stop_workers,
+    table,
+    wait_all,
+    wait_for,
+    write_json,
+)
 
 import swarm_opt
 from swarm_opt._allreduce import audit_order, liars
@@ -142,7 +157,8 @@ def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bound
     return (None if pairs else results[0]), liars(pairs)
 
 
-def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epochs: int, data: tuple) -> dict:
+def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epochs: int, data: tuple,
+        batch: int = 32) -> dict:
     x, y, xt, yt = data
     model = make_model(seed)
     params = list(model.parameters())
@@ -152,7 +168,7 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
     bounds = part_bounds(model)
     g = torch.Generator().manual_seed(seed)
     shards = torch.randperm(len(x), generator=g).reshape(PEERS, -1)
-    steps = epochs * shards.shape[1] // 32
+    steps = epochs * shards.shape[1] // batch
     reduce_s: List[float] = []
     momentum: Optional[List[torch.Tensor]] = None  # every peer's, one row each
     members, failed = list(range(PEERS)), 0
@@ -160,7 +176,7 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
     for _ in range(steps):
         grads = []
         for rank in range(PEERS):
-            idx = shards[rank, torch.randint(0, shards.shape[1], (32,), generator=g)]
+            idx = shards[rank, torch.randint(0, shards.shape[1], (batch,), generator=g)]
             model.zero_grad()
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
@@ -213,17 +229,138 @@ def part_cost(repeats: int = 5) -> Dict[str, float]:
     return out
 
 
+# --- wall time per round in a real swarm (--real) --------------------------------------------------------------------
+REAL_SETTINGS: Dict[str, Optional[swarm_opt.Aggregation]] = {
+    "plain mean": swarm_opt.Mean(max_norm_ratio=None), "Mean() (default)": None,
+    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25), "CenteredClip()": swarm_opt.CenteredClip(),
+    "Audited(CenteredClip())": swarm_opt.Audited(swarm_opt.CenteredClip()),
+}
+
+
+def real_worker(args: argparse.Namespace) -> None:
+    """One peer of the real swarm: for each setting in turn, ``--rounds`` rounds of gradient averaging of an MLP
+    784-2048-1024-10 (3.7M parameters, batches of random data: the round's cost, not learning, is measured), one
+    local step per peer per round; records each committed round's seconds (``RoundReport.seconds``: from the round's
+    start to its commit, the all-reduce and the wait for the slowest member)."""
+    logging.basicConfig(level=logging.WARNING, format=f"[peer {args.rank}] %(asctime)s %(levelname)s %(name)s: "
+                                                      f"%(message)s")
+    logging.getLogger("swarm_opt").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    tmp = Path(args.tmp)
+    dht = join_loopback_swarm(tmp, args.rank)
+    g = torch.Generator().manual_seed(args.rank)
+    try:
+        for index, name in enumerate(list(REAL_SETTINGS) * args.passes):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(784, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024),
+                                        torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+            opt = swarm_opt.Optimizer(
+                dht=dht, run_id=f"byzantine_real{index}", target_batch_size=args.peers * 16, batch_size_per_step=16,
+                params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+                aggregation=REAL_SETTINGS[name], matchmaking_time=1.0, averaging_timeout=60.0,
+                tracker=swarm_opt.TrackerConfig(max_extrapolation=0.0))
+            try:
+                deadline = time.monotonic() + 120
+                while opt.progress.num_peers < args.peers and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                rounds, last, stepped = [], None, False
+                started = time.monotonic()
+                while opt.local_epoch < args.rounds and time.monotonic() < started + 600:
+                    opt.zero_grad()
+                    x, y = torch.randn(16, 784, generator=g), torch.randint(0, 10, (16,), generator=g)
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    if stepped:  # this peer's share of the round is in: wait for the others without samples
+                        model[-1].bias.grad.fill_(float("nan"))
+                        time.sleep(0.01)
+                    opt.step()
+                    stepped = True
+                    if opt.last_round is not last:
+                        last, stepped = opt.last_round, False
+                        rounds.append(dict(last.__dict__))
+                (tmp / f"result{index}_{args.rank}.json").write_text(json.dumps(rounds))
+                wait_for(tmp / f"done{index}", 900, "no stop signal")
+            finally:
+                opt.shutdown()
+    finally:
+        dht.shutdown()
+
+
+def real(args: argparse.Namespace) -> None:
+    """Seconds per round of each aggregation in a real loopback swarm of ``--peers`` processes."""
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="byzantine_real_") as name:
+        tmp = Path(name)
+        logs = [tmp / f"peer{rank}.log" for rank in range(args.peers)]
+        procs = [launch([__file__, "--worker", "--rank", str(rank), "--peers", str(args.peers), "--rounds",
+                         str(args.rounds), "--passes", str(args.passes), "--tmp", str(tmp)], log,
+                        env_extra={"OMP_NUM_THREADS": "1"}) for rank, log in enumerate(logs)]
+        results: Dict[str, dict] = {}
+        seconds_of: Dict[str, List[float]] = {setting: [] for setting in REAL_SETTINGS}
+        try:
+            for index, setting in enumerate(list(REAL_SETTINGS) * args.passes):
+                paths = [tmp / f"result{index}_{rank}.json" for rank in range(args.peers)]
+                for path, proc, log in zip(paths, procs, logs):
+                    while not path.exists():
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"a peer exited: {log.read_text()[-3000:]}")
+                        time.sleep(0.1)
+                (tmp / f"done{index}").touch()
+                rounds = [json.loads(path.read_text()) for path in paths]
+                # the first two rounds are warm-up (peers still meeting, first matchmaking)
+                seconds_of[setting] += [r["seconds"] for peer in rounds for r in peer[2:] if not r["caught_up"]]
+                previous = results.get(setting, {"group_sizes": [], "caught_up": 0})
+                results[setting] = {"round_s": quantiles(seconds_of[setting]),
+                                    "group_sizes": previous["group_sizes"] + [r["group_size"] for peer in rounds
+                                                                              for r in peer],
+                                    "caught_up": previous["caught_up"] + sum(r["caught_up"] for peer in rounds
+                                                                             for r in peer)}
+                print(f"  {setting}: median {results[setting]['round_s']['median']:.2f} s per round "
+                      f"[{time.monotonic() - started:.0f} s]", flush=True)
+            wait_all(procs, 120, logs)
+        finally:
+            stop_workers(procs, logs, keep_logs_as=Path(args.out).stem)
+    base = results["plain mean"]["round_s"]["median"]
+    rows = [[name, f"{r['round_s']['median']:.2f}", f"{r['round_s']['iqr']:.2f}",
+             f"{r['round_s']['median'] / base:.2f}x", r["round_s"]["n"], r["caught_up"]] for name, r in results.items()]
+    print(f"\n{args.peers} real peers on loopback, MLP 784-2048-1024-10 (3.7M params), gradient averaging, "
+          f"{args.passes} passes of {args.rounds} rounds per setting (first 2 of each dropped): seconds per round "
+          f"(RoundReport.seconds: from the round's start to its commit)\n")
+    print(table(["aggregation", "median s", "IQR s", "vs plain mean", "rounds", "caught up"], rows))
+    path = write_json(args.out, {"benchmark": "byzantine_real", "args": vars(args), "results": results,
+                                 "elapsed_s": time.monotonic() - started})
+    print(f"wrote {path}\nreproduce: {command_line()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--real", action="store_true",
+                        help="instead: seconds per round of each aggregation in a real swarm of --peers processes")
+    parser.add_argument("--peers", type=int, default=4, help="--real: peer processes")
+    parser.add_argument("--rounds", type=int, default=10, help="--real: rounds per aggregation and pass")
+    parser.add_argument("--passes", type=int, default=2, help="--real: passes over the aggregations (interleaved, so "
+                                                              "that a change of load hits them all)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32, help="samples per peer per round (global batch: 8x this)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     attacks = [*ATTACKS, REDUCER_ATTACK]
     parser.add_argument("--attacks", nargs="+", default=attacks, choices=attacks)
     parser.add_argument("--attackers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
                         help=f"columns (default: all): {', '.join(SETTINGS)}")
-    parser.add_argument("--out", default="byzantine.json")
+    parser.add_argument("--out", default=None, help="results file under benchmarks/results/ (default: byzantine.json, "
+                                                    "byzantine_real.json with --real)")
     args = parser.parse_args()
+    if args.worker:
+        real_worker(args)
+        return
+    if args.real:
+        args.out = args.out or "byzantine_real.json"
+        real(args)
+        return
+    args.out = args.out or "byzantine.json"
     torch.set_num_threads(1)
     data = load_mnist(0)
     started = time.monotonic()
@@ -232,7 +369,7 @@ def main() -> None:
     for label, attack, attackers in cases:
         results[label] = {}
         for name in args.settings:
-            runs = [run(SETTINGS[name], attack, attackers, seed, args.epochs, data) for seed in args.seeds]
+            runs = [run(SETTINGS[name], attack, attackers, seed, args.epochs, data, args.batch) for seed in args.seeds]
             results[label][name] = {
                 "accuracy": statistics.fmean(r["accuracy"] for r in runs),
                 "per_seed": [r["accuracy"] for r in runs], "finite": all(r["finite"] for r in runs),
@@ -245,7 +382,8 @@ def main() -> None:
     rows = [[label] + [f"{100 * v['accuracy']:.1f}" + ("" if v["finite"] else " (inf)") +
                        ("" if label == "honest" else f" ({100 * (v['accuracy'] - honest[n]):+.1f})")
                        for n, v in results[label].items()] for label in results]
-    print(f"\nMNIST-5k, {PEERS} peers, {args.epochs} epochs, seeds {args.seeds}: test accuracy % "
+    print(f"\nMNIST-5k, {PEERS} peers x {args.batch} samples per round, {args.epochs} epochs, seeds {args.seeds}: "
+          f"test accuracy % "
           f"(in brackets: pp against the honest-only run of the same column; '+ momentum': WorkerMomentum(0.9), "
           f"inner SGD lr 1.0)\n")
     print(table(["attack x attackers", *args.settings], rows))

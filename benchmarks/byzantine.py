@@ -1,32 +1,44 @@
 """Byzantine peers on MNIST-5k: how far 1 or 2 attackers among 8 peers move gradient averaging, with the plain mean,
-the default norm-bounded ``Mean()`` and the robust aggregations (``swarm_opt.aggregation``).
+the default norm-bounded ``Mean()``, the robust aggregations (``swarm_opt.aggregation``), with peers sending their
+momentum (``GradientAveraging(momentum=WorkerMomentum(0.9))``), and with audited reducers (``Audited``).
 
 Setup (kept small for a shared 2-core machine): MNIST-5k (``_common.load_mnist``: 4000 train / 1000 test), split IID
-into 8 equal shards; MLP 784-64-10; gradient averaging with a global batch of 8 × 32, SGD lr 0.1 momentum 0.9,
-``--epochs`` passes over the training set (default 4, ~60 global steps). Every global step, each of the 8 peers
-computes its gradient at the shared parameters; the attackers replace theirs; the reducer maths combine them exactly
-as a swarm's reducers do: the flattened gradients are cut into the parts a ``TensorAverager`` would use (a part never
-spans two tensors, about 1/16 of the model), and each part goes through ``swarm_opt.aggregation.reduce_part``. Every
-peer applies the same result (what the all-reduce guarantees), so one model stands for all.
+into 8 equal shards; MLP 784-64-10; gradient averaging with a global batch of 8 × ``--batch`` (32), SGD lr 0.1
+momentum 0.9 (columns "+ momentum": every peer sends ``WorkerMomentum(0.9)``'s momentum of its gradients, computed by
+the strategy's own ``send``/``advance``, and the inner SGD has lr 1.0 and no momentum: the same steps as lr 0.1 on an
+undampened momentum), ``--epochs`` passes over the training set (default 4, ~60 global steps). Every global step,
+each of the 8 peers computes its gradient at the shared parameters; the attackers replace what they send; the
+reducer maths combine them exactly as a swarm's reducers do: the flattened values are cut into the parts a
+``TensorAverager`` would use (a part never spans two tensors, about 1/16 of the model), and each part goes through
+``swarm_opt.aggregation.reduce_part``. Every peer applies the same result (what the all-reduce guarantees), so one
+model stands for all.
 
 In-process, not 8 real peers: the maths per part are the reducer's own, and the swarm tests (tests/swarm/
-test_byzantine.py) show the same code inside real all-reduces; 8 peer processes per run x 50 runs would not fit the
-machine. Not simulated: a lying reducer (not contained by this aggregation option).
+test_byzantine.py) show the same code inside real all-reduces; 8 peer processes per run x 100 runs would not fit the
+machine. ``--real`` measures instead what each aggregation costs a round in a real loopback swarm (seconds per round).
 
-Attacks (weights: every attacker claims the same samples as an honest peer):
-  sign      -g (its gradient, sign flipped)
-  x100      100 g
+Attacks (weights: every attacker claims the same samples as an honest peer; what they attack is what they send, the
+gradients or, with momentum, their momentum):
+  sign      -v (its own honest values, sign flipped)
+  x100      100 v
   noise     Gaussian noise, std 1 per coordinate (honest gradients are ~1e-2)
   nan       NaN everywhere (a broken peer; a real honest peer sits such rounds out, a hostile one sends them)
-  alie      "a little is enough" (Baruch et al. 2019): every attacker sends mean - z·std of the honest gradients,
+  alie      "a little is enough" (Baruch et al. 2019): every attacker sends mean - z·std of the honest values,
             coordinate-wise, z = 1
+  reducer   the attackers send honest values and lie as reducers: each round's members are put in a random order
+            (hivemind shuffles a group), part j is reduced by the (j mod n)-th member, and a lying reducer adds
+            0.01 to every mean it returns, the same to everyone. Without ``Audited`` nothing notices. With it, every
+            part is reduced a second time by the next member of the order (``swarm_opt._allreduce.audit_order``), a
+            round whose two results of any part differ fails (nothing is applied), and a member named a liar
+            (``liars``: it disagreed with two partners) is left out of every later round, as the averager does.
 
-Reported: final test accuracy (mean over ``--seeds``) per attack, attackers and aggregation, against the honest-only
-run with the same aggregation; and the reducer's compute per round (all parts of one global step) and per 2 MiB part
+Reported: final test accuracy (mean over ``--seeds``) per attack, attackers and column, against the honest-only
+run of the same column; and the reducer's compute per round (all parts of one global step) and per 2 MiB part
 (8 senders), the cost each aggregation adds to a round.
 
-    python benchmarks/byzantine.py                   # 5 attacks x {1, 2} attackers x 4 aggregations, 2 seeds
-    python benchmarks/byzantine.py --epochs 2 --seeds 0
+    python benchmarks/byzantine.py                   # 6 attacks x {1, 2} attackers x 8 columns, 2 seeds
+    python benchmarks/byzantine.py --epochs 2 --seeds 0 --settings "CenteredClip() + momentum"
+    python benchmarks/byzantine.py --real            # seconds per round, 4 real peers (~10 min)
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ def make_inner(name: str):
     if name == "adam":
         # eps well above float32 round-off: Adam divides by |g|, so tiny gradients amplify summation-order noise
         return lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-6)
+    if name == "sgd_plain":  # for peers that send their momentum (WorkerMomentum): lr 0.1 on an undampened one
+        return lambda p: torch.optim.SGD(p, lr=1.0)
     return lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
 
 
@@ -62,6 +64,7 @@ def make_strategy(name: str):
     return {
         "grad": swarm_opt.GradientAveraging,
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
+        "grad_momentum": lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)),
         "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,

@@ -31,9 +31,10 @@ def drift(params: list) -> float:
     return float(sum((p - p0).sum() for p, p0 in zip(params, start)) / sum(p0.numel() for p0 in start))
 
 
-def run(swarm, epochs: int, attack: Optional[dict], lie_in_reduce_rank: Optional[int] = None, **config) -> list:
+def run(swarm, epochs: int, attack: Optional[dict], lie_in_reduce_rank: Optional[int] = None, inner: str = "sgd",
+        **config) -> list:
     for rank in range(4):
-        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=epochs, expect_peers=4,
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner=inner, epochs=epochs, expect_peers=4,
                     step_sleep=0.02, max_seconds=90, linger=5.0, attack=attack if rank == ATTACKER else None,
                     lie_in_reduce=1.0 if rank == lie_in_reduce_rank else None, **config)
     swarm.wait(timeout=200)
@@ -43,14 +44,15 @@ def run(swarm, epochs: int, attack: Optional[dict], lie_in_reduce_rank: Optional
 @pytest.mark.extended
 @pytest.mark.parametrize("aggregation, args, strategy", [("CenteredClip", {}, "grad"),
                                                          ("TrimmedMean", {"fraction": 0.25}, "grad"),
-                                                         ("CenteredClip", {}, "local")])
+                                                         ("CenteredClip", {}, "local"),
+                                                         ("CenteredClip", {}, "grad_momentum")])
 def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args, strategy):
     """An attacker stepping on its gradients x(-1000) (every member receives the robust estimate, the attacker too):
     the honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss. With local
-    updates the attacker's parameters are what is absurd."""
+    updates the attacker's parameters are what is absurd; with WorkerMomentum, its momentum."""
     epochs = 8
     results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args,
-                  strategy=strategy)
+                  strategy=strategy, **({"inner": "sgd_plain"} if strategy == "grad_momentum" else {}))
     initial = loss_of([p.detach() for p in make_model().parameters()])
     for r in results:
         assert r["epoch"] == epochs, swarm.round_events()

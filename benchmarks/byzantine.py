@@ -27,10 +27,11 @@ gradients or, with momentum, their momentum):
             coordinate-wise, z = 1
   reducer   the attackers send honest values and lie as reducers: each round's members are put in a random order
             (hivemind shuffles a group), part j is reduced by the (j mod n)-th member, and a lying reducer adds
-            0.01 to every mean it returns, the same to everyone. Without ``Audited`` nothing notices. With it, every
-            part is reduced a second time by the next member of the order (``swarm_opt._allreduce.audit_order``), a
-            round whose two results of any part differ fails (nothing is applied), and a member named a liar
-            (``liars``: it disagreed with two partners) is left out of every later round, as the averager does.
+            ``--lie`` (0.01) to every mean it returns, the same to everyone. Without ``Audited`` nothing notices.
+            With it, every part is reduced a second time by the next member of the order (``swarm_opt._allreduce.
+            audit_order``), a round whose two results of any part differ fails (nothing is applied), and a member
+            named a liar (``liars``: it disagreed with two partners) is left out of every later round, as the
+            averager does.
 
 Reported: final test accuracy (mean over ``--seeds``) per attack, attackers and column, against the honest-only
 run of the same column; and the reducer's compute per round (all parts of one global step) and per 2 MiB part
@@ -72,7 +73,6 @@ from swarm_opt._allreduce import audit_order, liars
 from swarm_opt.aggregation import reduce_part
 
 PEERS = 8
-LIE = 0.01  # what a lying reducer adds to every value it reduces (an honest gradient's values are ~1e-2)
 
 
 @dataclass(frozen=True)
@@ -147,10 +147,10 @@ def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequ
 
 
 def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bounds: Sequence[tuple],
-                   members: List[int], attackers: int, g: torch.Generator) -> tuple:
+                   members: List[int], attackers: int, g: torch.Generator, lie: float) -> tuple:
     """One round of ``members`` (peer ranks; ranks below ``attackers`` lie as reducers) in a random order, as
     hivemind shuffles a group: part ``j`` is reduced by the ``j % n``-th member of the order, and a liar adds
-    ``LIE`` to every mean it returns. ``Audited``: each part is reduced again by the next member of the order
+    ``lie`` to every mean it returns. ``Audited``: each part is reduced again by the next member of the order
     (``audit_order``), the round fails if any part's two results differ, and ``liars`` names who disagreed with two
     partners. Returns (the result or None for a failed round, the ranks named liars)."""
     order = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
@@ -163,14 +163,14 @@ def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bound
         reducers = (order[j % len(order)], second[j % len(order)])
         for result, reducer in zip(results, reducers):
             if reducer < attackers:
-                result[a:b] += LIE
+                result[a:b] += lie
         if audited and aggregation.disagree(results[0][a:b], results[1][a:b]):
             pairs.add(reducers)
     return (None if pairs else results[0]), liars(pairs)
 
 
 def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epochs: int, data: tuple,
-        batch: int = 32) -> dict:
+        batch: int = 32, lie: float = 0.01) -> dict:
     x, y, xt, yt = data
     model = make_model(seed)
     params = list(model.parameters())
@@ -205,7 +205,8 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
                 sent[rank] = ATTACKS[attack](sent[rank], honest)
         t0 = time.perf_counter()
         if attack == REDUCER_ATTACK:
-            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders)
+            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders,
+                                          lie)
             members = [m for m in members if m not in named]  # left out of every later group
         else:
             mean = reduce(setting.aggregation, sent, bounds)
@@ -356,6 +357,8 @@ def main() -> None:
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32, help="samples per peer per round (global batch: 8x this)")
+    parser.add_argument("--lie", type=float, default=0.01, help="what a lying reducer adds to every mean it returns "
+                                                                "(an honest gradient's values are ~1e-2)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     attacks = [*ATTACKS, REDUCER_ATTACK]
     parser.add_argument("--attacks", nargs="+", default=attacks, choices=attacks)
@@ -381,7 +384,8 @@ def main() -> None:
     for label, attack, attackers in cases:
         results[label] = {}
         for name in args.settings:
-            runs = [run(SETTINGS[name], attack, attackers, seed, args.epochs, data, args.batch) for seed in args.seeds]
+            runs = [run(SETTINGS[name], attack, attackers, seed, args.epochs, data, args.batch, args.lie)
+                    for seed in args.seeds]
             results[label][name] = {
                 "accuracy": statistics.fmean(r["accuracy"] for r in runs),
                 "per_seed": [r["accuracy"] for r in runs], "finite": all(r["finite"] for r in runs),

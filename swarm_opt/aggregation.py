@@ -16,6 +16,9 @@ aggregation              what one part becomes (``n`` copies of ``d`` values)   
                          median, ``r`` the median distance of the copies to it
 =======================  ===========================================================================  ==============
 
+``Audited(a)`` reduces with ``a``, each part twice by two different members, compared by every member: it contains
+a reducer that lies (2× the bytes of a round; see its docstring and ``docs/security.md``).
+
 What every aggregation does first: a copy with NaN/inf values, or whose weight is not a finite number ≥ 0, counts
 with weight 0 (a hostile or broken member; honest members never send such values, see ``TensorAverager``), and a
 copy of weight 0 takes no part at all. If no copy is left the part, and so the round, fails (hivemind divided by

@@ -87,8 +87,9 @@ class Optimizer(torch.optim.Optimizer):
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback, ``swarm_opt.powersgd``).
     :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
-        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``).
-        Every peer of a run passes the same.
+        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``),
+        each optionally ``Audited(...)`` (every part reduced twice and compared: contains a lying reducer, at 2x
+        the bytes). Every peer of a run passes the same.
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.

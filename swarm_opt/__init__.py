@@ -23,7 +23,7 @@ from swarm_opt.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
-    from swarm_opt.aggregation import AGGREGATIONS, Aggregation, CenteredClip, Mean, TrimmedMean
+    from swarm_opt.aggregation import AGGREGATIONS, Aggregation, Audited, CenteredClip, Mean, TrimmedMean
     from swarm_opt.auth import PrivateRun
     from swarm_opt.auxiliary import AuxiliaryPeer
     from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
@@ -43,12 +43,14 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         Overlap,
         Scaffold,
         Strategy,
+        WorkerMomentum,
     )
 
 __version__ = "0.1.0"
 
 _LAZY: Dict[str, str] = {
-    **dict.fromkeys(("AGGREGATIONS", "Aggregation", "CenteredClip", "Mean", "TrimmedMean"), "swarm_opt.aggregation"),
+    **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "TrimmedMean"),
+                    "swarm_opt.aggregation"),
     "PrivateRun": "swarm_opt.auth",
     "AuxiliaryPeer": "swarm_opt.auxiliary",
     **dict.fromkeys(("BestLoss", "BestMetric", "Checkpointer", "Latest", "ScoredCheckpointer", "load_checkpoint"),
@@ -62,7 +64,7 @@ _LAZY: Dict[str, str] = {
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
-                     "Strategy"), "swarm_opt.strategies"),
+                     "Strategy", "WorkerMomentum"), "swarm_opt.strategies"),
 }
 
 
@@ -93,6 +95,7 @@ __all__ = [
     "load_checkpoint",
     "GradientAveraging",
     "Overlap",
+    "WorkerMomentum",
     "LocalUpdates",
     "FedProx",
     "Scaffold",
@@ -115,6 +118,7 @@ __all__ = [
     "Mean",
     "TrimmedMean",
     "CenteredClip",
+    "Audited",
     "SwarmConfig",
     "Timeouts",
     "TrackerConfig",

@@ -16,6 +16,9 @@ aggregation              what one part becomes (``n`` copies of ``d`` values)   
                          median, ``r`` the median distance of the copies to it
 =======================  ===========================================================================  ==============
 
+``Audited(a)`` reduces with ``a``, each part twice by two different members, compared by every member: it contains
+a reducer that lies (2× the bytes of a round; see its docstring and ``docs/security.md``).
+
 What every aggregation does first: a copy with NaN/inf values, or whose weight is not a finite number ≥ 0, counts
 with weight 0 (a hostile or broken member; honest members never send such values, see ``TensorAverager``), and a
 copy of weight 0 takes no part at all. If no copy is left the part, and so the round, fails (hivemind divided by
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple, Type
 
 import torch
@@ -50,6 +53,9 @@ from swarm_opt.errors import ConfigError, ConfigTypeError
 
 class Aggregation(ABC):
     """Combines ``n`` members' copies of one part into the value every member receives."""
+
+    #: how many members reduce each part (``Audited``: two, and every member compares their results)
+    reducers_per_part: int = 1
 
     @abstractmethod
     def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -166,8 +172,56 @@ class CenteredClip(Aggregation):
         return center
 
 
+@dataclass(frozen=True)
+class Audited(Aggregation):
+    """``aggregation`` with every part reduced by two members instead of one, and every member comparing the two
+    results it receives: ``swarm_opt.Audited(swarm_opt.CenteredClip())``. Contains a lying reducer.
+
+    In the butterfly all-reduce one member reduces each part for the whole group; a reducer that returns a wrong
+    result (an offset, its own values) to everyone is caught by nothing else (a wrong result to some members only is
+    caught by the parameter digests, see ``docs/security.md``). Here a second all-reduce of the same values runs
+    beside the first, with the same parts and each part's reducer moved to the next member that reduces (auxiliary
+    peers included; client-mode members reduce nothing), so that two different members reduce each part. A member
+    whose two results of a part differ by more than ``tolerance`` × their norm fails the round (nothing is applied;
+    the round is retried), and names the two reducers; a member found in two disagreeing pairs of one round is the
+    liar, and is named as such. A group with one reducer cannot be audited: its rounds fail.
+
+    Costs 2× the bytes of a round, sent and received, on every member (each value goes to two reducers, and comes
+    back twice), 2× the reducers' compute, and one more copy of the averaged buffers. The two all-reduces run at the
+    same time over the same links. A reducer's result is its honest result up to ``tolerance`` (codecs re-encode the
+    mean: the two reducers' encodings of the same mean may differ in the last bit), so a liar can still move each
+    part by up to ``tolerance`` × its norm per round; and a member that leaves mid-round fails the round as before.
+
+    :param aggregation: how each reducer combines the copies (default ``Mean()``).
+    :param tolerance: the relative difference above which two results disagree, in (0, 0.1]; default 1e-3.
+    """
+
+    aggregation: Aggregation = field(default_factory=Mean)
+    tolerance: float = 1e-3
+    reducers_per_part = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aggregation, Aggregation) or isinstance(self.aggregation, Audited):
+            raise ConfigTypeError(f"Audited(aggregation=...) must be one of "
+                                  f"{', '.join(f'swarm_opt.{a.__name__}()' for a in AGGREGATIONS if a is not Audited)}"
+                                  f"; got {self.aggregation!r}")
+        _check_number("Audited(tolerance=...)", self.tolerance, "1e-3")
+        if not 0.0 < self.tolerance <= 0.1:
+            raise ConfigError(f"Audited(tolerance={self.tolerance!r}) must be in (0, 0.1] (e.g. 1e-3): how far two "
+                              f"reducers' results of a part may differ, relative to their norm")
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.aggregation.combine(parts, weights)
+
+    def disagree(self, first: torch.Tensor, second: torch.Tensor) -> bool:
+        """Whether two reducers' results of the same values differ beyond ``tolerance`` (or either is not finite)."""
+        first, second = first.reshape(-1).double(), second.reshape(-1).double()
+        difference = float((first - second).norm())
+        return not difference <= self.tolerance * max(float(first.norm()), float(second.norm()))
+
+
 #: every aggregation, once; the conformance tests iterate over it
-AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip)
+AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip, Audited)
 
 
 def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) -> Aggregation:

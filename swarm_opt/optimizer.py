@@ -89,8 +89,9 @@ class Optimizer(torch.optim.Optimizer):
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback,
         ``swarm_opt.compression.powersgd``).
     :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
-        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``).
-        Every peer of a run passes the same.
+        norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``),
+        each optionally ``Audited(...)`` (every part reduced twice and compared: contains a lying reducer, at 2x
+        the bytes). Every peer of a run passes the same.
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
@@ -163,7 +164,7 @@ class Optimizer(torch.optim.Optimizer):
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
-        self.model_schema = model_schema(self._params, strategy.name)
+        self.model_schema = model_schema(self._params, strategy.name + strategy.variant)
 
         access = run_access(dht, progress_key(run_id))
         tracker = tracker or TrackerConfig()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, AsyncIterator, Dict, List, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner
@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm_opt.aggregation import Aggregation, Mean, reduce_part
+from swarm_opt.aggregation import Aggregation, Audited, Mean, reduce_part
 
 logger = logging.getLogger(__name__)
 _EXACT = runtime_pb2.CompressionType.NONE
@@ -248,3 +248,54 @@ class AllOrNothingRunner(AllReduceRunner):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+
+# --- Audited: every part reduced twice ------------------------------------------------------------------------------
+
+AUDIT_SUFFIX = b".audit"  # the second all-reduce of an audited round runs under the group id + this
+
+
+def audit_order(peer_ids: Sequence[PeerID], fractions: Sequence[float]) -> Optional[List[PeerID]]:
+    """The peer order of an audited round's second all-reduce: the same shares (the fractions stay in place, so the
+    parts are cut the same), each reduced by the next member that reduces (fraction > 0), cyclically, so that two
+    different members reduce every part. None if fewer than two members reduce."""
+    reducers = [i for i, fraction in enumerate(fractions) if fraction > 0]
+    if len(reducers) < 2:
+        return None
+    order = list(peer_ids)
+    for j, i in enumerate(reducers):
+        order[i] = peer_ids[reducers[(j + 1) % len(reducers)]]
+    return order
+
+
+def part_owners(runner: AllReduceRunner) -> List[Tuple[int, int]]:
+    """(share index, number of values) of every part of ``runner``'s tensors, in the order of the flattened tensors
+    (hivemind cuts the tensors into parts in order and deals them to the shares in order). Read before it runs."""
+    parts = runner.tensor_part_container._input_parts_by_peer  # hivemind's, not consumed before the round runs
+    return [(share, part.numel()) for share, queue in enumerate(parts) for part, _ in queue]
+
+
+def disagreeing_reducers(audited: Audited, owners: Sequence[Tuple[int, int]], first: Sequence[torch.Tensor],
+                         second: Sequence[torch.Tensor], first_order: Sequence[PeerID],
+                         second_order: Sequence[PeerID]) -> Set[Tuple[PeerID, PeerID]]:
+    """The pairs of reducers (of the first and of the second all-reduce) whose results of some part differ."""
+    flat_first = torch.cat([t.reshape(-1) for t in first])
+    flat_second = torch.cat([t.reshape(-1) for t in second])
+    pairs, offset = set(), 0
+    for share, size in owners:
+        if audited.disagree(flat_first[offset:offset + size], flat_second[offset:offset + size]):
+            pairs.add((first_order[share], second_order[share]))
+        offset += size
+    return pairs
+
+
+def liars(pairs: Set[Tuple[PeerID, PeerID]]) -> Set[PeerID]:
+    """The members that disagreed with two different reducers in one round. The rotation pairs each reducer with
+    the one before it and the one after, so a reducer that lies in both of its roles disagrees with both, who agree
+    with everyone else (with one liar among three reducers or more). One disagreeing pair, or two reducers in all,
+    names suspects and no liar."""
+    partners: Dict[PeerID, Set[PeerID]] = {}
+    for first, second in pairs:
+        partners.setdefault(first, set()).add(second)
+        partners.setdefault(second, set()).add(first)
+    return {peer for peer, others in partners.items() if len(others) >= 2}

@@ -34,9 +34,16 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
-from swarm_opt._hivemind.allreduce import AllOrNothingRunner
+from swarm_opt._hivemind.allreduce import (
+    AUDIT_SUFFIX,
+    AllOrNothingRunner,
+    audit_order,
+    disagreeing_reducers,
+    liars,
+    part_owners,
+)
 from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
-from swarm_opt.aggregation import Aggregation, Mean, as_aggregation
+from swarm_opt.aggregation import Aggregation, Audited, Mean, as_aggregation
 from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
@@ -80,6 +87,7 @@ class _Engine(DecentralizedAverager):
         self._uploads = 0  # state downloads this donor serves now (averager process)
         self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
+        self._liars: set = set()  # peers an audited round showed lying as reducers (averager process)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -93,13 +101,37 @@ class _Engine(DecentralizedAverager):
             # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
             # split the trainers into two groups nor hold them until its own deadline; it joins a trainer's group
             self._matchmaking.client_mode = True
+        if self._liars and not getattr(self._matchmaking, "_avoids_liars", False):
+            self._avoid_liars_as_leaders(self._matchmaking)
         await super()._step(step=step, future_for_init=future_for_init)
+
+    def _avoid_liars_as_leaders(self, matchmaking: Any) -> None:
+        """A follower does not ask a known liar (``Audited``) to lead its group: it goes on to the next leader."""
+        request = matchmaking._request_join_group
+
+        async def _request_join_group(leader: PeerID) -> Any:
+            return None if leader in self._liars else await request(leader)
+
+        matchmaking._request_join_group, matchmaking._avoids_liars = _request_join_group, True
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """hivemind's, refusing a known liar (``Audited``): its groups form without it."""
+        if context.remote_id in self._liars:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_join_group(request, context):
+            yield message
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):  # runs in the averager process
         """hivemind's aggregation, abandoned as soon as any of its all-reduces registers a failure (a round that lost
         a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
         so that none of them waits out a timeout for streams that will never come. A group whose every member
         offers the gloo lane averages there instead (``_lane_round``)."""
+        known_liars = self._liars.intersection(group_info.peer_ids)
+        if known_liars:  # a group formed around a liar by a groupmate that does not know it yet
+            self._say_goodbye(group_info)
+            raise AllreduceException(f"the group holds {', '.join(map(str, known_liars))}, seen lying as a reducer")
         if self.lane is not None:
             infos = [_member_info(self.serializer, data) for data in group_info.gathered]
             addresses = lane_addresses(infos)
@@ -153,13 +185,30 @@ class _Engine(DecentralizedAverager):
             await asyncio.wait({asyncio.wrap_future(future)}, timeout=_GOODBYE_TIMEOUT)
             raise
 
+    @contextlib.contextmanager
+    def _register_allreduce_group(self, group_info: Any) -> Iterator[None]:
+        """hivemind's, registering the second all-reduce of an audited round as well (before the group is signalled:
+        a groupmate may start sending to it first)."""
+        audit = group_info.group_id + AUDIT_SUFFIX if isinstance(self.aggregation, Audited) else None
+        if audit is not None:
+            self._running_groups[audit] = asyncio.Future()
+        try:
+            with super()._register_allreduce_group(group_info):
+                yield
+        finally:
+            if audit is not None:
+                future = self._running_groups.pop(audit, None)
+                if future is not None and not future.done():
+                    future.cancel()
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: Any,
                                       group_id: Optional[bytes] = None, *,
                                       lane: Optional[Tuple[List[Tuple[str, int]], float]] = None,
                                       **kwargs: Any) -> None:
         """hivemind's, with all-or-nothing reducers that return means (``swarm_opt._hivemind.allreduce``): the buffers
-        receive, part by part, the group's mean, identical on every member. In a lane round (``lane``: the members'
-        addresses and how long they may take to begin) the lane computes the same mean instead."""
+        receive, part by part, the group's mean, identical on every member. ``Audited``: two all-reduces, compared.
+        In a lane round (``lane``: the members' addresses and how long they may take to begin) the lane computes the
+        same mean instead."""
         group_id = group_info.group_id if group_id is None else group_id
         if lane is not None:
             await self._lane_allreduce(tensors, group_info, group_id, *lane, weight=float(kwargs["weight"]))
@@ -172,14 +221,61 @@ class _Engine(DecentralizedAverager):
                                     aggregation=self.aggregation, **kwargs)
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
+        if isinstance(self.aggregation, Audited):
+            await self._audited_allreduce(runner, tensors, group_info, modes, **kwargs)
+        else:
+            await self._consume(runner, tensors)
+        if self.mode == AveragingMode.AUX:
+            with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
+                self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)
+
+    async def _consume(self, runner: AllOrNothingRunner, tensors: Sequence[torch.Tensor]) -> None:
+        """Run ``runner`` to its end, copying the means into ``tensors`` (an auxiliary peer receives none)."""
         if self.mode == AveragingMode.AUX:
             async for _ in runner:
                 raise AllreduceException("an auxiliary peer received averaged values it never sent")
-            with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
-                self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)
             return
         async for tensor, mean in azip(as_aiter(*tensors), runner):
             tensor.copy_(mean)  # the same values on every member (the runner returns means, not differences)
+
+    async def _audited_allreduce(self, runner: AllOrNothingRunner, tensors: Sequence[torch.Tensor], group_info: Any,
+                                 modes: Sequence[AveragingMode], **kwargs: Any) -> None:
+        """``runner``'s all-reduce and a second one of the same values with every share reduced by another member
+        (``swarm_opt._hivemind.allreduce.audit_order``), at the same time; the round fails if any part's two results
+        differ (``Audited``). Every member computes the same order from the same group, so all of them run both."""
+        audit_id = group_info.group_id + AUDIT_SUFFIX
+        order = audit_order(group_info.peer_ids, kwargs["peer_fractions"])
+        if order is None:
+            self._running_groups[audit_id].cancel()
+            raise AllreduceException("Audited: only one member of the group reduces, nobody can check it")
+        copies = [t.clone() for t in tensors]  # taken before the first all-reduce writes its means into tensors
+        audit = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=copies,
+                                   group_id=audit_id, ordered_peer_ids=order,
+                                   modes=tuple(modes[group_info.peer_ids.index(peer)] for peer in order),
+                                   aggregation=self.aggregation, **kwargs)
+        self._running_groups[audit_id].set_result(audit)
+        owners = part_owners(runner)
+        tasks = [asyncio.ensure_future(self._consume(runner, tensors)),
+                 asyncio.ensure_future(self._consume(audit, copies))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._check_complete(audit_id)
+        if self.mode == AveragingMode.AUX:  # a helper receives no results: it has nothing to compare
+            return
+        pairs = await asyncio.get_event_loop().run_in_executor(
+            None, disagreeing_reducers, self.aggregation, owners, tensors, copies, group_info.peer_ids, order)
+        if pairs:
+            for liar in liars(pairs) - self._liars:
+                self._liars.add(liar)
+                logger.warning(f"Peer {liar} returned means that two other reducers of the same values contradict: "
+                               f"it lies (or is broken); rounds with it fail")
+            named = "; ".join(sorted(f"{a} and {b}" for a, b in pairs))
+            raise AllreduceException(f"Audited: reducers returned different means of the same values ({named}): "
+                                     f"one of each pair lies")
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:

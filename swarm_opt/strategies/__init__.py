@@ -11,13 +11,14 @@ if TYPE_CHECKING:
     from swarm_opt.strategies.base import Strategy
     from swarm_opt.strategies.diloco import DiLoCo
     from swarm_opt.strategies.fednova import FedNova
-    from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap
+    from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap, WorkerMomentum
     from swarm_opt.strategies.local_updates import Anchored, FedProx, LocalUpdates
     from swarm_opt.strategies.scaffold import Scaffold
 
 STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUpdates", "fedprox": "FedProx",
                                   "scaffold": "Scaffold", "diloco": "DiLoCo", "fednova": "FedNova"}
 _MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
+            "WorkerMomentum": "grad_averaging",
             "LocalUpdates": "local_updates", "FedProx": "local_updates", "Anchored": "local_updates",
             "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova"}
 
@@ -35,5 +36,5 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx",
-           "Anchored", "Scaffold", "DiLoCo", "FedNova"]
+__all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "WorkerMomentum", "LocalUpdates",
+           "FedProx", "Anchored", "Scaffold", "DiLoCo", "FedNova"]

@@ -77,6 +77,13 @@ class Strategy(ABC):
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""
 
     @property
+    def variant(self) -> str:
+        """What peers of this strategy must agree on beyond its ``name`` (an option that changes what a round
+        averages, e.g. ``GradientAveraging(momentum=...)``): peers only average with, and download state from, peers
+        of the same name and variant. Default: none."""
+        return ""
+
+    @property
     def shares_parameters(self) -> bool:
         """Whether every member must start each round with the same parameters (true when rounds average updates,
         not the parameters themselves): members then compare digests of their parameters, and one outside its

@@ -9,8 +9,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
-from swarm_opt.errors import ConfigTypeError
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.round import Round
+from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
 
 
@@ -33,6 +34,60 @@ class Overlap:
     """
 
 
+@dataclass(frozen=True)
+class WorkerMomentum:
+    """Each peer sends the momentum of its own round gradients instead of the gradients, and the group's aggregate
+    of the momenta is what the inner optimizer steps on: ``GradientAveraging(momentum=WorkerMomentum(0.9))``, with
+    an inner optimizer that has no momentum of its own (``torch.optim.SGD(p, lr)``; its ``lr`` is the step per unit
+    of momentum, about ``lr / (1 − β)`` of an undampened momentum's: SGD(lr=0.1, momentum=0.9) becomes lr 1.0).
+
+    Peer ``i``'s momentum after a committed round whose gradients (its sample-weighted mean since the last round) are
+    ``g_i``: ``m_i ← β·m_i + (1 − β)·g_i``, and ``m_i = g_i`` in its first round. What for: Byzantine-robust
+    aggregation (``CenteredClip``, ``TrimmedMean``) tells attackers apart from honest members by how far their
+    copies lie from the others'. One round's gradients are noisy; an attacker that stays inside that noise ("a
+    little is enough") moves every round's result and is never cut. Momentum averages about ``(1 + β)/(1 − β)``
+    rounds, shrinking the honest members' spread (by √((1 − β)/(1 + β)), 0.23 at β = 0.9) while a steady shift keeps
+    its size, so it no longer hides (Karimireddy, He and Jaggi 2021, "Learning from History for Byzantine Robust
+    Optimization"). Use it with a robust aggregation; with the plain mean it only changes the optimizer.
+
+    **Sync-equivalence:** with the plain mean, equal weights and every peer in every round, the mean of the members'
+    momenta is the momentum of the mean gradients, so a swarm equals one process running ``SGD(lr, momentum=β,
+    dampening=β)`` on the union of the batches (torch's first step included: its buffer starts at ``g``). It is not
+    exact when members' weights change from round to round (a mean of momenta weighted by this round's samples is
+    not the momentum of the weighted means) or a member misses rounds (its momentum does not see their gradients);
+    every member still applies the same update. Momentum is each peer's own: it is in the strategy's state
+    (checkpoints), and a peer that downloads the swarm's state takes its donor's. Peers with and without it, or with
+    another β, never average together. Costs one more fp32 buffer per parameter; the bytes of a round are the same.
+
+    :param beta: the momentum, in [0, 1) (0: each round's gradients, as without it); default 0.9.
+    """
+
+    beta: float = 0.9
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beta, bool) or not isinstance(self.beta, (int, float)):
+            raise ConfigTypeError(f"WorkerMomentum(beta=...) must be a number, e.g. 0.9; got {self.beta!r}")
+        if not 0.0 <= self.beta < 1.0:
+            raise ConfigError(f"WorkerMomentum(beta={self.beta!r}) must be in [0, 1), e.g. 0.9")
+
+    def send(self, momentum: Optional[Sequence[torch.Tensor]], gradients: Sequence[torch.Tensor],
+             buffers: Sequence[torch.Tensor]) -> None:
+        """Write ``β·m + (1 − β)·g`` into ``buffers`` (``g`` itself without a momentum yet); ``m`` is unchanged."""
+        for i, (buffer, gradient) in enumerate(zip(buffers, gradients)):
+            buffer.copy_(gradient)
+            if momentum is not None:
+                buffer.lerp_(momentum[i].to(buffer.dtype), self.beta)
+
+    def advance(self, momentum: Optional[List[torch.Tensor]], gradients: Sequence[torch.Tensor]
+                ) -> List[torch.Tensor]:
+        """The momentum after a committed round with ``gradients``: ``momentum`` updated in place, or a new one."""
+        if momentum is None:
+            return [g.clone() for g in gradients]
+        for m, g in zip(momentum, gradients):
+            m.lerp_(g.to(m.dtype), 1.0 - self.beta)
+        return momentum
+
+
 class GradientAveraging(Strategy):
     """Each peer keeps the sample-weighted mean of its gradients since the last round; the swarm all-reduces these
     means weighted by samples and every peer applies the inner optimizer to the same average. Without failures and
@@ -40,17 +95,27 @@ class GradientAveraging(Strategy):
 
     :param overlap: ``Overlap()`` averages in the background while the next round's gradients are computed (see
         ``Overlap`` for the staleness this implies). Default: rounds block ``step()`` until they are applied.
+    :param momentum: ``WorkerMomentum(β)``: each peer sends its own momentum, for Byzantine-robust aggregation (see
+        ``WorkerMomentum`` for what it changes). Default: each round's gradients, the exact large-batch equivalence.
 
     Extra memory: one fp32 buffer per parameter (the running mean) plus hivemind's averaging buffer; one more with
-    ``Overlap()``.
+    ``Overlap()``, one more with ``WorkerMomentum``.
     """
 
     name = "grad"
 
-    def __init__(self, *, overlap: Optional[Overlap] = None) -> None:
+    def __init__(self, *, overlap: Optional[Overlap] = None, momentum: Optional[WorkerMomentum] = None) -> None:
         if overlap is not None and not isinstance(overlap, Overlap):
             raise ConfigTypeError(f"overlap must be swarm_opt.Overlap() or None, got {overlap!r}")
+        if momentum is not None and not isinstance(momentum, WorkerMomentum):
+            hint = " (pass an instance: WorkerMomentum(0.9))" if momentum is WorkerMomentum else ""
+            raise ConfigTypeError(f"momentum must be swarm_opt.WorkerMomentum(beta) or None, got {momentum!r}{hint}")
         self.overlap = overlap
+        self.momentum = momentum
+
+    @property
+    def variant(self) -> str:
+        return "" if self.momentum is None else f"+momentum{self.momentum.beta!r}"
 
     @property
     def shares_parameters(self) -> bool:
@@ -62,6 +127,7 @@ class GradientAveraging(Strategy):
         self._samples = 0
         self._spare: Optional[List[torch.Tensor]] = None  # a zeroed mean to accumulate into while a round is held
         self._held: Optional[_HeldGradients] = None  # a round set aside (Overlap), until it is applied or given back
+        self._momentum: Optional[List[torch.Tensor]] = None  # this peer's own (WorkerMomentum), from its first round
 
     def local_step(self, batch_size: int) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -80,15 +146,32 @@ class GradientAveraging(Strategy):
         return self._mean
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
-        for buffer, mean in zip(buffers, self._mean):
-            buffer.copy_(mean)
+        self._send(self._mean, buffers)
 
     def averaging_weight(self) -> float:
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
-        self._step_with(self._mean if result.averaged is None else result.averaged)
+        self._apply(self._mean, result)
         self.reset()
+
+    def _send(self, means: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
+        """What this peer sends for a round whose gradients are ``means``: them, or its momentum with them."""
+        if self.momentum is None:
+            for buffer, mean in zip(buffers, means):
+                buffer.copy_(mean)
+        else:
+            self.momentum.send(self._momentum, means, buffers)
+
+    def _apply(self, means: List[torch.Tensor], result: AveragingResult) -> None:
+        """A round with gradients ``means`` committed: step on the group's result (on what this peer sent, for a
+        round alone), after advancing this peer's momentum."""
+        if self.momentum is not None:
+            self._momentum = self.momentum.advance(self._momentum, means)
+            if result.averaged is None:  # a copy: the inner optimizer may change p.grad in place
+                self._step_with([m.clone() for m in self._momentum])
+                return
+        self._step_with(means if result.averaged is None else result.averaged)
 
     def begin_round(self) -> Round:
         """Without overlap, a round over the running mean (the loop waits for it); with ``Overlap()`` the round
@@ -123,7 +206,21 @@ class GradientAveraging(Strategy):
 
     def state_dict(self) -> Dict[str, Any]:
         # a round's partial accumulation is local and transient: a resumed or newly joined peer starts a fresh one
-        return {}
+        if self._momentum is None:
+            return {}
+        return {"momentum": [m.clone() for m in self._momentum]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self.momentum is None or not isinstance(state, dict) or not state:
+            super().load_state_dict(state)  # no state: only {} fits
+            self._momentum = None
+            return
+        saved = checked_tensors(self._mean, entry(state, "momentum"), "GradientAveraging momentum")
+        if not all(bool(torch.isfinite(m).all()) for m in saved):  # it would make every round this peer's last
+            raise IncompatibleStateError("GradientAveraging momentum: non-finite values")
+        if self._momentum is None:
+            self._momentum = [torch.zeros_like(m) for m in self._mean]
+        copy_into(self._momentum, saved)
 
 
 class _HeldGradients(Round):
@@ -139,12 +236,11 @@ class _HeldGradients(Round):
         return float(self.samples)
 
     def write(self, buffers: Sequence[torch.Tensor]) -> None:
-        for buffer, mean in zip(buffers, self.means):
-            buffer.copy_(mean)
+        self.owner._send(self.means, buffers)
 
     def apply(self, result: AveragingResult) -> None:
         if self.owner._held is self:  # not dropped by a reset meanwhile
-            self.owner._step_with(self.means if result.averaged is None else result.averaged)
+            self.owner._apply(self.means, result)
             self.owner._release(self)
 
     def give_back(self) -> None:

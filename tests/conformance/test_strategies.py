@@ -34,6 +34,14 @@ STRATEGIES = {
     "grad+overlap": StrategyInfo(
         lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
         bad_arguments=((lambda: swarm_opt.GradientAveraging(overlap=True), TypeError, "Overlap"),)),
+    "grad+momentum": StrategyInfo(
+        lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)),
+        inner=lambda p: torch.optim.SGD(p, lr=0.5),
+        bad_arguments=((lambda: swarm_opt.GradientAveraging(momentum=0.9), TypeError, "WorkerMomentum"),
+                       (lambda: swarm_opt.WorkerMomentum(1.0), ValueError, r"\[0, 1\)"))),
+    "grad+momentum+overlap": StrategyInfo(
+        lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.5), overlap=swarm_opt.Overlap()),
+        inner=lambda p: torch.optim.SGD(p, lr=0.5)),
     "local": StrategyInfo(
         lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.LocalUpdates(average_optimizer_state="exp_avg"), TypeError, "sequence"),)),

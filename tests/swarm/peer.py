@@ -33,6 +33,8 @@ def make_inner(name: str):
     if name == "adam":
         # eps well above float32 round-off: Adam divides by |g|, so tiny gradients amplify summation-order noise
         return lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-6)
+    if name == "sgd_plain":  # for peers that send their momentum (WorkerMomentum): lr 0.1 on an undampened one
+        return lambda p: torch.optim.SGD(p, lr=1.0)
     return lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
 
 
@@ -62,6 +64,7 @@ def make_strategy(name: str):
     return {
         "grad": swarm_opt.GradientAveraging,
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
+        "grad_momentum": lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)),
         "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
@@ -97,7 +100,9 @@ def install_fault(cfg: dict) -> None:
     * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
       the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
-      are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
+      are, so its progress record still shows the swarm's digest), and it announces itself as the best donor.
+    * ``lie_in_reduce``: a lying reducer: every mean it reduces for its groupmates is sent with this offset added
+      (the same wrong values to every member; its own share is not changed)."""
     if cfg.get("bug_in_write"):
         from swarm_opt._hivemind.averager import TensorAverager
 
@@ -125,6 +130,16 @@ def install_fault(cfg: dict) -> None:
             original_offer(self, priority + 0.5)
 
         Optimizer._shareable_state, TensorAverager.offer_state = _shareable_state, offer_state
+    if cfg.get("lie_in_reduce"):
+        from swarm_opt._hivemind.allreduce import AllOrNothingRunner
+
+        original_mean = AllOrNothingRunner._encoded_mean
+
+        @functools.wraps(original_mean)
+        async def _lying_mean(self, part_index, averaged_part, compression):
+            return await original_mean(self, part_index, averaged_part + cfg["lie_in_reduce"], compression)
+
+        AllOrNothingRunner._encoded_mean = _lying_mean
     if cfg.get("slow_replies"):
         import asyncio
 
@@ -237,7 +252,7 @@ def main(config_path: str) -> None:
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
-        aggregation=(getattr(swarm_opt, cfg["aggregation"])(**cfg.get("aggregation_args", {}))
+        aggregation=(getattr(swarm_opt, cfg["aggregation"])(**_named_args(cfg.get("aggregation_args", {})))
                      if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
         transport=swarm_opt.Gloo(host="127.0.0.1") if cfg.get("lane") else None,  # the gloo fast lane
     )
@@ -381,6 +396,14 @@ def _codec_args(args: dict) -> dict:
     import swarm_opt
 
     return {k: getattr(swarm_opt, v)() if k == "factors" else v for k, v in args.items()}
+
+
+def _named_args(args: dict) -> dict:
+    """An aggregation's arguments from JSON: one given by name (``Audited``'s ``aggregation="CenteredClip"``) is
+    built."""
+    import swarm_opt
+
+    return {k: getattr(swarm_opt, v)() if k == "aggregation" else v for k, v in args.items()}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -22,11 +24,19 @@ def loss_of(params: list) -> float:
         return float(torch.nn.functional.cross_entropy(model(x), y))
 
 
-def run(swarm, epochs: int, attack: dict, **config) -> list:
+def drift(params: list) -> float:
+    """The mean change of every parameter value since the start: near 0 for honest training, pushed down by a
+    reducer that adds a positive offset to the averaged gradients."""
+    start = [p.detach() for p in make_model().parameters()]
+    return float(sum((p - p0).sum() for p, p0 in zip(params, start)) / sum(p0.numel() for p0 in start))
+
+
+def run(swarm, epochs: int, attack: Optional[dict], lie_in_reduce_rank: Optional[int] = None, inner: str = "sgd",
+        **config) -> list:
     for rank in range(4):
-        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=epochs, expect_peers=4,
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner=inner, epochs=epochs, expect_peers=4,
                     step_sleep=0.02, max_seconds=90, linger=5.0, attack=attack if rank == ATTACKER else None,
-                    **config)
+                    lie_in_reduce=1.0 if rank == lie_in_reduce_rank else None, **config)
     swarm.wait(timeout=200)
     return [swarm.result(rank) for rank in HONEST]
 
@@ -34,14 +44,15 @@ def run(swarm, epochs: int, attack: dict, **config) -> list:
 @pytest.mark.extended
 @pytest.mark.parametrize("aggregation, args, strategy", [("CenteredClip", {}, "grad"),
                                                          ("TrimmedMean", {"fraction": 0.25}, "grad"),
-                                                         ("CenteredClip", {}, "local")])
+                                                         ("CenteredClip", {}, "local"),
+                                                         ("CenteredClip", {}, "grad_momentum")])
 def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args, strategy):
     """An attacker stepping on its gradients x(-1000) (every member receives the robust estimate, the attacker too):
     the honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss. With local
-    updates the attacker's parameters are what is absurd."""
+    updates the attacker's parameters are what is absurd; with WorkerMomentum, its momentum."""
     epochs = 8
     results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args,
-                  strategy=strategy)
+                  strategy=strategy, **({"inner": "sgd_plain"} if strategy == "grad_momentum" else {}))
     initial = loss_of([p.detach() for p in make_model().parameters()])
     for r in results:
         assert r["epoch"] == epochs, swarm.round_events()
@@ -96,3 +107,35 @@ def test_peers_with_different_aggregations_refuse_to_average_and_say_why(swarm):
         assert all(r["group_size"] < 2 for r in reports), reports  # (a peer may train alone before the other joins)
         errors = [line for line in swarm.log(rank).splitlines() if "must pass the same aggregation=" in line]
         assert len(errors) == 1, swarm.log(rank)
+
+
+def test_audited_reducers_catch_a_lying_reducer_and_train_on_without_it(swarm):
+    """A member whose reducer adds 1.0 to every mean it returns (the same wrong values to everyone: no digest
+    shows it). With ``Audited()`` each part is reduced twice, the honest members see the two results differ, fail
+    the round, and name the liar (it disagreed with both of its audit partners); from then on they form groups
+    without it (3 of 4 is a majority) and learn. Without the audit the offset goes into every round (below)."""
+    epochs = 4
+    results = run(swarm, epochs, None, aggregation="Audited", lie_in_reduce_rank=ATTACKER)
+    liar = swarm.result(ATTACKER)["peer_id"]
+    initial = loss_of([p.detach() for p in make_model().parameters()])
+    for rank, r in zip(HONEST, results):
+        assert r["epoch"] == epochs, swarm.round_events()
+        assert all(report["group_size"] <= 3 for report in r["reports"]), r["reports"]  # no round with the liar
+        assert loss_of(r["params"]) < initial - 0.1, (loss_of(r["params"]), initial)
+        assert abs(drift(r["params"])) < 0.05, drift(r["params"])  # without the audit: -0.28 (below)
+        named = [line for line in swarm.log(rank).splitlines() if "it lies (or is broken)" in line]
+        assert len(named) == 1 and liar in named[0], swarm.log(rank)
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+
+
+@pytest.mark.extended
+def test_a_lying_reducer_goes_unnoticed_without_the_audit(swarm):
+    """The control: the same liar with the default ``Mean()``: every round commits with it, and its offset in the
+    honest peers' gradients drags all their parameters down."""
+    epochs = 5
+    results = run(swarm, epochs, None, lie_in_reduce_rank=ATTACKER)
+    for r in results:
+        assert r["epoch"] == epochs, swarm.round_events()
+        assert all(report["caught_up"] or report["group_size"] == 4 for report in r["reports"]), r["reports"]
+        assert drift(r["params"]) < -0.1, drift(r["params"])

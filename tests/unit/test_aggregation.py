@@ -118,6 +118,11 @@ def test_unusable_copies_count_with_weight_zero():
     (lambda: as_aggregation("mean"), ConfigTypeError, "aggregation must be one of"),
     (lambda: as_aggregation(swarm_opt.CenteredClip(), swarm_opt.PowerSGD(rank=2)), ConfigError,
      "Leave aggregation unset with PowerSGD"),
+    (lambda: as_aggregation(swarm_opt.Audited(), swarm_opt.PowerSGD(rank=2)), ConfigError,
+     "Leave aggregation unset with PowerSGD"),
+    (lambda: swarm_opt.Audited(swarm_opt.CenteredClip), ConfigTypeError, r"swarm_opt.CenteredClip\(\)"),
+    (lambda: swarm_opt.Audited(swarm_opt.Audited()), ConfigTypeError, "must be one of"),
+    (lambda: swarm_opt.Audited(tolerance=0.5), ConfigError, r"\(0, 0.1\]"),
 ])
 def test_bad_arguments_name_the_fix(make, error, match):
     with pytest.raises(error, match=match):
@@ -171,3 +176,45 @@ async def _wrong_shape() -> object:
 def test_the_reducer_refuses_a_part_of_the_wrong_shape():
     result = asyncio.run(_wrong_shape())
     assert not isinstance(result, torch.Tensor), result  # the round fails, instead of hanging or averaging it
+
+
+# --- Audited: two reducers per part ---------------------------------------------------------------------------------
+
+def test_audited_reduces_as_its_aggregation_and_tells_results_apart_beyond_the_tolerance():
+    parts = torch.randn(5, 100)
+    audited = swarm_opt.Audited(swarm_opt.CenteredClip(), tolerance=1e-3)
+    assert torch.equal(reduce_part(audited, list(parts), [1.0] * 5),
+                       reduce_part(swarm_opt.CenteredClip(), list(parts), [1.0] * 5))
+    honest = torch.randn(1000)
+    assert not audited.disagree(honest, honest.clone())
+    assert not audited.disagree(honest, honest.half().float())  # a codec's rounding
+    assert audited.disagree(honest, honest + 0.01)  # a lie of 1 % of an honest value's scale
+    assert audited.disagree(honest, torch.full_like(honest, float("nan")))
+    assert not audited.disagree(torch.zeros(4), torch.zeros(4))
+
+
+def test_audit_order_moves_every_share_to_another_reducer_and_leaves_clients_alone():
+    from swarm_opt._hivemind.allreduce import audit_order
+
+    peers = ["a", "b", "c", "d"]
+    assert audit_order(peers, [0.25] * 4) == ["b", "c", "d", "a"]
+    assert audit_order(peers, [0.5, 0.0, 0.5, 0.0]) == ["c", "b", "a", "d"]  # b and d are clients: no share
+    assert audit_order(peers, [1.0, 0.0, 0.0, 0.0]) is None  # one reducer: nobody can check it
+
+
+def test_a_reducer_that_lies_in_both_of_its_roles_is_named_and_one_disagreement_names_nobody():
+    from swarm_opt._hivemind.allreduce import audit_order, disagreeing_reducers, liars
+
+    peers = ["a", "b", "c", "d"]
+    order = audit_order(peers, [0.25] * 4)
+    owners = [(share, 3) for share in range(4)]  # one part of 3 values per share
+    honest = [torch.arange(12.0)]
+    lied = honest[0].clone()
+    lied[3:6] += 1.0  # b's own share, as b reduced it in the first all-reduce
+    audited = honest[0].clone()
+    audited[0:3] += 1.0  # a's share, as b reduced it in the second
+    pairs = disagreeing_reducers(swarm_opt.Audited(), owners, [lied], [audited], peers, order)
+    assert pairs == {("a", "b"), ("b", "c")}
+    assert liars(pairs) == {"b"}
+    assert liars({("a", "b")}) == set()  # a or b
+    assert liars({("a", "b"), ("b", "a")}) == set()  # two reducers in all: either could be lying

@@ -132,3 +132,78 @@ def test_a_held_round_that_succeeds_steps_on_the_group_mean_and_keeps_the_next_r
 def test_overlap_is_an_option_object():
     with pytest.raises(TypeError, match="swarm_opt.Overlap"):
         GradientAveraging(overlap=True)
+
+
+# --- WorkerMomentum: each peer sends its own momentum -----------------------------------------------------------------
+
+def _lsq(rank: int):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(8, 3, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+
+
+def _gradient(w: torch.Tensor, rank: int) -> torch.Tensor:
+    a, b = _lsq(rank)
+    return a.T @ (a @ w - b) / len(b)
+
+
+def test_worker_momentum_with_the_mean_equals_one_process_with_dampened_momentum():
+    """Three peers, equal batches, every peer in every round: the mean of their momenta is the momentum of the mean
+    gradient, i.e. one process's SGD(lr, momentum=β, dampening=β) (torch's first step too)."""
+    from swarm_opt.simulation import average_in_process
+
+    beta, lr = 0.8, 0.3
+    weights = [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in range(3)]
+    strategies = []
+    for w in weights:
+        strategy = GradientAveraging(momentum=swarm_opt.WorkerMomentum(beta))
+        strategy.bind([w], torch.optim.SGD([w], lr=lr))
+        strategies.append(strategy)
+    single = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    reference = torch.optim.SGD([single], lr=lr, momentum=beta, dampening=beta)
+    for _ in range(6):
+        for rank, (w, strategy) in enumerate(zip(weights, strategies)):
+            for _ in range(2):  # two local steps per round
+                w.grad = _gradient(w.detach(), rank)
+                assert strategy.local_step(4)
+        single.grad = sum(_gradient(single.detach(), rank) for rank in range(3)) / 3
+        reference.step()
+        average_in_process(strategies)
+        for w in weights:
+            torch.testing.assert_close(w.detach(), single.detach())
+
+
+def test_worker_momentum_is_sent_advanced_only_by_a_committed_round_and_kept_in_the_state():
+    w = torch.nn.Parameter(torch.zeros(2))
+    strategy = GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.5))
+    strategy.bind([w], torch.optim.SGD([w], lr=1.0))
+    _steps(strategy, w, [([2.0, 0.0], 1)])
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([2.0, 0.0]))  # first round: the gradient
+    assert strategy.state_dict() == {}  # a failed round changed nothing
+    strategy.apply_round(AveragingResult(peers=(), gathered={}))  # a round alone: steps on its own momentum
+    torch.testing.assert_close(w.detach(), torch.tensor([-2.0, 0.0]))
+    _steps(strategy, w, [([0.0, 4.0], 1)])
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([1.0, 2.0]))  # 0.5·m + 0.5·g
+    torch.testing.assert_close(strategy.state_dict()["momentum"][0], torch.tensor([2.0, 0.0]))
+    strategy.apply_round(AveragingResult(peers=(), gathered={}, averaged=[torch.tensor([0.0, 1.0])]))
+    torch.testing.assert_close(w.detach(), torch.tensor([-2.0, -1.0]))  # the group's aggregate, not its own
+    torch.testing.assert_close(strategy.state_dict()["momentum"][0], torch.tensor([1.0, 2.0]))  # its own
+
+
+def test_worker_momentum_from_a_state_is_checked_and_peers_with_other_momentum_never_meet():
+    from swarm_opt.optimizer import model_schema
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    strategy = GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9))
+    strategy.bind([w], torch.optim.SGD([w], lr=1.0))
+    strategy.load_state_dict({"momentum": [torch.tensor([1.0, 2.0])]})  # a donor's: this peer goes on from it
+    _steps(strategy, w, [([11.0, 2.0], 1)])
+    torch.testing.assert_close(round_values(strategy)[0], torch.tensor([2.0, 2.0]))
+    for bad in ({"momentum": [torch.tensor([float("nan"), 0.0])]}, {"momentum": [torch.zeros(3)]}, {"m": 1}):
+        with pytest.raises(swarm_opt.IncompatibleStateError):
+            strategy.load_state_dict(bad)
+    with pytest.raises(swarm_opt.IncompatibleStateError):  # a peer without momentum takes no momentum
+        _bound([torch.nn.Parameter(torch.zeros(2))])[0].load_state_dict({"momentum": [torch.zeros(2)]})
+    schemas = {model_schema([w], s.name + s.variant) for s in (
+        GradientAveraging(), GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)),
+        GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.5)), GradientAveraging(overlap=swarm_opt.Overlap()))}
+    assert len(schemas) == 3  # overlap changes no maths: it averages with peers without it

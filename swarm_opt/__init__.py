@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import (
+        AdaptiveMu,
         DiLoCo,
         FedNova,
         FedProx,
@@ -61,8 +62,8 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
-                     "Strategy"), "swarm_opt.strategies"),
+    **dict.fromkeys(("AdaptiveMu", "DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap",
+                     "Scaffold", "Strategy"), "swarm_opt.strategies"),
 }
 
 
@@ -95,6 +96,7 @@ __all__ = [
     "Overlap",
     "LocalUpdates",
     "FedProx",
+    "AdaptiveMu",
     "Scaffold",
     "DiLoCo",
     "FedNova",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -231,7 +232,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         batch_size = self._resolve_batch_size(batch_size)
         if loss is not None:
-            self._loss_sum, self._loss_count = self._loss_sum + float(loss.detach()), self._loss_count + 1
+            self.report_loss(loss)
 
         with torch.no_grad(), self._state_lock:
             if self._offload is not None:
@@ -259,6 +260,22 @@ class Optimizer(torch.optim.Optimizer):
         self._push_offloaded()
         self._step_returned = time.monotonic()
         return loss
+
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
+        """This step's training loss, for a loop that does not pass ``step(closure)`` (which reports it itself): call
+        it once per step, before ``step()``. Each round's log line shows the mean, and strategies that adapt to the
+        loss average it with the round (``FedProx(adaptive=AdaptiveMu())``). A non-finite loss is ignored."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ConfigError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}")
+            loss = loss.detach().item()
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise ConfigTypeError(f"report_loss takes a number or a one-element tensor, got {type(loss).__name__}")
+        if not math.isfinite(loss):
+            return
+        with self._state_lock:
+            self._loss_sum, self._loss_count = self._loss_sum + float(loss), self._loss_count + 1
+            self.strategy.observe_loss(float(loss))
 
     def _note_step_period(self) -> None:
         """How long the training loop computes between two steps (a moving average): groupmates wait about twice

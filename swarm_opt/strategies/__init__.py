@@ -8,6 +8,7 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:
+    from swarm_opt.strategies.adaptive import AdaptiveMu
     from swarm_opt.strategies.base import Strategy
     from swarm_opt.strategies.diloco import DiLoCo
     from swarm_opt.strategies.fednova import FedNova
@@ -19,7 +20,7 @@ STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUp
                                   "scaffold": "Scaffold", "diloco": "DiLoCo", "fednova": "FedNova"}
 _MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
             "LocalUpdates": "local_updates", "FedProx": "local_updates", "Anchored": "local_updates",
-            "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova"}
+            "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova", "AdaptiveMu": "adaptive"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,4 +37,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx",
-           "Anchored", "Scaffold", "DiLoCo", "FedNova"]
+           "Anchored", "Scaffold", "DiLoCo", "FedNova", "AdaptiveMu"]

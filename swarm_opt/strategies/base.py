@@ -72,6 +72,11 @@ class Strategy(ABC):
         live state (``write_round`` / ``apply_round``), so local steps wait until it ended."""
         return LiveRound(self)
 
+    def observe_loss(self, loss: float) -> None:
+        """The training loss of a local step (``Optimizer.step(closure)``'s, or ``Optimizer.report_loss``), finite.
+        Default: ignored; strategies that adapt to the loss (``FedProx(adaptive=AdaptiveMu())``) override it."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""

@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from swarm_opt.averaging import AveragingResult
 from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.strategies.adaptive import AdaptiveMu
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.shared_scalars import SharedScalars
 
 
 class LocalUpdates(Strategy):
@@ -98,16 +101,27 @@ class FedProx(LocalUpdates):
     """LocalUpdates with the proximal term ``mu/2 * ||y - x||^2`` pulling local steps toward the round's starting
     point ``x`` (Li et al., 2020): the gradient gets ``mu * (y - x)`` before each inner step.
 
-    :param mu: strength of the pull; 0 is plain LocalUpdates. Typical values 0.001-1.
+    :param mu: strength of the pull; 0 is plain LocalUpdates. Typical values 0.001-1. With ``adaptive``, μ's start.
+    :param adaptive: ``AdaptiveMu(...)`` moves μ with the swarm's mean training loss (FL4Health's adaptive
+        constraint): each round carries the members' mean losses (reported with ``Optimizer.step(closure)`` or
+        ``Optimizer.report_loss``) and every member of a committed round ends it with the same μ.
     """
 
     name = "fedprox"
 
-    def __init__(self, mu: float = 0.01, *, average_optimizer_state: Sequence[str] = ()) -> None:
+    def __init__(self, mu: float = 0.01, *, adaptive: Optional[AdaptiveMu] = None,
+                 average_optimizer_state: Sequence[str] = ()) -> None:
         super().__init__(average_optimizer_state=average_optimizer_state)
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not mu >= 0:
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < math.inf:
             raise ConfigError(f"FedProx mu must be a non-negative number, got {mu!r}; e.g. FedProx(mu=0.01)")
+        if adaptive is not None and not isinstance(adaptive, AdaptiveMu):
+            raise ConfigTypeError(f"FedProx adaptive must be None or AdaptiveMu(...), got {adaptive!r}")
         self.mu = float(mu)
+        self.adaptive = adaptive
+        if adaptive is not None:
+            adaptive.mu = self.mu
+            self._scalars = SharedScalars(AdaptiveMu.names)
+        self._losses = (0.0, 0)  # this round's reported losses: sum, count
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
@@ -118,19 +132,51 @@ class FedProx(LocalUpdates):
             if p.grad is not None:
                 p.grad.add_((p.detach() - x.to(p.device, p.dtype)), alpha=self.mu)
 
+    def observe_loss(self, loss: float) -> None:
+        total, count = self._losses
+        self._losses = (total + loss, count + 1)
+
+    def buffer_templates(self) -> List[torch.Tensor]:
+        """With ``adaptive``, one more small tensor carries the round's loss and μ's schedule (``SharedScalars``)."""
+        extra = [self._scalars.template()] if self.adaptive is not None else []
+        return super().buffer_templates() + extra
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        super().write_round(buffers)
+        if self.adaptive is not None:
+            self._scalars.encode(self._round_scalars(), buffers[-1])
+
     def apply_round(self, result: AveragingResult) -> None:
         super().apply_round(result)
+        if self.adaptive is not None:
+            group = self._round_scalars() if result.averaged is None else self._scalars.decode(result.averaged[-1])
+            self.mu = self.adaptive.update(group)
+        self._losses = (0.0, 0)
         self.anchor.restart()
+
+    def _round_scalars(self) -> Dict[str, Optional[float]]:
+        assert self.adaptive is not None
+        total, count = self._losses
+        return self.adaptive.scalars(total / count if count else None)
 
     def reset(self) -> None:
         super().reset()
+        self._losses = (0.0, 0)
         self.anchor.restart()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"anchor": self.anchor.state()}
+        state: Dict[str, Any] = {"anchor": self.anchor.state()}
+        if self.adaptive is not None:
+            state["adaptive"] = self.adaptive.state()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.anchor.load(self.anchor.check(entry(state, "anchor"), "FedProx anchor"))
+        anchor = self.anchor.check(entry(state, "anchor"), "FedProx anchor")
+        adaptive = None if self.adaptive is None else self.adaptive.check(state.get("adaptive"), "FedProx adaptive")
+        self.anchor.load(anchor)
+        if self.adaptive is not None and adaptive is not None:
+            self.adaptive.load(adaptive)
+            self.mu = self.adaptive.mu
 
 
 class Anchored(LocalUpdates):

@@ -40,6 +40,10 @@ STRATEGIES = {
     "fedprox": StrategyInfo(
         lambda: swarm_opt.FedProx(mu=0.1),
         bad_arguments=((lambda: swarm_opt.FedProx(mu=-1), ValueError, "non-negative"),)),
+    "fedprox+adaptive": StrategyInfo(
+        lambda: swarm_opt.FedProx(mu=0.1, adaptive=swarm_opt.AdaptiveMu(delta=0.05, patience=2)),
+        bad_arguments=((lambda: swarm_opt.FedProx(adaptive=0.1), TypeError, "AdaptiveMu"),
+                       (lambda: swarm_opt.AdaptiveMu(patience=1.5), ValueError, "patience"))),
     "scaffold": StrategyInfo(
         swarm_opt.Scaffold,
         bad_arguments=((lambda: swarm_opt.Scaffold().bind([torch.nn.Parameter(torch.zeros(1))],
@@ -68,8 +72,10 @@ class Peer:
         for _ in range(steps):
             x = torch.randn(8, 4, generator=self.g)
             self.inner.zero_grad()
-            (self.model(x) - x[:, :2] * (1 + self.g.initial_seed() % 3)).pow(2).mean().backward()
+            loss = (self.model(x) - x[:, :2] * (1 + self.g.initial_seed() % 3)).pow(2).mean()
+            loss.backward()
             with torch.no_grad():
+                self.strategy.observe_loss(float(loss))
                 assert self.strategy.local_step(8)
 
     def snapshot(self) -> List[torch.Tensor]:

@@ -64,6 +64,7 @@ def make_strategy(name: str):
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
         "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
+        "fedprox_adaptive": lambda: swarm_opt.FedProx(mu=1.0, adaptive=swarm_opt.AdaptiveMu(delta=0.1, patience=2)),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
     }[name]()
@@ -275,22 +276,27 @@ def run_lsq(cfg: dict, opt, model) -> None:
     outputs = cfg.get("lsq_outputs", 1)
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
     weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
-    rounds, last, steps_in_round = [], None, 0
+    rounds, last, steps_in_round, losses = [], None, 0, []
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
-        (0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()).backward()
+        loss = 0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()
+        loss.backward()
         if steps_in_round >= steps_per_round:
             model.weight.grad.fill_(float("nan"))
         else:
             steps_in_round += 1
+            opt.report_loss(loss)
+            losses.append(float(loss.detach()))
         opt.step()
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
-            rounds.append(dict(last.__dict__, w=weights(),
-                               d=None if controls is None else controls[0].clone()[0]))
-            steps_in_round = 0
+            adaptive = getattr(opt.strategy, "adaptive", None)  # FedProx(adaptive=...): mu and the group's loss
+            rounds.append(dict(last.__dict__, w=weights(), d=None if controls is None else controls[0].clone()[0],
+                               mu=getattr(opt.strategy, "mu", None), own_loss=sum(losses) / max(len(losses), 1),
+                               group_loss=None if adaptive is None else adaptive.previous_loss))
+            steps_in_round, losses = 0, []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights()))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm_opt.simulation import average_in_process
-from swarm_opt.strategies import FedNova, LocalUpdates, Scaffold
+from swarm_opt.strategies import AdaptiveMu, FedNova, LocalUpdates, Scaffold
 from tests.swarm.peer import lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -143,6 +143,32 @@ def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_wh
     for r in results:
         torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
     assert (expected - _simulate(LocalUpdates, range(4), rounds=6, steps=steps, history=history)).norm() > 1e-2
+
+
+@pytest.mark.extended
+@pytest.mark.extended
+def test_adaptive_fedprox_moves_mu_identically_on_every_peer_from_the_swarms_mean_loss(swarm, tmp_path):
+    """Three FedProx(adaptive=AdaptiveMu()) peers report their losses: each committed round carries the
+    samples-weighted mean of the members' losses, and every member ends it with the same μ, the one
+    FL4Health's rule gives for that sequence of swarm losses."""
+    results = run_swarm(swarm, "fedprox_adaptive", n=3, target_batch_size=3 * 16 * 5, epochs=6, lsq_lr=0.02)
+    by_epoch = defaultdict(list)
+    for r in results:
+        for rnd in r["rounds"]:
+            if not rnd["caught_up"]:
+                by_epoch[rnd["epoch"]].append(rnd)
+    reference, mus = AdaptiveMu(delta=0.1, patience=2), []
+    reference.mu = 1.0
+    for epoch, members in sorted(by_epoch.items()):
+        assert len({m["mu"] for m in members}) == 1, (epoch, members)
+        assert len({m["group_loss"] for m in members}) == 1, (epoch, members)
+        if len(members) == members[0]["group_size"]:  # every member reported it: the mean of their own losses
+            mean = sum(m["own_loss"] * m["samples"] for m in members) / sum(m["samples"] for m in members)
+            assert members[0]["group_loss"] == pytest.approx(mean, rel=1e-5), (epoch, members)
+        expected = reference.update(reference.scalars(members[0]["group_loss"]))
+        assert members[0]["mu"] == pytest.approx(expected, abs=1e-6), (epoch, members)  # reducers sum in fp32
+        mus.append(members[0]["mu"])
+    assert len(by_epoch) >= 5 and min(mus) < 1.0, mus  # the loss fell: μ came down
 
 
 @pytest.mark.extended

@@ -35,13 +35,16 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import (
+        AdaptiveClip,
         AdaptiveMu,
         DiLoCo,
         FedNova,
         FedProx,
         GradientAveraging,
+        KeepLocal,
         LocalUpdates,
         Overlap,
+        PeerDP,
         Scaffold,
         Strategy,
     )
@@ -62,8 +65,8 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("AdaptiveMu", "DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap",
-                     "Scaffold", "Strategy"), "swarm_opt.strategies"),
+    **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "FedNova", "FedProx", "GradientAveraging", "KeepLocal",
+                     "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy"), "swarm_opt.strategies"),
 }
 
 
@@ -97,6 +100,9 @@ __all__ = [
     "LocalUpdates",
     "FedProx",
     "AdaptiveMu",
+    "KeepLocal",
+    "PeerDP",
+    "AdaptiveClip",
     "Scaffold",
     "DiLoCo",
     "FedNova",

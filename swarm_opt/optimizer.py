@@ -448,7 +448,11 @@ class Optimizer(torch.optim.Optimizer):
     def _shareable_state(self):
         """Called by hivemind when a peer downloads our state: a consistent snapshot, copied under the lock."""
         with self._state_lock:
-            skeleton, tensors = flatten({"params": list(self._params), "optimizer": self.state_dict()})
+            personal = self._personal_indices()  # they never leave this peer: zeros, and no optimizer state
+            optimizer = self.state_dict()
+            optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k not in personal}
+            params = [torch.zeros_like(p) if i in personal else p for i, p in enumerate(self._params)]
+            skeleton, tensors = flatten({"params": params, "optimizer": optimizer})
             tensors = [t.detach().to("cpu", copy=True) for t in tensors]
             metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
                         "skeleton": skeleton}
@@ -485,8 +489,16 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             backup = [p.detach().clone() for p in self._params]
             try:
-                for p, new in zip(self._params, params):
-                    p.copy_(new)
+                personal = self._personal_indices()  # the donor sent none of its own: we keep ours, and their state
+                for i, (p, new) in enumerate(zip(self._params, params)):
+                    if i not in personal:
+                        p.copy_(new)
+                if personal and isinstance(state["optimizer"], dict) and isinstance(state["optimizer"].get("state"),
+                                                                                     dict):
+                    own = self.inner.state_dict()["state"]
+                    state["optimizer"]["state"] = {**{k: v for k, v in state["optimizer"]["state"].items()
+                                                      if k not in personal},
+                                                   **{k: v for k, v in own.items() if k in personal}}
                 self.load_state_dict(state["optimizer"])
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
@@ -501,6 +513,12 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.set_priority(self._epoch)
         self._push_offloaded()
         return epoch
+
+    def _personal_indices(self) -> set:
+        """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave
+        this peer (``Strategy.personal_parameters``)."""
+        personal = {id(p) for p in self.strategy.personal_parameters()}
+        return {i for i, p in enumerate(self._params) if id(p) in personal}
 
     def _params_digest(self) -> Optional[List[float]]:
         """What a newcomer compares a downloaded state with (None where peers at an epoch hold different parameters):

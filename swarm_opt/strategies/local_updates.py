@@ -9,10 +9,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from swarm_opt.averaging import AveragingResult
-from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.adaptive import AdaptiveMu
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.partial import KeepLocal
+from swarm_opt.strategies.peer_dp import PeerDP
 from swarm_opt.strategies.shared_scalars import SharedScalars
 
 
@@ -22,6 +24,10 @@ class LocalUpdates(Strategy):
 
     :param average_optimizer_state: names of inner-optimizer statistics to average with the parameters, e.g.
         ``("momentum_buffer",)`` for SGD or ``("exp_avg", "exp_avg_sq")`` for Adam. Default: none (kept local).
+    :param exchange: ``KeepLocal(model, where)``: parameters that never leave this peer (FedBN, FedPer); the others
+        are averaged. Default: all are averaged.
+    :param peer_dp: ``PeerDP(noise_multiplier=..., clip=...)``: each round's update is clipped and noised before it
+        leaves the peer (DP-FedAvg, with ``AdaptiveClip`` for adaptive clipping); every peer then weighs the same.
 
     A peer whose round failed keeps its local model and joins the next round; one that missed rounds goes on from
     its own model (it is averaged back in at the next round).
@@ -29,17 +35,36 @@ class LocalUpdates(Strategy):
 
     name = "local"
 
-    def __init__(self, *, average_optimizer_state: Sequence[str] = ()) -> None:
+    def __init__(self, *, average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
+                 peer_dp: Optional[PeerDP] = None) -> None:
         if isinstance(average_optimizer_state, str) or not all(isinstance(n, str) for n in average_optimizer_state):
             raise ConfigTypeError("average_optimizer_state must be a sequence of state names, e.g. ('exp_avg',)")
+        if exchange is not None and not isinstance(exchange, KeepLocal):
+            raise ConfigTypeError(f"exchange must be None or swarm_opt.KeepLocal(model, where), got {exchange!r}")
+        if peer_dp is not None and not isinstance(peer_dp, PeerDP):
+            raise ConfigTypeError(f"peer_dp must be None or swarm_opt.PeerDP(noise_multiplier=..., clip=...), "
+                                  f"got {peer_dp!r}")
+        if peer_dp is not None and average_optimizer_state:
+            raise ConfigError("peer_dp=PeerDP(...) clips and noises the parameters' update only: averaged optimizer "
+                              "statistics would leave the peer unprotected; drop average_optimizer_state")
         self.average_optimizer_state = tuple(average_optimizer_state)
+        self.exchange, self.peer_dp = exchange, peer_dp
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
         self._samples = 0
+        kept = self.exchange.split(self.params) if self.exchange is not None else [False] * len(self.params)
+        #: the parameters a round averages, and those that stay on this peer (``exchange``)
+        self.shared = [p for p, keep in zip(self.params, kept) if not keep]
+        self.personal = [p for p, keep in zip(self.params, kept) if keep]
         # statistics the inner optimizer has not created yet are averaged as zeros with zero effect on us
         self._stat_templates = [torch.zeros_like(p, dtype=state_dtype(p)) for _ in self.average_optimizer_state
-                                for p in self.params]
+                                for p in self.shared]
+        if self.peer_dp is not None:
+            self.peer_dp.bind(self.shared)
+
+    def personal_parameters(self) -> List[torch.Tensor]:
+        return list(self.personal)
 
     # --- the local step -------------------------------------------------------------------------------------------
     def local_step(self, batch_size: int) -> bool:
@@ -60,14 +85,15 @@ class LocalUpdates(Strategy):
 
     # --- the round ----------------------------------------------------------------------------------------------------
     def averaged_state(self) -> List[torch.Tensor]:
-        """The live tensors a round averages as they are: the parameters, then the averaged optimizer statistics
-        (the first entries of ``buffer_templates``, ``write_round`` and ``result.averaged``)."""
-        return list(self.params) + self._optimizer_statistics()
+        """The live tensors a round averages as they are: the shared parameters, then the averaged optimizer
+        statistics (the first entries of ``buffer_templates``, ``write_round`` and ``result.averaged``; with
+        ``peer_dp``'s adaptive clipping one more small tensor follows them)."""
+        return list(self.shared) + self._optimizer_statistics()
 
     def _optimizer_statistics(self) -> List[torch.Tensor]:
         stats, i = [], 0
         for name in self.average_optimizer_state:
-            for p in self.params:
+            for p in self.shared:
                 value = self.inner.state.get(p, {}).get(name)
                 stats.append(value if isinstance(value, torch.Tensor) and value.shape == p.shape
                              else self._stat_templates[i])
@@ -75,31 +101,66 @@ class LocalUpdates(Strategy):
         return stats
 
     def buffer_templates(self) -> List[torch.Tensor]:
-        return self.averaged_state()
+        return self.averaged_state() + (self.peer_dp.templates() if self.peer_dp is not None else [])
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
-        for buffer, tensor in zip(buffers, self.averaged_state()):
+        state = self.averaged_state()
+        for buffer, tensor in zip(buffers, state):
             buffer.copy_(tensor.detach())
+        if self.peer_dp is not None:
+            extra = len(self.peer_dp.templates())
+            self.peer_dp.privatize(buffers[:len(self.shared)], buffers[len(state):len(state) + extra])
 
     def averaging_weight(self) -> float:
+        if self.peer_dp is not None:  # DP's sensitivity bound holds only if no peer weighs more than another
+            return 1.0 if self._samples > 0 else 0.0
         return float(self._samples)
 
     def apply_round(self, result: AveragingResult) -> None:
+        state = self.averaged_state()
         if result.averaged is not None:
-            for tensor, mean in zip(self.averaged_state(), result.averaged):
+            for tensor, mean in zip(state, result.averaged):
                 tensor.detach().copy_(mean)
+        if self.peer_dp is not None:
+            extra = len(self.peer_dp.templates())
+            self.peer_dp.finish_round(None if result.averaged is None
+                                      else result.averaged[len(state):len(state) + extra])
         self._samples = 0
 
     def reset(self) -> None:
         self._samples = 0
+        if self.peer_dp is not None:
+            self.peer_dp.restart()
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         return True
 
+    def state_dict(self) -> Dict[str, Any]:
+        return {"peer_dp": self.peer_dp.state()} if self.peer_dp is not None else {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self.peer_dp is None and type(self) is LocalUpdates:
+            super().load_state_dict(state)  # no state: anything else is refused
+            return
+        self.checked_state(state)()
+
+    def checked_state(self, state: Any) -> Callable[[], None]:
+        """Check this class's parts of a saved state; the function returned loads them. A subclass loads its own
+        parts only once every part was checked: a state that does not fit changes nothing."""
+        if not isinstance(state, dict):
+            raise IncompatibleStateError(f"a strategy state must be a dict, got {type(state).__name__}")
+        peer_dp = None if self.peer_dp is None else self.peer_dp.check(state.get("peer_dp"), "PeerDP state")
+
+        def load() -> None:
+            if self.peer_dp is not None and peer_dp is not None:
+                self.peer_dp.load(peer_dp)
+        return load
+
 
 class FedProx(LocalUpdates):
     """LocalUpdates with the proximal term ``mu/2 * ||y - x||^2`` pulling local steps toward the round's starting
-    point ``x`` (Li et al., 2020): the gradient gets ``mu * (y - x)`` before each inner step.
+    point ``x`` (Li et al., 2020): the gradient gets ``mu * (y - x)`` before each inner step (on the averaged
+    parameters: those ``exchange=KeepLocal(...)`` keeps local are not pulled).
 
     :param mu: strength of the pull; 0 is plain LocalUpdates. Typical values 0.001-1. With ``adaptive``, μ's start.
     :param adaptive: ``AdaptiveMu(...)`` moves μ with the swarm's mean training loss (FL4Health's adaptive
@@ -110,8 +171,9 @@ class FedProx(LocalUpdates):
     name = "fedprox"
 
     def __init__(self, mu: float = 0.01, *, adaptive: Optional[AdaptiveMu] = None,
-                 average_optimizer_state: Sequence[str] = ()) -> None:
-        super().__init__(average_optimizer_state=average_optimizer_state)
+                 average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
+                 peer_dp: Optional[PeerDP] = None) -> None:
+        super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, peer_dp=peer_dp)
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < math.inf:
             raise ConfigError(f"FedProx mu must be a non-negative number, got {mu!r}; e.g. FedProx(mu=0.01)")
         if adaptive is not None and not isinstance(adaptive, AdaptiveMu):
@@ -125,7 +187,7 @@ class FedProx(LocalUpdates):
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self.anchor = Anchor([self.params])  # the pull's centre: local, restarted from the parameters
+        self.anchor = Anchor([self.shared])  # the pull's centre: local, restarted from the parameters
 
     def before_inner_step(self) -> None:
         for p, x in zip(self.anchor.params, self.anchor.tensors):
@@ -165,18 +227,23 @@ class FedProx(LocalUpdates):
         self.anchor.restart()
 
     def state_dict(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {"anchor": self.anchor.state()}
+        state: Dict[str, Any] = {**super().state_dict(), "anchor": self.anchor.state()}
         if self.adaptive is not None:
             state["adaptive"] = self.adaptive.state()
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def checked_state(self, state: Any) -> Callable[[], None]:
+        load_base = super().checked_state(state)
         anchor = self.anchor.check(entry(state, "anchor"), "FedProx anchor")
         adaptive = None if self.adaptive is None else self.adaptive.check(state.get("adaptive"), "FedProx adaptive")
-        self.anchor.load(anchor)
-        if self.adaptive is not None and adaptive is not None:
-            self.adaptive.load(adaptive)
-            self.mu = self.adaptive.mu
+
+        def load() -> None:
+            load_base()
+            self.anchor.load(anchor)
+            if self.adaptive is not None and adaptive is not None:
+                self.adaptive.load(adaptive)
+                self.mu = self.adaptive.mu
+        return load
 
 
 class Anchored(LocalUpdates):

@@ -56,9 +56,11 @@ def lsq_optimum(ranks) -> torch.Tensor:
     return torch.linalg.solve(sum(a.T @ a for a, _ in problems), sum(a.T @ b for a, b in problems))
 
 
-def make_strategy(name: str):
+def make_strategy(name: str, model=None):
     import swarm_opt
 
+    if name == "local_keep_head":  # FedPer: the MLP's last layer ("2.") stays on each peer
+        return swarm_opt.LocalUpdates(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2.")))
     return {
         "grad": swarm_opt.GradientAveraging,
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
@@ -84,6 +86,9 @@ def claim(path: str) -> bool:
         return False
 
 
+SENT: dict = {}  # round id -> (weight, the buffers this peer wrote), with config record_sent
+
+
 def install_fault(cfg: dict) -> None:
     """Fault injection at a precise phase (as torchft's EventInjector), patched into the classes before the
     averager process forks, so that it acts inside hivemind's averager process.
@@ -99,6 +104,19 @@ def install_fault(cfg: dict) -> None:
       the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor."""
+    if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
+        from swarm_opt.averaging import TensorAverager
+
+        original_all_reduce = TensorAverager.all_reduce
+
+        @functools.wraps(original_all_reduce)
+        def all_reduce(self, write, weight, round_id, *args, **kwargs):
+            def recording_write(buffers):
+                write(buffers)
+                SENT[round_id] = (float(weight), [b.detach().clone() for b in buffers])  # the last try's values
+            return original_all_reduce(self, recording_write, weight, round_id, *args, **kwargs)
+
+        TensorAverager.all_reduce = all_reduce
     if cfg.get("bug_in_write"):
         from swarm_opt.averaging import TensorAverager
 
@@ -232,7 +250,7 @@ def main(config_path: str) -> None:
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
-        strategy=make_strategy(cfg.get("strategy", "grad")),
+        strategy=make_strategy(cfg.get("strategy", "grad"), model),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
@@ -307,7 +325,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
-    last_report, resources = None, {}
+    last_report, resources, after = None, {}, {}
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
@@ -343,6 +361,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                 discarded_versions[last_report.epoch] = [v for _, v in pending]
                 pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
+            if cfg.get("record_sent"):
+                after[last_report.epoch] = [p.detach().clone() for p in model.parameters()]
             if cfg.get("count_resources"):  # the averager process's (the lane lives there) and ours, per epoch
                 resources[opt.local_epoch] = dict(averager=_resources(opt._averager._engine.pid),
                                                   host=_resources(os.getpid()))
@@ -351,7 +371,16 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
             if opt.local_epoch >= cfg.get("arm_at_epoch", float("inf")):
                 open(cfg["out"] + ".arm", "w").close()
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
+    served = None
+    if cfg.get("record_sent"):  # what this peer would serve a peer downloading its state
+        from swarm_opt.serialization import unflatten
+
+        metadata, tensors = opt._shareable_state()
+        state = unflatten(metadata["skeleton"], list(tensors))
+        served = dict(params=state["params"], optimizer_keys=sorted(state["optimizer"]["state"]),
+                      own_optimizer_keys=sorted(opt.state_dict()["state"]))
+    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
+                   discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
                    peer_id=str(opt._averager.peer_id)))

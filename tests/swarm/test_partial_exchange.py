@@ -45,3 +45,41 @@ def test_a_personal_head_stays_on_its_peer_and_shared_layers_are_the_mean_of_wha
         assert all((h - heads[0]).abs().max() > 1e-4 for h in heads[1:]), "the personal heads were averaged"
         checked += 1
     assert checked >= 2, swarm.round_events()
+
+
+def test_a_downloading_peer_keeps_its_own_personal_parameters_and_their_optimizer_state(dht):
+    """Two in-process peers: the newcomer downloads the donor's shared layers and keeps its own head and the head's
+    momentum (the donor served neither)."""
+    import hivemind
+
+    import swarm_opt
+
+    def peer(node, seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+        opt = swarm_opt.Optimizer(
+            dht=node, run_id="keep_local_download", target_batch_size=10_000, batch_size_per_step=4,
+            params=model.parameters(), optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            strategy=swarm_opt.LocalUpdates(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2."))),
+            matchmaking_time=1.0, averaging_timeout=5.0)
+        model(torch.randn(4, 4)).pow(2).sum().backward()
+        opt.step()  # momentum buffers for every parameter
+        return opt, model
+
+    donor, donor_model = peer(dht, 0)
+    other = hivemind.DHT(initial_peers=dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        newcomer, model = peer(other, 1)
+        head = [p.detach().clone() for p in model[2].parameters()]
+        momentum = [newcomer.state[p]["momentum_buffer"].clone() for p in model[2].parameters()]
+        newcomer.load_state_from_peers(timeout=30)
+        for mine, theirs in zip(model[0].parameters(), donor_model[0].parameters()):
+            torch.testing.assert_close(mine, theirs)
+        for p, before, buf in zip(model[2].parameters(), head, momentum):
+            assert torch.equal(p.detach(), before)
+            assert torch.equal(newcomer.state[p]["momentum_buffer"], buf)
+        assert not torch.equal(head[0], donor_model[2].weight.detach())  # (the heads differ: seeds 0 and 1)
+        newcomer.shutdown()
+    finally:
+        donor.shutdown()
+        other.shutdown()

@@ -204,8 +204,10 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def progress(self) -> SwarmProgress:
-        """The swarm's progress as this peer sees it (no network call)."""
-        return self._tracker.progress
+        """The swarm's progress as this peer sees it (no network call); with ``privacy=``, ``epsilon`` is the privacy
+        this peer spent so far (Opacus's accountant)."""
+        progress = self._tracker.progress
+        return progress if self.privacy is None else replace(progress, epsilon=self.privacy.epsilon())
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")

@@ -66,6 +66,8 @@ def make_strategy(name: str, model=None):
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
         "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
+        "local_peer_dp": lambda: swarm_opt.LocalUpdates(peer_dp=swarm_opt.PeerDP(
+            noise_multiplier=0.01, clip=swarm_opt.AdaptiveClip(0.05, target_quantile=0.5), split=3)),
         "fedprox_adaptive": lambda: swarm_opt.FedProx(mu=1.0, adaptive=swarm_opt.AdaptiveMu(delta=0.1, patience=2)),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
@@ -311,9 +313,11 @@ def run_lsq(cfg: dict, opt, model) -> None:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
             adaptive = getattr(opt.strategy, "adaptive", None)  # FedProx(adaptive=...): mu and the group's loss
+            peer_dp = getattr(opt.strategy, "peer_dp", None)
             rounds.append(dict(last.__dict__, w=weights(), d=None if controls is None else controls[0].clone()[0],
+                               clip=None if peer_dp is None else peer_dp.clip,
                                mu=getattr(opt.strategy, "mu", None), own_loss=sum(losses) / max(len(losses), 1),
-                               group_loss=None if adaptive is None else adaptive.previous_loss))
+                               schedule=None if adaptive is None else adaptive.state()))
             steps_in_round, losses = 0, []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights()))

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         AdaptiveClip,
         AdaptiveMu,
         DiLoCo,
+        DriftedLayers,
         FedNova,
         FedProx,
         GradientAveraging,
@@ -65,8 +66,9 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "FedNova", "FedProx", "GradientAveraging", "KeepLocal",
-                     "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy"), "swarm_opt.strategies"),
+    **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "DriftedLayers", "FedNova", "FedProx",
+                     "GradientAveraging", "KeepLocal", "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy"),
+                    "swarm_opt.strategies"),
 }
 
 
@@ -101,6 +103,7 @@ __all__ = [
     "FedProx",
     "AdaptiveMu",
     "KeepLocal",
+    "DriftedLayers",
     "PeerDP",
     "AdaptiveClip",
     "Scaffold",

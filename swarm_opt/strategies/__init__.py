@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from swarm_opt.strategies.fednova import FedNova
     from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap
     from swarm_opt.strategies.local_updates import Anchored, FedProx, LocalUpdates
-    from swarm_opt.strategies.partial import KeepLocal
+    from swarm_opt.strategies.partial import DriftedLayers, KeepLocal
     from swarm_opt.strategies.peer_dp import AdaptiveClip, PeerDP
     from swarm_opt.strategies.scaffold import Scaffold
 
@@ -23,7 +23,7 @@ STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUp
 _MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
             "LocalUpdates": "local_updates", "FedProx": "local_updates", "Anchored": "local_updates",
             "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova", "AdaptiveMu": "adaptive",
-            "KeepLocal": "partial", "PeerDP": "peer_dp", "AdaptiveClip": "peer_dp"}
+            "KeepLocal": "partial", "DriftedLayers": "partial", "PeerDP": "peer_dp", "AdaptiveClip": "peer_dp"}
 
 
 def __getattr__(name: str) -> Any:
@@ -41,4 +41,4 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "LocalUpdates", "FedProx",
            "Anchored", "Scaffold", "DiLoCo", "FedNova", "AdaptiveMu",
-           "KeepLocal", "PeerDP", "AdaptiveClip"]
+           "KeepLocal", "DriftedLayers", "PeerDP", "AdaptiveClip"]

@@ -13,7 +13,7 @@ from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateErro
 from swarm_opt.strategies.adaptive import AdaptiveMu
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
-from swarm_opt.strategies.partial import KeepLocal
+from swarm_opt.strategies.partial import DriftedLayers, KeepLocal, mean_over_senders, send_selected
 from swarm_opt.strategies.peer_dp import PeerDP
 from swarm_opt.strategies.shared_scalars import SharedScalars
 
@@ -26,6 +26,8 @@ class LocalUpdates(Strategy):
         ``("momentum_buffer",)`` for SGD or ``("exp_avg", "exp_avg_sq")`` for Adam. Default: none (kept local).
     :param exchange: ``KeepLocal(model, where)``: parameters that never leave this peer (FedBN, FedPer); the others
         are averaged. Default: all are averaged.
+    :param select: ``DriftedLayers(threshold)``: each round, send only the layers that drifted since the last average
+        (the others travel as zeros, flagged); each layer is averaged over the members that sent it.
     :param peer_dp: ``PeerDP(noise_multiplier=..., clip=...)``: each round's update is clipped and noised before it
         leaves the peer (DP-FedAvg, with ``AdaptiveClip`` for adaptive clipping); every peer then weighs the same.
 
@@ -36,7 +38,7 @@ class LocalUpdates(Strategy):
     name = "local"
 
     def __init__(self, *, average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
-                 peer_dp: Optional[PeerDP] = None) -> None:
+                 select: Optional[DriftedLayers] = None, peer_dp: Optional[PeerDP] = None) -> None:
         if isinstance(average_optimizer_state, str) or not all(isinstance(n, str) for n in average_optimizer_state):
             raise ConfigTypeError("average_optimizer_state must be a sequence of state names, e.g. ('exp_avg',)")
         if exchange is not None and not isinstance(exchange, KeepLocal):
@@ -44,11 +46,16 @@ class LocalUpdates(Strategy):
         if peer_dp is not None and not isinstance(peer_dp, PeerDP):
             raise ConfigTypeError(f"peer_dp must be None or swarm_opt.PeerDP(noise_multiplier=..., clip=...), "
                                   f"got {peer_dp!r}")
+        if select is not None and not isinstance(select, DriftedLayers):
+            raise ConfigTypeError(f"select must be None or swarm_opt.DriftedLayers(threshold), got {select!r}")
+        if select is not None and peer_dp is not None:
+            raise ConfigError("select=DriftedLayers(...) chooses the layers to send from the data, a choice PeerDP "
+                              "does not privatise (the flags travel in clear): drop one of them")
         if peer_dp is not None and average_optimizer_state:
             raise ConfigError("peer_dp=PeerDP(...) clips and noises the parameters' update only: averaged optimizer "
                               "statistics would leave the peer unprotected; drop average_optimizer_state")
         self.average_optimizer_state = tuple(average_optimizer_state)
-        self.exchange, self.peer_dp = exchange, peer_dp
+        self.exchange, self.select, self.peer_dp = exchange, select, peer_dp
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
@@ -62,6 +69,8 @@ class LocalUpdates(Strategy):
                                 for p in self.shared]
         if self.peer_dp is not None:
             self.peer_dp.bind(self.shared)
+        if self.select is not None:
+            self.select.bind(self.shared)
 
     def personal_parameters(self) -> List[torch.Tensor]:
         return list(self.personal)
@@ -101,15 +110,23 @@ class LocalUpdates(Strategy):
         return stats
 
     def buffer_templates(self) -> List[torch.Tensor]:
-        return self.averaged_state() + (self.peer_dp.templates() if self.peer_dp is not None else [])
+        """``averaged_state()``, then the options' small tensors: ``peer_dp``'s (adaptive clipping), ``select``'s
+        flags; subclasses append theirs after these."""
+        return self.averaged_state() + self._option_templates()
+
+    def _option_templates(self) -> List[torch.Tensor]:
+        dp = self.peer_dp.templates() if self.peer_dp is not None else []
+        return dp + ([self.select.template()] if self.select is not None else [])
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
         state = self.averaged_state()
         for buffer, tensor in zip(buffers, state):
             buffer.copy_(tensor.detach())
+        extra = buffers[len(state):len(state) + len(self._option_templates())]
         if self.peer_dp is not None:
-            extra = len(self.peer_dp.templates())
-            self.peer_dp.privatize(buffers[:len(self.shared)], buffers[len(state):len(state) + extra])
+            self.peer_dp.privatize(buffers[:len(self.shared)], extra[:len(self.peer_dp.templates())])
+        if self.select is not None:
+            send_selected(self.select.flags(), buffers[:len(state)], extra[-1])
 
     def averaging_weight(self) -> float:
         if self.peer_dp is not None:  # DP's sensitivity bound holds only if no peer weighs more than another
@@ -118,28 +135,39 @@ class LocalUpdates(Strategy):
 
     def apply_round(self, result: AveragingResult) -> None:
         state = self.averaged_state()
+        extra = None if result.averaged is None else \
+            result.averaged[len(state):len(state) + len(self._option_templates())]
         if result.averaged is not None:
-            for tensor, mean in zip(state, result.averaged):
-                tensor.detach().copy_(mean)
+            means: Sequence[Optional[torch.Tensor]] = result.averaged[:len(state)]
+            if self.select is not None:
+                means = mean_over_senders(extra[-1], means)
+            for tensor, mean in zip(state, means):
+                if mean is not None:  # (None: a layer no member sent; this peer keeps its own)
+                    tensor.detach().copy_(mean)
         if self.peer_dp is not None:
-            extra = len(self.peer_dp.templates())
-            self.peer_dp.finish_round(None if result.averaged is None
-                                      else result.averaged[len(state):len(state) + extra])
+            self.peer_dp.finish_round(None if extra is None else extra[:len(self.peer_dp.templates())])
+        if self.select is not None:
+            self.select.anchor.restart()
         self._samples = 0
 
     def reset(self) -> None:
         self._samples = 0
         if self.peer_dp is not None:
             self.peer_dp.restart()
+        if self.select is not None:
+            self.select.anchor.restart()
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         return True
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"peer_dp": self.peer_dp.state()} if self.peer_dp is not None else {}
+        state: Dict[str, Any] = {"peer_dp": self.peer_dp.state()} if self.peer_dp is not None else {}
+        if self.select is not None:
+            state["select_anchor"] = self.select.anchor.state()
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if self.peer_dp is None and type(self) is LocalUpdates:
+        if self.peer_dp is None and self.select is None and type(self) is LocalUpdates:
             super().load_state_dict(state)  # no state: anything else is refused
             return
         self.checked_state(state)()
@@ -150,10 +178,14 @@ class LocalUpdates(Strategy):
         if not isinstance(state, dict):
             raise IncompatibleStateError(f"a strategy state must be a dict, got {type(state).__name__}")
         peer_dp = None if self.peer_dp is None else self.peer_dp.check(state.get("peer_dp"), "PeerDP state")
+        select = None if self.select is None else \
+            self.select.anchor.check(state.get("select_anchor"), "DriftedLayers anchor")
 
         def load() -> None:
             if self.peer_dp is not None and peer_dp is not None:
                 self.peer_dp.load(peer_dp)
+            if self.select is not None and select is not None:
+                self.select.anchor.load(select)
         return load
 
 
@@ -172,8 +204,9 @@ class FedProx(LocalUpdates):
 
     def __init__(self, mu: float = 0.01, *, adaptive: Optional[AdaptiveMu] = None,
                  average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
-                 peer_dp: Optional[PeerDP] = None) -> None:
-        super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, peer_dp=peer_dp)
+                 select: Optional[DriftedLayers] = None, peer_dp: Optional[PeerDP] = None) -> None:
+        super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, select=select,
+                         peer_dp=peer_dp)
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu < math.inf:
             raise ConfigError(f"FedProx mu must be a non-negative number, got {mu!r}; e.g. FedProx(mu=0.01)")
         if adaptive is not None and not isinstance(adaptive, AdaptiveMu):

@@ -49,6 +49,10 @@ STRATEGIES = {
         needs_model=True,
         bad_arguments=((lambda: swarm_opt.LocalUpdates(exchange=lambda n, m: True), TypeError, "KeepLocal"),
                        (lambda: swarm_opt.KeepLocal(torch.nn.Linear(2, 2), "bias"), TypeError, "function"))),
+    "local+drifted": StrategyInfo(
+        lambda: swarm_opt.LocalUpdates(select=swarm_opt.DriftedLayers(0.0),
+                                       average_optimizer_state=("momentum_buffer",)),
+        bad_arguments=((lambda: swarm_opt.DriftedLayers(threshold="0.1"), ValueError, "threshold"),)),
     "local+peer_dp": StrategyInfo(  # without noise (random: a peer and its twin would send different values)
         lambda: swarm_opt.LocalUpdates(peer_dp=swarm_opt.PeerDP(
             noise_multiplier=0.0, clip=swarm_opt.AdaptiveClip(0.5, target_quantile=0.5), split=3)),

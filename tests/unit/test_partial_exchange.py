@@ -81,3 +81,62 @@ def test_a_selection_that_keeps_nothing_or_everything_or_another_model_is_refuse
         _peer(0, exchange=lambda m: swarm_opt.KeepLocal(_model(1), lambda name, mod: True))
     with pytest.raises(TypeError, match="KeepLocal"):
         swarm_opt.LocalUpdates(exchange="1.weight")
+
+
+def _drift_peer(threshold: float = 0.1, **kwargs):
+    torch.manual_seed(0)  # every peer starts from the same model, as after a round
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    s = swarm_opt.LocalUpdates(select=swarm_opt.DriftedLayers(threshold), **kwargs)
+    s.bind(list(model.parameters()), torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+    return model, s
+
+
+def _shift(model, strategy, layers, amount: float, batch: int) -> None:
+    """One local step that moves the weights of ``layers`` (indices into the Sequential) by ``amount``."""
+    model.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for layer in layers:
+        model[layer].weight.grad.fill_(-amount)
+    assert strategy.local_step(batch)
+
+
+def test_peers_sending_different_layers_average_each_over_its_senders():
+    peers = [_drift_peer() for _ in range(3)]
+    start = [p.detach().clone() for p in peers[0][0].parameters()]
+    for (model, s), layers, amount, batch in zip(peers, ([0], [1], [0, 1]), (1.0, 2.0, 3.0), (1, 2, 3)):
+        _shift(model, s, layers, amount, batch)
+    sent = [round_values(s) for _, s in peers]
+    # on the wire: a layer a peer did not send is zeros, and its flag 0 (the flags are the last buffer)
+    assert sent[0][-1].tolist() == [1, 0, 0, 0, 0, 0] and torch.all(sent[0][2] == 0)
+    assert sent[1][-1].tolist() == [0, 0, 1, 0, 0, 0] and torch.all(sent[1][0] == 0)
+    assert sent[2][-1].tolist() == [1, 0, 1, 0, 0, 0]
+    ys = [[p.detach().clone() for p in model.parameters()] for model, _ in peers]
+    average_in_process([s for _, s in peers])
+    layer0 = (1 * ys[0][0] + 3 * ys[2][0]) / 4  # senders 0 and 2, weighted by samples 1 and 3
+    layer1 = (2 * ys[1][2] + 3 * ys[2][2]) / 5  # senders 1 and 2
+    for model, _ in peers:
+        params = list(model.parameters())
+        torch.testing.assert_close(params[0].detach(), layer0)
+        torch.testing.assert_close(params[2].detach(), layer1)
+        torch.testing.assert_close(params[4].detach(), start[4])  # no member moved the last layer: kept as it was
+
+
+def test_a_layer_below_the_threshold_stays_local_and_the_next_round_measures_from_the_average():
+    (m1, s1), (m2, s2) = _drift_peer(threshold=0.5), _drift_peer(threshold=0.5)
+    _shift(m1, s1, [0], 1e-3, 1)  # a tiny drift: not sent
+    _shift(m2, s2, [0], 10.0, 1)
+    small = m1[0].weight.detach().clone()
+    average_in_process([s1, s2])
+    torch.testing.assert_close(m1[0].weight.detach(), m2[0].weight.detach())  # the only sender's values
+    assert not torch.equal(m1[0].weight.detach(), small)
+    assert s1.select.flags() == [0.0] * 6  # the round's result is the next round's start
+
+
+def test_drifted_layers_refuses_peer_dp_and_bad_thresholds():
+    with pytest.raises(ValueError, match="privatise"):
+        swarm_opt.LocalUpdates(select=swarm_opt.DriftedLayers(), peer_dp=swarm_opt.PeerDP(noise_multiplier=1, clip=1))
+    with pytest.raises(ValueError, match="threshold"):
+        swarm_opt.DriftedLayers(-1)
+    with pytest.raises(TypeError, match="DriftedLayers"):
+        swarm_opt.LocalUpdates(select=0.1)

@@ -95,7 +95,9 @@ class AuxiliaryPeer:
         # the strategy says what a round averages (its shapes); a zero-lr optimizer binds it without training
         strategy.bind(params, torch.optim.SGD(params, lr=0.0))
         self.run_id = run_id
-        self.model_schema = model_schema(params, strategy.name)
+        personal = {id(p) for p in strategy.personal_parameters()}
+        self.model_schema = model_schema(params, strategy.name,
+                                         kept=[i for i, p in enumerate(params) if id(p) in personal])
         # the ETA a trainer's tracker sees (samples extrapolated since each record), so that the helper declares for
         # the trainers' deadline
         self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema,

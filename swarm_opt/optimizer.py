@@ -162,7 +162,7 @@ class Optimizer(torch.optim.Optimizer):
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
-        self.model_schema = model_schema(self._params, strategy.name)
+        self.model_schema = model_schema(self._params, strategy.name, kept=sorted(self._personal_indices()))
 
         access = run_access(dht, progress_key(run_id))
         tracker = tracker or TrackerConfig()
@@ -679,9 +679,12 @@ def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_r
     return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
 
 
-def model_schema(params: List[torch.Tensor], strategy_name: str) -> str:
-    """What peers must share to average together: the strategy and every parameter's shape and dtype."""
+def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = ()) -> str:
+    """What peers must share to average together: the strategy, every parameter's shape and dtype, and which of them
+    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average)."""
     description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    if kept:
+        description += ";kept:" + ",".join(map(str, kept))
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 

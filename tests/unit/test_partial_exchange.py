@@ -140,3 +140,11 @@ def test_drifted_layers_refuses_peer_dp_and_bad_thresholds():
         swarm_opt.DriftedLayers(-1)
     with pytest.raises(TypeError, match="DriftedLayers"):
         swarm_opt.LocalUpdates(select=0.1)
+
+
+def test_peers_keeping_different_parameters_have_different_model_schemas():
+    from swarm_opt.optimizer import model_schema
+
+    params = list(_model(0).parameters())
+    assert model_schema(params, "local") == model_schema(params, "local", kept=())
+    assert model_schema(params, "local", kept=[2, 3]) != model_schema(params, "local", kept=[4, 5])

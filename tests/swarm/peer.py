@@ -318,7 +318,9 @@ def run_lsq(cfg: dict, opt, model) -> None:
                                clip=None if peer_dp is None else peer_dp.clip,
                                mu=getattr(opt.strategy, "mu", None), own_loss=sum(losses) / max(len(losses), 1),
                                schedule=None if adaptive is None else adaptive.state()))
-            steps_in_round, losses = 0, []
+            steps_in_round = 0
+            if not last.caught_up:  # a peer that skipped epochs averages its steps (and losses) at its next round
+                losses = []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights()))
 

@@ -146,7 +146,6 @@ def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_wh
 
 
 @pytest.mark.extended
-@pytest.mark.extended
 def test_adaptive_fedprox_moves_mu_identically_on_every_peer_from_the_swarms_mean_loss(swarm, tmp_path):
     """Three FedProx(adaptive=AdaptiveMu()) peers report their losses: each committed round carries the
     samples-weighted mean of its members' losses, and every member ends it with the same μ schedule, the one
@@ -166,7 +165,9 @@ def test_adaptive_fedprox_moves_mu_identically_on_every_peer_from_the_swarms_mea
             continue  # two groups of one size at one epoch, or a member missing: not one group to check
         rounds = [rnd for rnd, _ in members]
         assert len({str(rnd["schedule"]) for rnd in rounds}) == 1, (epoch, rounds)  # one schedule, one μ
-        mean = sum(rnd["own_loss"] * rnd["samples"] for rnd in rounds) / sum(rnd["samples"] for rnd in rounds)
+        # each member's mean loss over the steps its round averages, weighted as the round weighs it (its samples
+        # since its last committed round: a member that skipped epochs brings the steps before them too)
+        mean = sum(rnd["own_loss"] * rnd["weight"] for rnd in rounds) / sum(rnd["weight"] for rnd in rounds)
         after = rounds[0]["schedule"]
         assert after["previous_loss"] == pytest.approx(mean, rel=1e-5), (epoch, rounds)
         reference = AdaptiveMu(delta=0.1, patience=2)

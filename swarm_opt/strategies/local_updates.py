@@ -167,7 +167,7 @@ class LocalUpdates(Strategy):
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if self.peer_dp is None and self.select is None and type(self) is LocalUpdates:
+        if self.peer_dp is None and self.select is None and type(self).checked_state is LocalUpdates.checked_state:
             super().load_state_dict(state)  # no state: anything else is refused
             return
         self.checked_state(state)()

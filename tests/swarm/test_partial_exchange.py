@@ -4,6 +4,8 @@ the state it serves to downloading peers; the shared layers end each round as th
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -19,9 +21,10 @@ def test_a_personal_head_stays_on_its_peer_and_shared_layers_are_the_mean_of_wha
     swarm.wait(timeout=180)
     results = [swarm.result(rank) for rank in range(PEERS)]
     shared_shapes = [(32, 16), (32,)]  # the MLP's first layer; its head (2.weight: 4x32, 2.bias: 4) stays local
+    # (under heavy load a peer may see no other within peer.py's 30 s wait and train alone: a round alone sends nothing)
+    assert sum(bool(r["sent"]) for r in results) >= 2, swarm.round_events()
     for r in results:
         assert r["epoch"] == 4, swarm.round_events()
-        assert r["sent"], "the peer never averaged"
         for _, buffers in r["sent"].values():
             assert [tuple(b.shape) for b in buffers] == shared_shapes
         # the state it serves: zeros in the head's place, and no optimizer state (momentum) of the head
@@ -29,12 +32,14 @@ def test_a_personal_head_stays_on_its_peer_and_shared_layers_are_the_mean_of_wha
         assert served[2].abs().max() == 0 and served[3].abs().max() == 0
         torch.testing.assert_close(served[0], r["params"][0])
         assert r["served"]["optimizer_keys"] == [0, 1] and r["served"]["own_optimizer_keys"] == [0, 1, 2, 3]
+    groups = defaultdict(list)  # (epoch, group size) -> the peers that committed that round in such a group
+    for r in results:
+        for rep in r["reports"]:
+            if not rep["caught_up"] and rep["group_size"] > 1:
+                groups[rep["epoch"], rep["group_size"]].append(r)
     checked = 0
-    for epoch in range(1, 5):
-        members = [r for r in results
-                   if any(rep["epoch"] == epoch and not rep["caught_up"] for rep in r["reports"])]
-        sizes = {rep["group_size"] for r in members for rep in r["reports"] if rep["epoch"] == epoch}
-        if not members or sizes != {len(members)}:
+    for (epoch, size), members in sorted(groups.items(), key=lambda item: item[0]):
+        if len(members) != size:
             continue  # a member's report is missing (it failed its side of the round): nothing to compare
         total = sum(r["sent"][epoch][0] for r in members)
         for layer in range(2):

@@ -35,12 +35,17 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.strategies import (
+        AdaptiveClip,
+        AdaptiveMu,
         DiLoCo,
+        DriftedLayers,
         FedNova,
         FedProx,
         GradientAveraging,
+        KeepLocal,
         LocalUpdates,
         Overlap,
+        PeerDP,
         Scaffold,
         Strategy,
         WorkerMomentum,
@@ -63,8 +68,9 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.compression.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
-    **dict.fromkeys(("DiLoCo", "FedNova", "FedProx", "GradientAveraging", "LocalUpdates", "Overlap", "Scaffold",
-                     "Strategy", "WorkerMomentum"), "swarm_opt.strategies"),
+    **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "DriftedLayers", "FedNova", "FedProx",
+                     "GradientAveraging", "KeepLocal", "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy",
+                     "WorkerMomentum"), "swarm_opt.strategies"),
 }
 
 
@@ -98,6 +104,11 @@ __all__ = [
     "WorkerMomentum",
     "LocalUpdates",
     "FedProx",
+    "AdaptiveMu",
+    "KeepLocal",
+    "DriftedLayers",
+    "PeerDP",
+    "AdaptiveClip",
     "Scaffold",
     "DiLoCo",
     "FedNova",

@@ -35,7 +35,7 @@ from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
-from swarm_opt.optimizer import averaging_prefix, model_schema
+from swarm_opt.optimizer import averaging_prefix, strategy_schema
 from swarm_opt.progress import progress_key
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
@@ -95,7 +95,7 @@ class AuxiliaryPeer:
         # the strategy says what a round averages (its shapes); a zero-lr optimizer binds it without training
         strategy.bind(params, torch.optim.SGD(params, lr=0.0))
         self.run_id = run_id
-        self.model_schema = model_schema(params, strategy.name + strategy.variant)
+        self.model_schema = strategy_schema(params, strategy)
         # the ETA a trainer's tracker sees (samples extrapolated since each record), so that the helper declares for
         # the trainers' deadline
         self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema,

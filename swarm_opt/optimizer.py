@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import random
 import threading
 import time
@@ -164,7 +165,7 @@ class Optimizer(torch.optim.Optimizer):
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
-        self.model_schema = model_schema(self._params, strategy.name + strategy.variant)
+        self.model_schema = strategy_schema(self._params, strategy)
 
         access = run_access(dht, progress_key(run_id))
         tracker = tracker or TrackerConfig()
@@ -208,8 +209,10 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def progress(self) -> SwarmProgress:
-        """The swarm's progress as this peer sees it (no network call)."""
-        return self._tracker.progress
+        """The swarm's progress as this peer sees it (no network call); with ``privacy=``, ``epsilon`` is the privacy
+        this peer spent so far (Opacus's accountant)."""
+        progress = self._tracker.progress
+        return progress if self.privacy is None else replace(progress, epsilon=self.privacy.epsilon())
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")
@@ -236,7 +239,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         batch_size = self._resolve_batch_size(batch_size)
         if loss is not None:
-            self._loss_sum, self._loss_count = self._loss_sum + float(loss.detach()), self._loss_count + 1
+            self.report_loss(loss)
 
         with torch.no_grad(), self._state_lock:
             if self._offload is not None:
@@ -264,6 +267,22 @@ class Optimizer(torch.optim.Optimizer):
         self._push_offloaded()
         self._step_returned = time.monotonic()
         return loss
+
+    def report_loss(self, loss: Union[float, torch.Tensor]) -> None:
+        """This step's training loss, for a loop that does not pass ``step(closure)`` (which reports it itself): call
+        it once per step, before ``step()``. Each round's log line shows the mean, and strategies that adapt to the
+        loss average it with the round (``FedProx(adaptive=AdaptiveMu())``). A non-finite loss is ignored."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ConfigError(f"report_loss takes a scalar loss, got a tensor of shape {tuple(loss.shape)}")
+            loss = loss.detach().item()
+        if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+            raise ConfigTypeError(f"report_loss takes a number or a one-element tensor, got {type(loss).__name__}")
+        if not math.isfinite(loss):
+            return
+        with self._state_lock:
+            self._loss_sum, self._loss_count = self._loss_sum + float(loss), self._loss_count + 1
+            self.strategy.observe_loss(float(loss))
 
     def _note_step_period(self) -> None:
         """How long the training loop computes between two steps (a moving average): groupmates wait about twice
@@ -436,7 +455,11 @@ class Optimizer(torch.optim.Optimizer):
     def _shareable_state(self):
         """Called by hivemind when a peer downloads our state: a consistent snapshot, copied under the lock."""
         with self._state_lock:
-            skeleton, tensors = flatten({"params": list(self._params), "optimizer": self.state_dict()})
+            personal = self._personal_indices()  # they never leave this peer: zeros, and no optimizer state
+            optimizer = self.state_dict()
+            optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k not in personal}
+            params = [torch.zeros_like(p) if i in personal else p for i, p in enumerate(self._params)]
+            skeleton, tensors = flatten({"params": params, "optimizer": optimizer})
             tensors = [t.detach().to("cpu", copy=True) for t in tensors]
             metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
                         "skeleton": skeleton}
@@ -473,8 +496,16 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             backup = [p.detach().clone() for p in self._params]
             try:
-                for p, new in zip(self._params, params):
-                    p.copy_(new)
+                personal = self._personal_indices()  # the donor sent none of its own: we keep ours, and their state
+                for i, (p, new) in enumerate(zip(self._params, params)):
+                    if i not in personal:
+                        p.copy_(new)
+                if personal and isinstance(state["optimizer"], dict) and isinstance(state["optimizer"].get("state"),
+                                                                                     dict):
+                    own = self.inner.state_dict()["state"]
+                    state["optimizer"]["state"] = {**{k: v for k, v in state["optimizer"]["state"].items()
+                                                      if k not in personal},
+                                                   **{k: v for k, v in own.items() if k in personal}}
                 self.load_state_dict(state["optimizer"])
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
@@ -489,6 +520,11 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.offer_state(self._epoch)
         self._push_offloaded()
         return epoch
+
+    def _personal_indices(self) -> set:
+        """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave
+        this peer (``Strategy.personal_parameters``)."""
+        return personal_indices(self._params, self.strategy)
 
     def _params_digest(self) -> Optional[List[float]]:
         """What a newcomer compares a downloaded state with (None where peers at an epoch hold different parameters):
@@ -657,10 +693,26 @@ def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_r
     return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
 
 
-def model_schema(params: List[torch.Tensor], strategy_name: str) -> str:
-    """What peers must share to average together: the strategy and every parameter's shape and dtype."""
+def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = ()) -> str:
+    """What peers must share to average together: the strategy, every parameter's shape and dtype, and which of them
+    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average)."""
     description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    if kept:
+        description += ";kept:" + ",".join(map(str, kept))
     return hashlib.sha256(description.encode()).hexdigest()[:32]
+
+
+def personal_indices(params: Sequence[torch.Tensor], strategy: Strategy) -> set:
+    """Positions in ``params`` of the parameters ``strategy`` keeps on this peer (``Strategy.personal_parameters``)."""
+    personal = {id(p) for p in strategy.personal_parameters()}
+    return {i for i, p in enumerate(params) if id(p) in personal}
+
+
+def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy) -> str:
+    """``model_schema`` of ``params`` trained by ``strategy``: its name and the options that change what peers
+    exchange (``Strategy.variant``), and the parameters it keeps local."""
+    return model_schema(list(params), strategy.name + strategy.variant,
+                        kept=sorted(personal_indices(params, strategy)))
 
 
 def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:

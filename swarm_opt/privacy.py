@@ -27,10 +27,10 @@ coming back from groupmates are post-processing of *their* private steps. Per st
   Sound. (The controls then carry the DP noise of the steps they summarise; that is variance, not a leak.) Opacus's
   ``BatchMemoryManager`` is not supported with it: its skipped virtual steps would count as completed steps.
 * ``DiLoCo``: DP-SGD inner steps; the outer step applies ``x − mean(y_i)``, post-processing. Sound.
-* ``FedProx(mu > 0)``: refused. Its proximal term is added to ``p.grad`` before the inner step, but Opacus's
-  ``DPOptimizer`` replaces ``p.grad`` with the clipped, noised per-sample gradients: the term would be dropped without
-  a word (privacy intact, algorithm silently FedAvg). Adding it after the noise would be sound (it does not read the
-  data) but is FedProx's to do.
+* ``FedProx(mu > 0)`` and ``FedProx(adaptive=...)`` (whose μ grows): refused. Its proximal term is added to
+  ``p.grad`` before the inner step, but Opacus's ``DPOptimizer`` replaces ``p.grad`` with the clipped, noised
+  per-sample gradients: the term would be dropped without a word (privacy intact, algorithm silently FedAvg).
+  Adding it after the noise would be sound (it does not read the data) but is FedProx's to do.
 * ``GradientAveraging`` (with or without ``Overlap``): refused. It averages the raw ``p.grad`` accumulated over the
   round's local steps and calls the inner step once per round, after the exchange: the gradients that leave the peer
   are neither clipped nor noised, and the round's DP step would use the per-sample gradients of the last micro-batch
@@ -127,9 +127,10 @@ class OpacusPrivacy:
                 "GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "
                 "step only afterwards, so nothing it sends is clipped or noised: use strategy=swarm_opt.LocalUpdates()"
                 " (FedAvg), Scaffold() or DiLoCo(...), whose local steps are DP-SGD steps")
-        if isinstance(strategy, FedProx) and strategy.mu > 0:
+        if isinstance(strategy, FedProx) and (strategy.mu > 0 or strategy.adaptive is not None):
             raise ConfigError(
-                f"FedProx(mu={strategy.mu:g}) adds its proximal term to p.grad, which Opacus's DPOptimizer replaces "
+                f"FedProx(mu={strategy.mu:g}{', adaptive=...' if strategy.adaptive is not None else ''}) adds its "
+                f"proximal term to p.grad, which Opacus's DPOptimizer replaces "
                 f"with the noised per-sample gradients: the term would be silently dropped. Use "
                 f"strategy=swarm_opt.LocalUpdates() or Scaffold() with DP")
         if type(strategy) not in (LocalUpdates, FedProx, Scaffold, DiLoCo):

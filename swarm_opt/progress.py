@@ -98,7 +98,9 @@ def progress_validators(run_id: str) -> list:
 
 @dataclass(frozen=True)
 class SwarmProgress:
-    """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch)."""
+    """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch).
+    ``epsilon``: the privacy this peer spent so far, ε at its ``OpacusPrivacy``'s δ (``Optimizer.progress`` only;
+    ``None`` without ``privacy=``)."""
 
     epoch: int
     samples_accumulated: int
@@ -108,6 +110,7 @@ class SwarmProgress:
     samples_per_second: float
     eta: float
     time: float
+    epsilon: Optional[float] = None
 
     @property
     def eta_seconds(self) -> float:

@@ -8,11 +8,14 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:
+    from swarm_opt.strategies.adaptive import AdaptiveMu
     from swarm_opt.strategies.base import Strategy
     from swarm_opt.strategies.diloco import DiLoCo
     from swarm_opt.strategies.fednova import FedNova
     from swarm_opt.strategies.grad_averaging import GradientAveraging, Overlap, WorkerMomentum
     from swarm_opt.strategies.local_updates import Anchored, FedProx, LocalUpdates
+    from swarm_opt.strategies.partial import DriftedLayers, KeepLocal
+    from swarm_opt.strategies.peer_dp import AdaptiveClip, PeerDP
     from swarm_opt.strategies.scaffold import Scaffold
 
 STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUpdates", "fedprox": "FedProx",
@@ -20,7 +23,8 @@ STRATEGY_NAMES: Dict[str, str] = {"grad": "GradientAveraging", "local": "LocalUp
 _MODULES = {"Strategy": "base", "GradientAveraging": "grad_averaging", "Overlap": "grad_averaging",
             "WorkerMomentum": "grad_averaging",
             "LocalUpdates": "local_updates", "FedProx": "local_updates", "Anchored": "local_updates",
-            "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova"}
+            "Scaffold": "scaffold", "DiLoCo": "diloco", "FedNova": "fednova", "AdaptiveMu": "adaptive",
+            "KeepLocal": "partial", "DriftedLayers": "partial", "PeerDP": "peer_dp", "AdaptiveClip": "peer_dp"}
 
 
 def __getattr__(name: str) -> Any:
@@ -37,4 +41,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["Strategy", "STRATEGIES", "STRATEGY_NAMES", "GradientAveraging", "Overlap", "WorkerMomentum", "LocalUpdates",
-           "FedProx", "Anchored", "Scaffold", "DiLoCo", "FedNova"]
+           "FedProx", "Anchored", "Scaffold", "DiLoCo", "FedNova", "AdaptiveMu", "KeepLocal", "DriftedLayers", "PeerDP",
+           "AdaptiveClip"]

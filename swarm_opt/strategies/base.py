@@ -72,6 +72,17 @@ class Strategy(ABC):
         live state (``write_round`` / ``apply_round``), so local steps wait until it ended."""
         return LiveRound(self)
 
+    def personal_parameters(self) -> List[torch.Tensor]:
+        """Parameters that never leave this peer (``exchange=KeepLocal(...)``): the optimizer serves neither them nor
+        their inner-optimizer state to peers downloading its state, and keeps its own when it downloads. Default:
+        none."""
+        return []
+
+    def observe_loss(self, loss: float) -> None:
+        """The training loss of a local step (``Optimizer.step(closure)``'s, or ``Optimizer.report_loss``), finite.
+        Default: ignored; strategies that adapt to the loss (``FedProx(adaptive=AdaptiveMu())``) override it."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Forget local progress of the current round (after the peer caught up by downloading the swarm's state)."""

@@ -20,9 +20,13 @@ from swarm_opt.simulation import average_in_process, round_values
 
 @dataclass(frozen=True)
 class StrategyInfo:
-    make: Callable[[], swarm_opt.Strategy]
+    make: Callable[..., swarm_opt.Strategy]  # make() or, with needs_model, make(model)
     inner: Callable = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     bad_arguments: tuple = ()  # (callable that must raise, exception type, message regex)
+    needs_model: bool = False  # make takes the model (KeepLocal names its parameters)
+
+    def build(self, model: torch.nn.Module) -> swarm_opt.Strategy:
+        return self.make(model) if self.needs_model else self.make()
 
 
 def _outer(p):
@@ -48,6 +52,33 @@ STRATEGIES = {
     "fedprox": StrategyInfo(
         lambda: swarm_opt.FedProx(mu=0.1),
         bad_arguments=((lambda: swarm_opt.FedProx(mu=-1), ValueError, "non-negative"),)),
+    "local+keep_local": StrategyInfo(  # FedPer: the last layer stays on each peer
+        lambda model: swarm_opt.LocalUpdates(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2."))),
+        needs_model=True,
+        bad_arguments=((lambda: swarm_opt.LocalUpdates(exchange=lambda n, m: True), TypeError, "KeepLocal"),
+                       (lambda: swarm_opt.KeepLocal(torch.nn.Linear(2, 2), "bias"), TypeError, "function"))),
+    "local+drifted": StrategyInfo(
+        lambda: swarm_opt.LocalUpdates(select=swarm_opt.DriftedLayers(0.0),
+                                       average_optimizer_state=("momentum_buffer",)),
+        bad_arguments=((lambda: swarm_opt.DriftedLayers(threshold="0.1"), ValueError, "threshold"),)),
+    "local+peer_dp": StrategyInfo(  # without noise (random: a peer and its twin would send different values)
+        lambda: swarm_opt.LocalUpdates(peer_dp=swarm_opt.PeerDP(
+            noise_multiplier=0.0, clip=swarm_opt.AdaptiveClip(0.5, target_quantile=0.5), split=3)),
+        bad_arguments=((lambda: swarm_opt.PeerDP(noise_multiplier=1.0, clip=0), TypeError, "positive"),
+                       (lambda: swarm_opt.AdaptiveClip(1.0, target_quantile=2), ValueError, "target_quantile"),
+                       (lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",),
+                                                       peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0)),
+                        ValueError, "average_optimizer_state"))),
+    "fedprox+keep_local_peer_dp_adaptive": StrategyInfo(  # every option at once: their round slots must not clash
+        lambda model: swarm_opt.FedProx(
+            mu=0.1, adaptive=swarm_opt.AdaptiveMu(patience=2),
+            exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("0.")),
+            peer_dp=swarm_opt.PeerDP(noise_multiplier=0.0, clip=swarm_opt.AdaptiveClip(1.0))),
+        needs_model=True),
+    "fedprox+adaptive": StrategyInfo(
+        lambda: swarm_opt.FedProx(mu=0.1, adaptive=swarm_opt.AdaptiveMu(delta=0.05, patience=2)),
+        bad_arguments=((lambda: swarm_opt.FedProx(adaptive=0.1), TypeError, "AdaptiveMu"),
+                       (lambda: swarm_opt.AdaptiveMu(patience=1.5), ValueError, "patience"))),
     "scaffold": StrategyInfo(
         swarm_opt.Scaffold,
         bad_arguments=((lambda: swarm_opt.Scaffold().bind([torch.nn.Parameter(torch.zeros(1))],
@@ -68,7 +99,7 @@ class Peer:
         torch.manual_seed(0)
         self.model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
         self.inner = info.inner(list(self.model.parameters()))
-        self.strategy = info.make()
+        self.strategy = info.build(self.model)
         self.strategy.bind(list(self.model.parameters()), self.inner)
         self.g = torch.Generator().manual_seed(seed)
 
@@ -76,8 +107,10 @@ class Peer:
         for _ in range(steps):
             x = torch.randn(8, 4, generator=self.g)
             self.inner.zero_grad()
-            (self.model(x) - x[:, :2] * (1 + self.g.initial_seed() % 3)).pow(2).mean().backward()
+            loss = (self.model(x) - x[:, :2] * (1 + self.g.initial_seed() % 3)).pow(2).mean()
+            loss.backward()
             with torch.no_grad():
+                self.strategy.observe_loss(float(loss))
                 assert self.strategy.local_step(8)
 
     def snapshot(self) -> List[torch.Tensor]:
@@ -90,7 +123,7 @@ names = pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_registered_strategy_has_an_entry_under_its_name():
     assert {name.split("+")[0] for name in STRATEGIES} == set(swarm_opt.strategies.STRATEGIES)
     for name, info in STRATEGIES.items():
-        strategy = info.make()
+        strategy = info.build(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2)))
         assert isinstance(strategy, swarm_opt.strategies.STRATEGIES[name.split("+")[0]])
         assert strategy.name == name.split("+")[0]
 
@@ -109,9 +142,13 @@ def test_rounds_keep_peers_finite_and_in_sync(name):
         for p in peers:
             p.train(3)
         average_in_process([p.strategy for p in peers])
-    for a, b in zip(peers[0].snapshot(), peers[1].snapshot()):
+    personal = {id(p) for p in peers[0].strategy.personal_parameters()}
+    for param, a, b in zip(peers[0].model.parameters(), peers[0].snapshot(), peers[1].snapshot()):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
+        if id(param) in personal:  # KeepLocal: each peer's own, trained on its own data
+            assert not torch.allclose(a, b)
+        else:
+            torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
 
 
 @names
@@ -202,9 +239,11 @@ def test_state_dict_round_trips_and_a_late_joiner_gets_consistent_state(name):
     joiner.strategy.reset()  # what the optimizer does after downloading the swarm's state
     joiner.train(2)
     average_in_process([joiner.strategy, donor.strategy])
-    for a, b in zip(joiner.snapshot(), donor.snapshot()):
+    personal = {id(p) for p in joiner.strategy.personal_parameters()}  # KeepLocal's stay each peer's own
+    for param, a, b in zip(joiner.model.parameters(), joiner.snapshot(), donor.snapshot()):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b)
+        if id(param) not in personal:
+            torch.testing.assert_close(a, b)
     with pytest.raises((ValueError, KeyError, TypeError)):
         joiner.strategy.load_state_dict({"anchor": [torch.zeros(1)], "controls": [], "lr_sums": [], "outer": {}}
                                         if state else {"unexpected": 1})

@@ -69,7 +69,7 @@ def main(config_path: str) -> None:
             if opt.last_round is not last:
                 last = opt.last_round
                 rounds.append(dict(epoch=opt.local_epoch, group_size=last.group_size, steps=steps,
-                                   epsilon=privacy.epsilon(),
+                                   epsilon=opt.progress.epsilon,  # Optimizer.progress reports it
                                    params=[p.detach().clone() for p in model.parameters()]))
             time.sleep(0.02)
             if opt.local_epoch >= cfg["epochs"]:

@@ -58,15 +58,20 @@ def lsq_optimum(ranks) -> torch.Tensor:
     return torch.linalg.solve(sum(a.T @ a for a, _ in problems), sum(a.T @ b for a, b in problems))
 
 
-def make_strategy(name: str):
+def make_strategy(name: str, model=None):
     import swarm_opt
 
+    if name == "local_keep_head":  # FedPer: the MLP's last layer ("2.") stays on each peer
+        return swarm_opt.LocalUpdates(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2.")))
     return {
         "grad": swarm_opt.GradientAveraging,
         "grad_overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
         "grad_momentum": lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)),
         "local": swarm_opt.LocalUpdates, "scaffold": swarm_opt.Scaffold, "fednova": swarm_opt.FedNova,
         "fedprox": lambda: swarm_opt.FedProx(mu=0.01),
+        "local_peer_dp": lambda: swarm_opt.LocalUpdates(peer_dp=swarm_opt.PeerDP(
+            noise_multiplier=0.01, clip=swarm_opt.AdaptiveClip(0.05, target_quantile=0.5), split=3)),
+        "fedprox_adaptive": lambda: swarm_opt.FedProx(mu=1.0, adaptive=swarm_opt.AdaptiveMu(delta=0.1, patience=2)),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
     }[name]()
@@ -86,6 +91,9 @@ def claim(path: str) -> bool:
         return False
 
 
+SENT: dict = {}  # round id -> (weight, the buffers this peer wrote), with config record_sent
+
+
 def install_fault(cfg: dict) -> None:
     """Fault injection at a precise phase (as torchft's EventInjector), patched into the classes before the
     averager process forks, so that it acts inside hivemind's averager process.
@@ -103,6 +111,19 @@ def install_fault(cfg: dict) -> None:
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor.
     * ``lie_in_reduce``: a lying reducer: every mean it reduces for its groupmates is sent with this offset added
       (the same wrong values to every member; its own share is not changed)."""
+    if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
+        from swarm_opt._hivemind.averager import TensorAverager
+
+        original_all_reduce = TensorAverager.all_reduce
+
+        @functools.wraps(original_all_reduce)
+        def all_reduce(self, write, weight, round_id, *args, **kwargs):
+            def recording_write(buffers):
+                write(buffers)
+                SENT[round_id] = (float(weight), [b.detach().clone() for b in buffers])  # the last try's values
+            return original_all_reduce(self, recording_write, weight, round_id, *args, **kwargs)
+
+        TensorAverager.all_reduce = all_reduce
     if cfg.get("bug_in_write"):
         from swarm_opt._hivemind.averager import TensorAverager
 
@@ -246,7 +267,7 @@ def main(config_path: str) -> None:
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
-        strategy=make_strategy(cfg.get("strategy", "grad")),
+        strategy=make_strategy(cfg.get("strategy", "grad"), model),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
@@ -290,22 +311,31 @@ def run_lsq(cfg: dict, opt, model) -> None:
     outputs = cfg.get("lsq_outputs", 1)
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
     weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
-    rounds, last, steps_in_round = [], None, 0
+    rounds, last, steps_in_round, losses = [], None, 0, []
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
-        (0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()).backward()
+        loss = 0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()
+        loss.backward()
         if steps_in_round >= steps_per_round:
             model.weight.grad.fill_(float("nan"))
         else:
             steps_in_round += 1
+            opt.report_loss(loss)
+            losses.append(float(loss.detach()))
         opt.step()
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
-            rounds.append(dict(last.__dict__, w=weights(),
-                               d=None if controls is None else controls[0].clone()[0]))
+            adaptive = getattr(opt.strategy, "adaptive", None)  # FedProx(adaptive=...): mu and the group's loss
+            peer_dp = getattr(opt.strategy, "peer_dp", None)
+            rounds.append(dict(last.__dict__, w=weights(), d=None if controls is None else controls[0].clone()[0],
+                               clip=None if peer_dp is None else peer_dp.clip,
+                               mu=getattr(opt.strategy, "mu", None), own_loss=sum(losses) / max(len(losses), 1),
+                               schedule=None if adaptive is None else adaptive.state()))
             steps_in_round = 0
+            if not last.caught_up:  # a peer that skipped epochs averages its steps (and losses) at its next round
+                losses = []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights(),
                    lane_rounds=opt._averager.lane_rounds))
@@ -317,7 +347,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
-    last_report, resources = None, {}
+    last_report, resources, after = None, {}, {}
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
@@ -353,6 +383,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                 discarded_versions[last_report.epoch] = [v for _, v in pending]
                 pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
+            if cfg.get("record_sent"):
+                after[last_report.epoch] = [p.detach().clone() for p in model.parameters()]
             if cfg.get("count_resources"):  # the averager process's (the lane lives there) and ours, per epoch
                 resources[opt.local_epoch] = dict(averager=_resources(opt._averager._engine.pid),
                                                   host=_resources(os.getpid()))
@@ -361,7 +393,16 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
             if opt.local_epoch >= cfg.get("arm_at_epoch", float("inf")):
                 open(cfg["out"] + ".arm", "w").close()
         time.sleep(cfg.get("step_sleep", 0.01))
-    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, discarded=discarded, versions=versions,
+    served = None
+    if cfg.get("record_sent"):  # what this peer would serve a peer downloading its state
+        from swarm_opt.serialization import unflatten
+
+        metadata, tensors = opt._shareable_state()
+        state = unflatten(metadata["skeleton"], list(tensors))
+        served = dict(params=state["params"], optimizer_keys=sorted(state["optimizer"]["state"]),
+                      own_optimizer_keys=sorted(opt.state_dict()["state"]))
+    save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
+                   discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
                    peer_id=str(opt._averager.peer_id)))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from swarm_opt.simulation import average_in_process
-from swarm_opt.strategies import FedNova, LocalUpdates, Scaffold
+from swarm_opt.strategies import AdaptiveMu, FedNova, LocalUpdates, Scaffold
 from tests.swarm.peer import lsq_optimum, lsq_problem
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -147,6 +147,65 @@ def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_wh
     for r in results:
         torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
     assert (expected - _simulate(LocalUpdates, range(4), rounds=6, steps=steps, history=history)).norm() > 1e-2
+
+
+@pytest.mark.extended
+def test_adaptive_fedprox_moves_mu_identically_on_every_peer_from_the_swarms_mean_loss(swarm, tmp_path):
+    """Three FedProx(adaptive=AdaptiveMu()) peers report their losses: each committed round carries the
+    samples-weighted mean of its members' losses, and every member ends it with the same μ schedule, the one
+    FL4Health's rule gives from the members' schedules before the round and that loss."""
+    results = run_swarm(swarm, "fedprox_adaptive", n=3, target_batch_size=3 * 16 * 5, epochs=6, lsq_lr=0.02)
+    start = {"mu": 1.0, "previous_loss": None, "streak": 0}
+    groups = defaultdict(list)  # (epoch, group size) -> each member's (round, its schedule before the round)
+    for r in results:
+        before = start
+        for rnd in r["rounds"]:
+            if not rnd["caught_up"]:
+                groups[rnd["epoch"], rnd["group_size"]].append((rnd, before))
+            before = rnd["schedule"]  # a peer that skipped epochs kept its own schedule
+    checked, mus = 0, []
+    for (epoch, size), members in sorted(groups.items()):
+        if len(members) != size:
+            continue  # two groups of one size at one epoch, or a member missing: not one group to check
+        rounds = [rnd for rnd, _ in members]
+        assert len({str(rnd["schedule"]) for rnd in rounds}) == 1, (epoch, rounds)  # one schedule, one μ
+        # each member's mean loss over the steps its round averages, weighted as the round weighs it (its samples
+        # since its last committed round: a member that skipped epochs brings the steps before them too)
+        mean = sum(rnd["own_loss"] * rnd["weight"] for rnd in rounds) / sum(rnd["weight"] for rnd in rounds)
+        after = rounds[0]["schedule"]
+        assert after["previous_loss"] == pytest.approx(mean, rel=1e-5), (epoch, rounds)
+        reference = AdaptiveMu(delta=0.1, patience=2)
+        views = [(rnd["weight"], before) for rnd, before in members]  # the round's weighted means of the views
+        total = sum(w for w, _ in views)
+        known = [(w, v["previous_loss"]) for w, v in views if v["previous_loss"] is not None]
+        group_view = {"loss": mean, "mu": sum(w * v["mu"] for w, v in views) / total,
+                      "streak": sum(w * v["streak"] for w, v in views) / total,
+                      "previous_loss": sum(w * p for w, p in known) / sum(w for w, _ in known) if known else None}
+        assert after["mu"] == pytest.approx(reference.update(group_view), abs=1e-6), (epoch, rounds)  # fp32 sums
+        mus.append(after["mu"])
+        checked += 1
+    assert checked >= 4 and min(mus) < 1.0, (checked, mus, swarm.round_events())  # the loss fell: μ came down
+
+
+@pytest.mark.extended
+def test_peer_level_dp_with_adaptive_clipping_keeps_every_member_on_one_model_and_one_clip_bound(swarm):
+    """Three PeerDP(AdaptiveClip) peers: each committed round leaves its members with the same parameters (the mean
+    of their clipped, noised updates) and the same clip bound, which moves every round."""
+    results = run_swarm(swarm, "local_peer_dp", n=3, target_batch_size=3 * 16 * 5, epochs=6, lsq_lr=0.02)
+    groups = defaultdict(list)
+    for r in results:
+        for rnd in r["rounds"]:
+            if not rnd["caught_up"]:
+                groups[rnd["epoch"], rnd["group_size"]].append(rnd)
+    clips = []
+    for (epoch, size), members in sorted(groups.items()):
+        if len(members) != size:
+            continue  # two groups of one size at one epoch (a peer that saw no other yet), or a report missing
+        assert len({m["clip"] for m in members}) == 1, (epoch, members)
+        for m in members[1:]:
+            assert torch.equal(m["w"], members[0]["w"]), epoch
+        clips.append(members[0]["clip"])
+    assert len(clips) >= 4 and len(set(clips)) == len(clips), clips  # every round moved C
 
 
 @pytest.mark.extended

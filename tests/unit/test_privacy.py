@@ -39,6 +39,7 @@ def _optimizer(strategy, inner, privacy):
     (swarm_opt.GradientAveraging(), "raw accumulated gradients"),
     (swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()), "raw accumulated gradients"),
     (swarm_opt.FedProx(mu=0.1), "silently dropped"),
+    (swarm_opt.FedProx(mu=0.0, adaptive=swarm_opt.AdaptiveMu()), "silently dropped"),  # its μ grows
 ])
 def test_strategies_that_would_send_un_noised_data_are_refused(strategy, message):
     engine, _, dp_sgd, _ = _private()

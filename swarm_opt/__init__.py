@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 from swarm_opt._logging import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
 from swarm_opt._logging import tame_hivemind_logging_when_imported
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig, TrustConfig
+from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
     ConfigError,
     ConfigTypeError,
@@ -116,6 +116,7 @@ __all__ = [
     "TrimmedMean",
     "CenteredClip",
     "SwarmConfig",
+    "Groups",
     "Timeouts",
     "TrackerConfig",
     "TrustConfig",

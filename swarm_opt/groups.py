@@ -72,9 +72,9 @@ class RoundPlan:
     cell: str = ""
 
     @property
-    def starts_cycle(self) -> bool:
-        """The first round of a pass over every dimension (every round of a one-dimensional grid)."""
-        return self.dimension == 0
+    def whole_swarm(self) -> bool:
+        """The round averages in one line holding every live peer (a one-dimensional grid: no partial groups)."""
+        return self.dims == 1
 
 
 #: the plan of a swarm averaged in one group (no grid)

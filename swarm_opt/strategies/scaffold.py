@@ -13,16 +13,16 @@ the rule of ALGORITHMS.md (re-centre when members or weights changed) applied ev
 tensor. ``Σ w_i d_i = 0`` then holds in every group after every round, a departed peer leaves no bias, and a peer
 that missed the round keeps its ``d``. A failed round or a round alone leaves ``d`` unchanged.
 
-**Moshpit groups** (``swarm_opt.groups``): a round averages in one line of the grid, along one dimension. Only the
-first round of each pass over the dimensions re-centres; the others send ``z_i`` alone, the K-GT form (Liu et al.,
-2023): ``d_i <- d_i + mean_w(z) - z_i``, which keeps each group's ``Σ w_i d_i`` as it was. Why: with stationary
-gradients ``g_i`` (so ``z_i = g_i + d_i``), re-centring gives ``d_i = mean_line(g) - g_i``, a correction toward the
-*line's* mean gradient only; the K-GT rounds then carry it on, ``d_i <- mean_line'(g) - g_i + mean_line'(d)``, and
-on a complete grid after a full pass ``d_i = mean(g) - g_i``: the swarm's correction, as with one group. Each
-re-centring round makes ``Σ w_i d_i = 0`` in every group, hence in the swarm (the groups partition it); each K-GT
-round keeps every group's sum, hence the swarm's: ``Σ w_i d_i = 0`` holds globally after every round (with equal
-weights; SCAFFOLD's are 1 per peer that stepped), per group only after re-centring rounds. Churn's bias (a departed
-peer's ``d``) is removed at the next pass. With one group every round starts a pass: the re-centred rule above.
+**Moshpit groups** (``swarm_opt.groups``): a round averages in one line of a grid, along one dimension, and lines
+hold different parameters between rounds. Such rounds send ``z_i`` alone and use the K-GT form (Liu et al., 2023),
+``d_i <- d_i + mean_w(z) - z_i``: each group keeps its ``Σ w_i d_i``, so the swarm's stays 0 (the groups partition
+the swarm). Re-centring on the line's mean instead would pull each control toward its *line's* mean gradient: at
+the optimum ``w*`` (``d_i = -g_i(w*)``) it would set ``d_i = mean_line(g(w*)) - g_i(w*)`` and move the peers away
+again. With K-GT the optimum is a fixed point (``z_i = 0`` there), and with stationary gradients a pass over the
+dimensions of a complete grid gives every peer the swarm's correction ``d_i = mean(g) - g_i``, as one group would.
+The price: ``Σ w_i d_i = 0`` holds per swarm, not per group, and churn is not re-centred: a peer that leaves takes
+its ``d_i`` with it and the swarm's sum drifts by it (a newcomer's ``d = 0`` adds nothing). One line (a swarm of
+at most ``Groups.size`` peers, or no groups) re-centres as above.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ class Scaffold(Anchored):
     name = "scaffold"
 
     def use_groups(self, groups: Groups) -> None:
-        """Accepted: the next round starts from the group's mean, and the controls follow the K-GT form across a
-        pass over the grid (module docstring)."""
+        """Accepted: the next round starts from the group's mean, and rounds in partial groups update the controls
+        in the K-GT form (module docstring)."""
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         # Opacus's DPOptimizer wraps an SGD and steps lr * the noised gradient (DP-SGD, swarm_opt.privacy)
@@ -94,8 +94,8 @@ class Scaffold(Anchored):
         return super().buffer_templates() + self.controls
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
-        """The parameters, then ``u_i = z_i - d_i`` (re-centring rounds) or ``z_i`` (the other rounds of a pass over
-        the grid's dimensions, see the module docstring)."""
+        """The parameters, then ``u_i = z_i - d_i`` (a round of the whole swarm) or ``z_i`` (a round in one line of a
+        Moshpit grid, see the module docstring)."""
         super().write_round(buffers)
         u_buffers = buffers[len(buffers) - len(self._d):]
         for u, (p, x, d, lr_sum) in zip(u_buffers, self._per_parameter()):
@@ -103,7 +103,7 @@ class Scaffold(Anchored):
                 torch.sub(x, p.detach().to(x.device), out=u).div_(lr_sum)  # z_i
             else:
                 u.zero_()  # no completed step this round: the peer did not move
-            if self.round_plan.starts_cycle:
+            if self.round_plan.whole_swarm:
                 u.sub_(d.to(u.device))
 
     def apply_round(self, result: AveragingResult) -> None:

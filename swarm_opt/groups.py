@@ -7,9 +7,11 @@ each other under one matchmaking key (``RoundPlan.cell``, hivemind's group bits)
 On a complete grid (``side ** dims`` peers, one per cell) ``dims`` consecutive rounds give every peer the exact
 mean of the swarm: after the round along dimension 0 every line holds its own mean, after the round along
 dimension 1 every plane holds the mean of its lines, and so on. Peers start at random coordinates (from their peer
-id); after a committed round each member of a group takes its rank in the group as its coordinate along the round's
-dimension, so that the members of one group land in different lines next round (hivemind's
-``GroupKeyManager.update_key_on_group_assembled`` does the same with its key bits) and lines fill evenly.
+id); after a committed round the members of a group take distinct random coordinates along the round's dimension
+(drawn alike by every member from the round and the members), so that they land in different lines next round
+(hivemind's ``GroupKeyManager.update_key_on_group_assembled`` does the same with its key bits) and lines fill
+evenly; a peer whose round failed (its line was short of peers) draws a new coordinate on its own, so that no peer
+stays stuck in a line that the others left.
 
 One code path for every swarm size: a swarm of at most ``size`` peers (or ``groups=None``) is a grid of one
 dimension, one line, the empty key: every peer in one group, as without groups.
@@ -89,7 +91,8 @@ class Grid:
 
     def __init__(self, size: Optional[int], seed: Any) -> None:
         self.size = size
-        rng = random.Random(_digest(seed))
+        self._seed = _digest(seed)
+        rng = random.Random(self._seed)
         self.coords = [rng.randrange(_COORDINATE_RANGE) for _ in range(_MAX_DIMS)]
         self._planned: Optional[Tuple[int, RoundPlan]] = None
 
@@ -116,13 +119,23 @@ class Grid:
         return RoundPlan(dimension, dims, side, format(cell, f"0{width}b"))
 
     def moved(self, plan: RoundPlan, peers: Sequence[Any], me: Any, round_id: int) -> None:
-        """After a committed round in group ``peers``: take this peer's rank in the group (in an order every member
-        draws alike from the round and the members) as its coordinate along the round's dimension."""
+        """After a committed round in group ``peers``: take distinct coordinates along the round's dimension, the
+        same draw on every member (seeded by the round and the members)."""
         if plan.dims == 1 or me not in peers:
             return
         salt = round_id.to_bytes(8, "little", signed=True)
         order = sorted(peers, key=lambda peer: hashlib.sha256(salt + _digest(peer)).digest())
-        self.coords[plan.dimension] = order.index(me)
+        draw = random.Random(hashlib.sha256(salt + b"".join(_digest(peer) for peer in order)).digest())
+        slots = draw.sample(range(max(plan.side, len(order))), len(order))
+        self.coords[plan.dimension] = slots[order.index(me)]
+        self._planned = None
+
+    def missed(self, plan: RoundPlan, round_id: int) -> None:
+        """After a failed round: a new random coordinate along the round's dimension (a new line next round)."""
+        if plan.dims == 1:
+            return
+        draw = random.Random(hashlib.sha256(round_id.to_bytes(8, "little", signed=True) + self._seed).digest())
+        self.coords[plan.dimension] = draw.randrange(_COORDINATE_RANGE)
         self._planned = None
 
 

@@ -176,6 +176,7 @@ class RoundRunner:
                             f"peers{of_line} ({outcome}); keeping local progress")
             with torch.no_grad(), self._lock:
                 flight.round.give_back()
+            self._grid.missed(flight.plan, flight.round_id)
             if flight.error is not None:
                 self._averager.cancel_scheduled()  # leave no group waiting for this peer
                 raise flight.error

@@ -69,13 +69,17 @@ def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num
 def moshpit_round(strategies: Sequence[Strategy], grids: Sequence[Grid], ids: Sequence[Any], round_id: int
                   ) -> Tuple[List[List[int]], List[List[int]]]:
     """One round of Moshpit averaging in process (``moshpit_groups``): committing groups average and their members
-    move on the grid, as ``RoundRunner`` does; failing groups change nothing. Returns (committed, failed) groups."""
+    move on the grid, as ``RoundRunner`` does; failing groups change nothing but their grid coordinates. Returns
+    (committed, failed) groups."""
     plans, committing, failing = moshpit_groups(grids, ids, round_id)
     average_in_process(strategies, committing, plans)
     for group in committing:
         members = [ids[i] for i in group]
         for i in group:
             grids[i].moved(plans[i], members, ids[i], round_id)
+    for group in failing:
+        for i in group:
+            grids[i].missed(plans[i], round_id)
     return committing, failing
 
 

@@ -51,8 +51,10 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
         victims = list(range(1, 1 + int(args.kill * args.peers)))  # never the bootstrap peer (rank 0)
         deadline = time.monotonic() + args.max_seconds
         while time.monotonic() < deadline and not killed:
-            epochs = re.findall(r"epoch (\d+): averaged", swarm.log(0))
-            if epochs and int(epochs[-1]) >= args.kill_at:
+            # the swarm's epoch as any peer logs it (a peer that catches up logs "The swarm is at epoch N")
+            epochs = [int(e) for rank in swarm.procs
+                      for e in re.findall(r"epoch (\d+)(?::| averaged|;)", swarm.log(rank))]
+            if epochs and max(epochs) >= args.kill_at:
                 for rank in victims:
                     swarm.kill(rank)
                     killed.append(rank)

@@ -3,7 +3,8 @@
 The live peers sit on a virtual grid of ``dims`` dimensions of ``side`` cells each (``grid_shape``: the fewest
 dimensions of at most ``Groups.size`` cells that hold the swarm, and the smallest side that does). Round ``t``
 averages along dimension ``t mod dims``: peers that share every other coordinate (a *line* of the grid) look for
-each other under one matchmaking key (``RoundPlan.cell``, hivemind's group bits), in groups of at most ``size``.
+each other under one matchmaking key (``RoundPlan.cell``, hivemind's group bits: the dimension, then the line), in
+groups of at most ``size``.
 On a complete grid (``side ** dims`` peers, one per cell) ``dims`` consecutive rounds give every peer the exact
 mean of the swarm: after the round along dimension 0 every line holds its own mean, after the round along
 dimension 1 every plane holds the mean of its lines, and so on. Peers start at random coordinates (from their peer
@@ -115,8 +116,9 @@ class Grid:
         for j in range(dims):
             if j != dimension:
                 cell = cell * side + self.coords[j] % side
-        width = (side ** (dims - 1) - 1).bit_length()
-        return RoundPlan(dimension, dims, side, format(cell, f"0{width}b"))
+        # the dimension leads the key: a peer a round behind (along another dimension) never meets this round's line
+        width, dimension_width = (side ** (dims - 1) - 1).bit_length(), (dims - 1).bit_length()
+        return RoundPlan(dimension, dims, side, format(dimension, f"0{dimension_width}b") + format(cell, f"0{width}b"))
 
     def moved(self, plan: RoundPlan, peers: Sequence[Any], me: Any, round_id: int) -> None:
         """After a committed round in group ``peers``: take distinct coordinates along the round's dimension, the

@@ -54,7 +54,8 @@ def test_rounds_alternate_dimensions_and_lines_name_the_other_coordinates():
     grids = [Grid(4, i) for i in range(64)]
     plans = [[g.plan(r, 64) for g in grids] for r in range(3)]
     assert {p.dimension for p in plans[0]} == {0} and {p.dimension for p in plans[1]} == {1}
-    assert {len(p.cell) for row in plans for p in row} == {4}  # 16 lines of a 4 x 4 x 4 grid: 4 bits
+    assert {len(p.cell) for row in plans for p in row} == {6}  # dimension (2 bits), 16 lines of a 4 x 4 x 4 grid (4)
+    assert not {p.cell for p in plans[0]} & {p.cell for p in plans[1]}  # a round behind never meets this round
     again = Grid(4, 0)
     assert again.plan(1, 64) == grids[0].plan(1, 64)  # coordinates come from the seed (the peer id)
     assert again.plan(1, 5000) == again.plan(1, 64)  # one plan per round, whatever the count meanwhile
@@ -203,4 +204,4 @@ def test_failing_groups_change_nothing():
     assert failing, "random coordinates leave some lines short of a majority"
     assert all(len(g) <= 16 for g in committing + failing)
     assert all(len(g) >= 6 for g in committing) and all(len(g) <= 5 for g in failing)
-    assert {len(p.cell) for p in plans} == {7}  # 100 lines: 7 bits
+    assert {len(p.cell) for p in plans} == {2 + 7}  # dimension of 3: 2 bits; 100 lines: 7 bits

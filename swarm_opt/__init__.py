@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
 from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig, TrustConfig
+from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
     ConfigError,
     ConfigTypeError,
@@ -131,6 +131,7 @@ __all__ = [
     "CenteredClip",
     "Audited",
     "SwarmConfig",
+    "Groups",
     "Timeouts",
     "TrackerConfig",
     "TrustConfig",

@@ -166,3 +166,23 @@ class SwarmConfig:
             )
         _positive_int("target_batch_size", self.target_batch_size)
         _positive_int("batch_size_per_step", self.batch_size_per_step, allow_none=True)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Moshpit group averaging (Ryabinin et al., 2021): rounds average in groups of at most ``size`` peers over a
+    grid of the live peers, along one dimension per round, instead of in one group of the whole swarm
+    (``swarm_opt.groups``). A swarm of at most ``size`` peers is one group, as without ``Groups``.
+
+    :param size: the most peers in one averaging group, e.g. 16. Each round then costs a peer O(size) streams
+        whatever the swarm's size; a complete grid gives the swarm's exact mean after log_size(N) rounds.
+    """
+
+    size: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int):
+            raise ConfigTypeError(f"Groups(size=...) must be an int, got {self.size!r}; e.g. Groups(size=16)")
+        if self.size < 2:
+            raise ConfigError(f"Groups(size={self.size}) cannot average anything: pass size >= 2, e.g. "
+                              f"Groups(size=16), or groups=None for one group of the whole swarm")

@@ -30,10 +30,11 @@ from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.compression import Compression, as_codec
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
+from swarm_opt.groups import Grid
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
@@ -101,7 +102,11 @@ class Optimizer(torch.optim.Optimizer):
         (``swarm_opt.privacy``).
     :param transport: ``Gloo(host=...)`` averages rounds over torch.distributed's gloo when every member of the
         round's group offers it (much faster than hivemind's path; trusted networks only, see ``swarm_opt.Gloo``);
-        default ``None``: hivemind's path. Carries ``NoCompression()`` and ``Float16()``.
+        default ``None``: hivemind's path. Carries ``NoCompression()``, ``Float16()`` and ``PowerSGD(...)``.
+    :param groups: ``Groups(size=16)`` averages each round in groups of at most that many peers over a Moshpit grid
+        of the live peers (``swarm_opt.groups``: the groups mix the swarm over log_size(N) rounds) instead of in one
+        group of the whole swarm; a swarm of at most ``size`` peers is one group. For the strategies that average
+        parameters (``LocalUpdates``, ``FedProx``, ``Scaffold``); default ``None``: one group.
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Optimizer(torch.optim.Optimizer):
         offload: Optional[Offload] = None,
         transport: Optional[Gloo] = None,
         privacy: Optional[OpacusPrivacy] = None,
+        groups: Optional[Groups] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
@@ -136,6 +142,10 @@ class Optimizer(torch.optim.Optimizer):
         if transport is not None and not isinstance(transport, Gloo):
             raise ConfigTypeError(f"transport must be None (hivemind's path) or swarm_opt.Gloo(host=...), "
                                   f"got {transport!r}")
+        if groups is not None:
+            if not isinstance(groups, Groups):
+                raise ConfigTypeError(f"groups must be swarm_opt.Groups(size=...) or None, got {groups!r}")
+            strategy.use_groups(groups)
         compression = as_codec(compression, strategy)
         if transport is not None and aggregation is not None:
             raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
@@ -177,9 +187,12 @@ class Optimizer(torch.optim.Optimizer):
             templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
             compression=compression, aggregation=aggregation, state_provider=self._shareable_state,
             member_info=self._member_info, access=access, lane=transport,
+            target_group_size=None if groups is None else groups.size,
         )
+        self._grid = Grid(None if groups is None else groups.size, self._averager.peer_id)
+        self._averager.group_key = lambda round_id: self._grid.plan(round_id, self._tracker.progress.num_peers).cell
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
-                                   await_target=self._await_target)
+                                   await_target=self._await_target, grid=self._grid)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
@@ -298,10 +311,12 @@ class Optimizer(torch.optim.Optimizer):
             self._averager.cancel_scheduled()  # and leave no group waiting for this peer
             return
         round_id = self._epoch + 1
+        plan = self._grid.plan(round_id, progress.num_peers)
         with torch.no_grad(), self._state_lock:
-            begun = self.strategy.begin_round()
+            begun = self.strategy.begin_round(plan)
         self._rounds.run(begun, round_id=round_id, num_peers=progress.num_peers, samples=self._samples,
-                         round_is_over=lambda: self._tracker.progress.epoch >= round_id)  # completed without us
+                         round_is_over=lambda: self._tracker.progress.epoch >= round_id,  # completed without us
+                         plan=plan)
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm

@@ -9,7 +9,8 @@ end in ``RoundRunner._conclude``, the single place of the commit protocol:
 
 * an error raised inside the round (a bug: network failures make ``all_reduce`` return ``None``) gives the round
   back and is raised from ``step()``, whichever thread ran the round;
-* a round that failed, or whose group holds no majority of the live peers, is given back;
+* a round that failed, or whose group holds no majority of the live peers (with Moshpit groups: of the peers its
+  line of the grid is expected to hold, ``swarm_opt.groups``), is given back;
 * otherwise the round is applied, committed and reported as one step under the optimizer's state lock, so that a
   peer downloading our state never sees the new parameters with the old epoch.
 """
@@ -27,6 +28,7 @@ import torch
 
 from swarm_opt._hivemind.averager import TensorAverager
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, cell_peers
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class RoundInFlight:
     num_peers: int  # the live peers this peer saw when the round started (see swarm_size_seen_by)
     samples: int  # this peer's samples in the round
     started: float  # monotonic
+    plan: RoundPlan = ONE_GROUP  # where on the averaging grid the round averages
     result: Optional[AveragingResult] = None
     error: Optional[BaseException] = None
     thread: Optional[threading.Thread] = None
@@ -100,12 +103,14 @@ class RoundRunner:
     """Runs the optimizer's rounds over ``averager``, one at a time, and concludes each by the protocol of the
     module docstring. ``on_commit(flight, result, num_peers)`` (called under ``lock`` once a round was applied and
     committed, with the swarm size its majority was measured against) moves the optimizer's epoch;
-    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round."""
+    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round. ``grid``: this
+    peer's place on the Moshpit grid (default: one group of everyone); a committed round moves it."""
 
     def __init__(self, averager: TensorAverager, *, lock: ContextManager,
                  on_commit: Callable[[RoundInFlight, AveragingResult, int], None],
-                 await_target: Callable[[int], None] = lambda round_id: None) -> None:
+                 await_target: Callable[[int], None] = lambda round_id: None, grid: Optional[Grid] = None) -> None:
         self._averager, self._lock, self._on_commit, self._await_target = averager, lock, on_commit, await_target
+        self._grid = Grid(None, 0) if grid is None else grid
         self._flight: Optional[RoundInFlight] = None
 
     @property
@@ -113,12 +118,12 @@ class RoundRunner:
         return self._flight is not None
 
     def run(self, round: Round, *, round_id: int, num_peers: int, samples: int,
-            round_is_over: Callable[[], bool]) -> None:
+            round_is_over: Callable[[], bool], plan: RoundPlan = ONE_GROUP) -> None:
         """Run ``round``: alone if ``num_peers <= 1`` (its mean is our own values), in a thread of its own if
         ``round.in_background`` (``poll`` concludes it), otherwise here, concluding it before returning.
         ``round_is_over()``: the swarm completed the round without us (see ``TensorAverager.all_reduce``)."""
         assert self._flight is None, "one round at a time"
-        flight = RoundInFlight(round, round_id, num_peers, samples, time.monotonic())
+        flight = RoundInFlight(round, round_id, num_peers, samples, time.monotonic(), plan)
         if num_peers <= 1:
             flight.result = AveragingResult(peers=(self._averager.peer_id,), gathered={})
         elif round.in_background:
@@ -162,14 +167,17 @@ class RoundRunner:
         self._flight = None
         result = flight.result
         num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
-        if flight.error is not None or result is None or not is_majority(result.group_size, num_peers):
+        line = cell_peers(num_peers, self._grid.size)  # every live peer, without groups
+        if flight.error is not None or result is None or not is_majority(result.group_size, line):
             if flight.error is None:
                 outcome = (f"failed: {self._averager.last_failure}" if result is None
                            else f"group of {result.group_size}")
-                logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {num_peers} "
-                            f"peers ({outcome}); keeping local progress")
+                of_line = f" expected in its line of the averaging grid ({num_peers} live)" if line < num_peers else ""
+                logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {line} "
+                            f"peers{of_line} ({outcome}); keeping local progress")
             with torch.no_grad(), self._lock:
                 flight.round.give_back()
+            self._grid.missed(flight.plan, flight.round_id)
             if flight.error is not None:
                 self._averager.cancel_scheduled()  # leave no group waiting for this peer
                 raise flight.error
@@ -177,4 +185,5 @@ class RoundRunner:
         with torch.no_grad(), self._lock:
             flight.round.apply(result)
             self._averager.commit(result, flight.round_id)
+            self._grid.moved(flight.plan, result.peers, self._averager.peer_id, flight.round_id)
             self._on_commit(flight, result, num_peers)

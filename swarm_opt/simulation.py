@@ -2,27 +2,34 @@
 
 For tests of the algorithms' maths and for benchmarks that sweep many settings: ``average_in_process`` does what
 a round of ``TensorAverager`` does (each member begins a round and writes its buffers, gets the weighted mean and
-applies it), without a network. ``round_values`` shows what a strategy would send now.
+applies it), without a network; ``moshpit_round`` forms the groups of a round of Moshpit averaging as real peers do
+(each peer's ``swarm_opt.groups.Grid`` names its line, lines split into groups of at most ``size``, a group commits by
+the same rule as ``RoundRunner``). ``round_values`` shows what a strategy would send now.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from swarm_opt.buffers import AveragingResult, buffer_like
+from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, cell_peers
+from swarm_opt.round import is_majority
 from swarm_opt.strategies.base import Strategy
 
 
-def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence[Sequence[int]]] = None) -> None:
+def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence[Sequence[int]]] = None,
+                       plans: Optional[Sequence[RoundPlan]] = None) -> None:
     """One round: each group (default: everyone) averages its members' values weighted by their rounds' ``weight``
-    and every member applies the round. A group whose weights are all zero gives its rounds back."""
+    and every member applies the round. A group whose weights are all zero gives its rounds back. ``plans[i]``: where
+    peer ``i`` averages (``Strategy.begin_round``; default: one group)."""
     groups = [list(range(len(strategies)))] if groups is None else groups
     for group in groups:
         members = [strategies[i] for i in group]
         with torch.no_grad():
-            rounds = [s.begin_round() for s in members]
+            rounds = [s.begin_round(ONE_GROUP if plans is None else plans[i]) for s, i in zip(members, group)]
             weights = [r.weight for r in rounds]
             total = sum(weights)
             if total <= 0:
@@ -38,6 +45,42 @@ def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence
                 for b, mean in zip(own, means):
                     b.copy_(mean)
                 r.apply(AveragingResult(peers=tuple(group), gathered={}, averaged=tuple(own)))
+
+
+def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num_peers: Optional[int] = None
+                   ) -> Tuple[List[RoundPlan], List[List[int]], List[List[int]]]:
+    """The groups of round ``round_id`` among peers ``ids`` (``num_peers`` live, default all of them), each on its
+    ``Grid``: ``(plans, committing groups, failing groups)``, groups as lists of indices. A line splits into groups of
+    at most ``Grid.size`` in the order of ``ids`` (matchmaking's order is as arbitrary)."""
+    num_peers = len(ids) if num_peers is None else num_peers
+    size = grids[0].size if grids else None
+    plans = [grid.plan(round_id, num_peers) for grid in grids]
+    lines: Dict[Tuple[int, int, str], List[int]] = defaultdict(list)
+    for i, plan in enumerate(plans):
+        lines[(plan.dims, plan.dimension, plan.cell)].append(i)
+    step = size or max(1, len(ids))
+    groups = [line[start:start + step] for line in lines.values() for start in range(0, len(line), step)]
+    needed = cell_peers(num_peers, size)
+    committing = [g for g in groups if is_majority(len(g), needed)]
+    failing = [g for g in groups if not is_majority(len(g), needed)]
+    return plans, committing, failing
+
+
+def moshpit_round(strategies: Sequence[Strategy], grids: Sequence[Grid], ids: Sequence[Any], round_id: int
+                  ) -> Tuple[List[List[int]], List[List[int]]]:
+    """One round of Moshpit averaging in process (``moshpit_groups``): committing groups average and their members
+    move on the grid, as ``RoundRunner`` does; failing groups change nothing but their grid coordinates. Returns
+    (committed, failed) groups."""
+    plans, committing, failing = moshpit_groups(grids, ids, round_id)
+    average_in_process(strategies, committing, plans)
+    for group in committing:
+        members = [ids[i] for i in group]
+        for i in group:
+            grids[i].moved(plans[i], members, ids[i], round_id)
+    for group in failing:
+        for i in group:
+            grids[i].missed(plans[i], round_id)
+    return committing, failing
 
 
 def round_values(strategy: Strategy) -> List[torch.Tensor]:

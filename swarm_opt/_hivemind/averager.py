@@ -59,6 +59,7 @@ _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a r
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
+CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
 #: that many newcomers joining together spread over the donors (and come back, with backoff, if all are busy)
@@ -97,6 +98,9 @@ class _Engine(DecentralizedAverager):
         super().run()
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
+        # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group
+        cell = _member_info(self.serializer, step.data_for_gather).get(CELL_KEY, "")
+        self._matchmaking.group_key_manager.group_bits = cell if _valid_cell(cell) else ""
         if self.mode == AveragingMode.AUX:
             # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
             # split the trainers into two groups nor hold them until its own deadline; it joins a trainer's group
@@ -514,6 +518,10 @@ def _member_info(serializer: Any, data: bytes) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def _valid_cell(cell: Any) -> bool:
+    return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
+
+
 def _seconds(value: Any) -> float:
     """A member's announced step period, bounded: a lie can delay the detection of a dead member, never forever."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
@@ -565,8 +573,12 @@ class TensorAverager:
         auxiliary: bool = False,
         access: Optional[RunAccess] = None,
         lane: Optional[Gloo] = None,
+        target_group_size: Optional[int] = None,
     ) -> None:
         self.timeouts = timeouts
+        #: the matchmaking key of round ``round_id`` (hivemind's group bits: the round's line of the Moshpit grid,
+        #: ``swarm_opt.groups``); '' (the default) puts every peer under one key
+        self.group_key: Callable[[int], str] = lambda round_id: ""
         #: what this peer sends its groupmates along with each round, besides the round itself (e.g. a digest of its
         #: parameters); called once per round, when its matchmaking starts
         self.member_info = member_info
@@ -588,6 +600,7 @@ class TensorAverager:
             next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
             declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0, auxiliary=auxiliary,
             allow_state_sharing=False,  # until offer_state()
+            target_group_size=target_group_size,
             # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
             # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); about 16 parts in all below 32 MiB (a part
             # never spans two tensors: a model's small tensors add more), so that each member of a group of up
@@ -682,7 +695,7 @@ class TensorAverager:
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
                 gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
-                        "aux": self.auxiliary, "aggregation": self._aggregation,
+                        "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
 

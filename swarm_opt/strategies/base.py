@@ -23,7 +23,9 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, IncompatibleStateError
+from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.round import Round
 
 
@@ -67,9 +69,14 @@ class Strategy(ABC):
         """Finish the round from the group's mean, ``result.averaged`` (in ``write_round``'s order; ``None`` for a
         round alone, whose mean is this peer's own values). The buffers are the round's: they may be changed."""
 
-    def begin_round(self) -> Round:
-        """Begin a round; the loop ends it with ``Round.apply`` or ``Round.give_back``. Default: a round over the
-        live state (``write_round`` / ``apply_round``), so local steps wait until it ended."""
+    #: where the round begun last averages (``swarm_opt.groups``): which grid dimension, in which line
+    round_plan: RoundPlan = ONE_GROUP
+
+    def begin_round(self, plan: RoundPlan = ONE_GROUP) -> Round:
+        """Begin a round that averages where ``plan`` says (kept as ``round_plan``); the loop ends it with
+        ``Round.apply`` or ``Round.give_back``. Default: a round over the live state (``write_round`` /
+        ``apply_round``), so local steps wait until it ended."""
+        self.round_plan = plan
         return LiveRound(self)
 
     def personal_parameters(self) -> List[torch.Tensor]:
@@ -82,6 +89,13 @@ class Strategy(ABC):
         """The training loss of a local step (``Optimizer.step(closure)``'s, or ``Optimizer.report_loss``), finite.
         Default: ignored; strategies that adapt to the loss (``FedProx(adaptive=AdaptiveMu())``) override it."""
         return None
+
+    def use_groups(self, groups: Groups) -> None:
+        """The optimizer averages in Moshpit groups (``swarm_opt.Groups``): members of different groups then hold
+        different values after a round. Strategies that stay correct with that accept it; the default refuses."""
+        raise ConfigError(
+            f"{type(self).__name__} does not average in groups (groups={groups!r}): use LocalUpdates(), FedProx() "
+            f"or Scaffold(), or groups=None")
 
     @abstractmethod
     def reset(self) -> None:

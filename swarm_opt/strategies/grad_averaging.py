@@ -9,7 +9,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.round import Round
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
 from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
@@ -173,11 +175,22 @@ class GradientAveraging(Strategy):
                 return
         self._step_with(means if result.averaged is None else result.averaged)
 
-    def begin_round(self) -> Round:
+    def use_groups(self, groups: Groups) -> None:
+        """Refused. Gradient averaging's promise is sync-equivalence: every peer applies the same mean gradient of
+        the global batch, so every peer holds the same parameters, those of one process training on all batches.
+        With groups each group would step on its own group's mean gradient and the peers' parameters would drift
+        apart for good (nothing averages parameters back). Averaging the parameters is what LocalUpdates does."""
+        raise ConfigError(
+            f"GradientAveraging cannot average in groups ({groups!r}): every peer must apply the same global "
+            f"gradient to stay identical (sync-equivalence), and groups would let peers diverge. For large swarms use "
+            f"strategy=LocalUpdates() (or Scaffold() on non-IID data) with groups={groups!r}, or groups=None")
+
+    def begin_round(self, plan: RoundPlan = ONE_GROUP) -> Round:
         """Without overlap, a round over the running mean (the loop waits for it); with ``Overlap()`` the round
         takes the mean with it (the loop polls it) and the next round accumulates into a spare buffer."""
+        self.round_plan = plan
         if self.overlap is None:
-            return super().begin_round()
+            return super().begin_round(plan)
         assert self._held is None, "one round at a time"
         spare = self._spare if self._spare is not None else [torch.zeros_like(m) for m in self._mean]
         self._held = _HeldGradients(self, self._mean, self._samples)

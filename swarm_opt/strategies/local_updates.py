@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.adaptive import AdaptiveMu
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
@@ -188,6 +189,9 @@ class LocalUpdates(Strategy):
                 self.select.anchor.load(select)
         return load
 
+    def use_groups(self, groups: Groups) -> None:
+        """Accepted: a round's mean is the group's, and the next rounds mix the groups (``swarm_opt.groups``)."""
+
 
 class FedProx(LocalUpdates):
     """LocalUpdates with the proximal term ``mu/2 * ||y - x||^2`` pulling local steps toward the round's starting
@@ -316,6 +320,16 @@ class Anchored(LocalUpdates):
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         """No: this peer's ``x`` is a round behind the swarm's, and its next update would be measured from it."""
         return False
+
+    def use_groups(self, groups: Groups) -> None:
+        """Refused unless the variant says otherwise: members of a group then come from different groups of the
+        previous round and hold different anchors ``x``, so an update measured from each member's own ``x``
+        (FedNova's ``x - S_eff mean(d)``, DiLoCo's outer step with each peer's outer state) would leave the members
+        of one group with different parameters. SCAFFOLD restarts ``x`` from the group's mean and accepts groups."""
+        raise ConfigError(
+            f"{type(self).__name__} does not average in groups yet ({groups!r}): its rounds step from the swarm's "
+            f"common anchor x, which groups do not share. Use LocalUpdates(), FedProx() or Scaffold() with groups, "
+            f"or groups=None")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"anchor": self.anchor.state(), "lr_sums": list(self.lr_sums.values)}

@@ -11,9 +11,18 @@ which is the exact option-II control update followed by re-centring on the group
 the rule of docs/algorithms.md (re-centre when members or weights changed) applied every round: when neither changed,
 ``Σ w_i d_i`` is already 0 and re-centring is a no-op, so it costs nothing to always do it, and it needs no extra
 tensor. ``Σ w_i d_i = 0`` then holds in every group after every round, a departed peer leaves no bias, and a peer
-that missed the round keeps its ``d``. A failed round or a round alone leaves ``d`` unchanged. (Moshpit-style
-rotating partial groups would need the non-recentred K-GT form, sending ``z`` alone; swarm_opt averages the whole
-swarm in one group per round, where partial groups only come from failures.)
+that missed the round keeps its ``d``. A failed round or a round alone leaves ``d`` unchanged.
+
+**Moshpit groups** (``swarm_opt.groups``): a round averages in one line of a grid, along one dimension, and lines
+hold different parameters between rounds. Such rounds send ``z_i`` alone and use the K-GT form (Liu et al., 2023),
+``d_i <- d_i + mean_w(z) - z_i``: each group keeps its ``Σ w_i d_i``, so the swarm's stays 0 (the groups partition
+the swarm). Re-centring on the line's mean instead would pull each control toward its *line's* mean gradient: at
+the optimum ``w*`` (``d_i = -g_i(w*)``) it would set ``d_i = mean_line(g(w*)) - g_i(w*)`` and move the peers away
+again. With K-GT the optimum is a fixed point (``z_i = 0`` there), and with stationary gradients a pass over the
+dimensions of a complete grid gives every peer the swarm's correction ``d_i = mean(g) - g_i``, as one group would.
+The price: ``Σ w_i d_i = 0`` holds per swarm, not per group, and churn is not re-centred: a peer that leaves takes
+its ``d_i`` with it and the swarm's sum drifts by it (a newcomer's ``d = 0`` adds nothing). One line (a swarm of
+at most ``Groups.size`` peers, or no groups) re-centres as above.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
 from swarm_opt.strategies.base import state_dtype
@@ -37,6 +47,10 @@ class Scaffold(Anchored):
     """
 
     name = "scaffold"
+
+    def use_groups(self, groups: Groups) -> None:
+        """Accepted: the next round starts from the group's mean, and rounds in partial groups update the controls
+        in the K-GT form (module docstring)."""
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         # Opacus's DPOptimizer wraps an SGD and steps lr * the noised gradient (DP-SGD, swarm_opt.privacy)
@@ -80,6 +94,8 @@ class Scaffold(Anchored):
         return super().buffer_templates() + self.controls
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        """The parameters, then ``u_i = z_i - d_i`` (a round of the whole swarm) or ``z_i`` (a round in one line of a
+        Moshpit grid, see the module docstring)."""
         super().write_round(buffers)
         u_buffers = buffers[len(buffers) - len(self._d):]
         for u, (p, x, d, lr_sum) in zip(u_buffers, self._per_parameter()):
@@ -87,12 +103,14 @@ class Scaffold(Anchored):
                 torch.sub(x, p.detach().to(x.device), out=u).div_(lr_sum)  # z_i
             else:
                 u.zero_()  # no completed step this round: the peer did not move
-            u.sub_(d.to(u.device))
+            if self.round_plan.whole_swarm:
+                u.sub_(d.to(u.device))
 
     def apply_round(self, result: AveragingResult) -> None:
         if result.group_size > 1 and result.averaged is not None:  # alone, d must stay as it is
-            # d <- mean(u) - u_i with u_i = z_i - d_i recomputed from the anchor and the parameters, which still hold
-            # this peer's y_i (the average is copied into them below): no tensor keeps u_i through the round
+            # d <- d + mean(u) - z_i (= mean(u) - u_i when u_i = z_i - d_i), z_i recomputed from the anchor and the
+            # parameters, which still hold this peer's y_i (the average is copied into them below): no tensor keeps
+            # u_i through the round
             mean_u = result.averaged[len(result.averaged) - len(self._d):]
             for mean, (p, x, d, lr_sum) in zip(mean_u, self._per_parameter()):
                 d.add_(mean.to(d.device, d.dtype))

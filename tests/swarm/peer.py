@@ -249,6 +249,8 @@ def main(config_path: str) -> None:
     if task == "lsq":
         model = torch.nn.Linear(LSQ_DIM, cfg.get("lsq_outputs", 1), bias=False).to(torch.float64)
         torch.nn.init.zeros_(model.weight)
+        if cfg.get("init_by_rank"):  # peers that start apart (a mixing test)
+            torch.nn.init.constant_(model.weight, float(cfg["rank"]))
         inner = lambda p: torch.optim.SGD(p, lr=cfg.get("lsq_lr", 0.05))  # noqa: E731
     else:
         model = make_model(dtype, cfg.get("model_seed", 0))
@@ -276,6 +278,7 @@ def main(config_path: str) -> None:
         aggregation=(getattr(swarm_opt, cfg["aggregation"])(**_named_args(cfg.get("aggregation_args", {})))
                      if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
         transport=swarm_opt.Gloo(host="127.0.0.1") if cfg.get("lane") else None,  # the gloo fast lane
+        groups=swarm_opt.Groups(size=cfg["groups"]) if cfg.get("groups") else None,  # Moshpit group averaging
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)

@@ -50,6 +50,23 @@ def test_bad_arguments_raise_errors_that_name_the_fix(dht):
     with pytest.raises(ConfigTypeError, match="strategy"):
         swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
                             strategy="scaffold")
+    with pytest.raises(ConfigTypeError, match=r"Groups\(size=...\)"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
+                            strategy=swarm_opt.LocalUpdates(), groups=16)
+    with pytest.raises(ConfigError, match="sync-equivalence.*LocalUpdates"):
+        swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
+                            groups=swarm_opt.Groups(size=16))  # the default strategy, GradientAveraging
+
+
+def test_a_peer_alone_with_groups_is_one_group_and_steps_its_epochs(dht):
+    opt, model = make(dht, "alone_in_groups", batch_size_per_step=32, strategy=swarm_opt.LocalUpdates(),
+                      groups=swarm_opt.Groups(size=2))
+    with opt:
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(32, 4)).pow(2).mean().backward()
+            opt.step()
+        assert opt.local_epoch == 2 and opt.last_round.group_size == 1 and not opt.last_round.caught_up
 
 
 def test_step_without_batch_size_is_rejected_and_nothing_counts(dht):

@@ -1,0 +1,120 @@
+"""Many real peers on loopback: Moshpit groups against one group of the whole swarm, with peers killed and replaced.
+
+Each peer is a full swarm_opt peer as in the swarm tests (``tests/swarm/peer.py``: its own OS process, hivemind DHT
+process, averager process and p2pd daemon; the test harness ``tests/swarm/conftest.Swarm`` launches and reaps them).
+The task is tiny (5 parameters, ``LocalUpdates``) and does not train (lr 0): peers start apart (peer ``i`` holds
+``i`` everywhere, newcomers download a live peer's state) and only averaging moves them, so that what is measured
+is the rounds and how well they mix. ``--kill`` of the peers are SIGKILLed (whole process group) once the swarm
+passed epoch ``--kill-at``, and as many newcomers join. Compared at the same N: ``groups=None`` (one all-reduce
+over the whole swarm per round) against ``Groups(size=--size)``.
+
+Reported: round success rate (per peer, the epochs it committed over the epochs it committed or failed at least
+once: its log says "Round for epoch N did not reach a majority"), the group sizes of committed rounds, the median
+seconds of a committed round (from the start of its all-reduce, matchmaking included, to its commit), epochs per
+minute of the survivors, and the spread of the survivors' final values (max distance to their mean; the peers
+started 0 to N-1 apart).
+
+Differs from a real deployment: every peer runs on the same 2 cores, so a round's time is mostly CPU contention.
+
+    python benchmarks/many_peers.py                  # 24 peers, groups of 8, 25 % killed and replaced
+    python benchmarks/many_peers.py --peers 12 --size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from _common import REPO, code_version, command_line, machine, table, write_json
+
+from tests.swarm.conftest import Swarm  # the swarm tests' launcher and reaper
+
+
+def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
+    swarm = Swarm(workdir)
+    common = dict(task="lsq", strategy="local", groups=size, lsq_lr=0.0, init_by_rank=True, batch_size=16,
+                  target_batch_size=args.peers * 16 * 5,
+                  epochs=args.epochs, step_sleep=0.05, matchmaking_time=args.matchmaking_time,
+                  averaging_timeout=args.averaging_timeout, expect_peers=args.peers, max_seconds=args.max_seconds,
+                  linger=30.0)
+    started = time.monotonic()
+    try:
+        for rank in range(args.peers):
+            swarm.start(rank, problem=rank % 4, **common)
+        killed: List[int] = []
+        victims = list(range(1, 1 + int(args.kill * args.peers)))  # never the bootstrap peer (rank 0)
+        deadline = time.monotonic() + args.max_seconds
+        while time.monotonic() < deadline and not killed:
+            # the swarm's epoch as any peer logs it (a peer that catches up logs "The swarm is at epoch N")
+            epochs = [int(e) for rank in swarm.procs
+                      for e in re.findall(r"epoch (\d+)(?::| averaged|;)", swarm.log(rank))]
+            if epochs and max(epochs) >= args.kill_at:
+                for rank in victims:
+                    swarm.kill(rank)
+                    killed.append(rank)
+                for i, _ in enumerate(victims):
+                    swarm.start(args.peers + i, problem=i % 4, **common)
+            time.sleep(0.5)
+        swarm.wait(timeout=args.max_seconds + 120)
+        elapsed = time.monotonic() - started
+        survivors = [r for r in swarm.procs]
+        results = {r: swarm.result(r) for r in survivors}
+        logs = {r: (workdir / f"peer{r}.log").read_text() for r in range(args.peers + len(victims))}
+    finally:
+        swarm.kill_all()
+    committed = [set(re.findall(r"epoch (\d+): averaged", log)) for log in logs.values()]
+    failed = [set(re.findall(r"Round for epoch (\d+) did not reach a majority", log)) for log in logs.values()]
+    commits = sum(map(len, committed))
+    failures = sum(len(f - c) for c, f in zip(committed, failed))  # epochs never committed by that peer
+    rounds = [rnd for res in results.values() for rnd in res["rounds"] if not rnd["caught_up"]]
+    seconds = [rnd["seconds"] for rnd in rounds]
+    sizes: Dict[int, int] = {}
+    for rnd in rounds:
+        sizes[rnd["group_size"]] = sizes.get(rnd["group_size"], 0) + 1
+    finals = torch.stack([res["w"] for res in results.values()])
+    epochs = [res["epoch"] for res in results.values()]
+    return {"size": size, "peers": args.peers, "killed": killed, "commits": commits, "failures": failures,
+            "success_rate": commits / max(1, commits + failures), "group_sizes": dict(sorted(sizes.items())),
+            "median_round_seconds": statistics.median(seconds) if seconds else None,
+            "epochs_reached": epochs, "epochs_per_minute": 60 * statistics.median(epochs) / elapsed,
+            "final_spread": float((finals - finals.mean(0)).norm(dim=1).max()), "seconds": elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=int, default=24)
+    parser.add_argument("--size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=16)
+    parser.add_argument("--kill", type=float, default=0.25)
+    parser.add_argument("--kill-at", type=int, default=5)
+    parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--averaging-timeout", type=float, default=20.0)
+    parser.add_argument("--max-seconds", type=float, default=400.0)
+    args = parser.parse_args()
+    runs = []
+    for size in (None, args.size):
+        with tempfile.TemporaryDirectory(prefix="many_peers_") as tmp:
+            print(f"running {args.peers} peers, groups={size} ...", flush=True)
+            runs.append(run(args, size, Path(tmp)))
+            print(runs[-1], flush=True)
+    rows = [["one group" if r["size"] is None else f"Groups({r['size']})", r["peers"], len(r["killed"]),
+             f"{r['success_rate']:.0%} ({r['commits']}/{r['commits'] + r['failures']})",
+             ", ".join(f"{k}: {v}" for k, v in r["group_sizes"].items()),
+             "-" if r["median_round_seconds"] is None else f"{r['median_round_seconds']:.2f}",
+             f"{r['epochs_per_minute']:.1f}", f"{min(r['epochs_reached'])}-{max(r['epochs_reached'])}",
+             f"{r['final_spread']:.1e}"] for r in runs]
+    print(table(["averaging", "peers", "killed+replaced", "round success", "committed group sizes (count)",
+                 "median s/round", "epochs/min", "epochs reached", "final spread"], rows))
+    path = write_json("many_peers", {"command": command_line(), "code": code_version(), "machine": machine(),
+                                     "args": vars(args), "runs": runs, "repo": str(REPO)})
+    print(f"results: {path}\nreproduce: {command_line()}")
+
+
+if __name__ == "__main__":
+    main()

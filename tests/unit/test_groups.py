@@ -1,0 +1,207 @@
+"""Moshpit group averaging (swarm_opt.groups): the grid, the commit rule, the strategies that accept groups, and
+SCAFFOLD's controls in partial groups, on the strategy code itself through swarm_opt.simulation (no network)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from swarm_opt import ConfigError, ConfigTypeError, Groups
+from swarm_opt.groups import ONE_GROUP, Grid, cell_peers, grid_shape
+from swarm_opt.round import is_majority
+from swarm_opt.simulation import moshpit_groups, moshpit_round
+from swarm_opt.strategies import DiLoCo, FedNova, FedProx, GradientAveraging, LocalUpdates, Scaffold
+from tests.unit.test_scaffold_maths import DIM, Peer, optimum, problems
+
+
+def test_groups_config_names_the_fix():
+    assert Groups().size == 16
+    with pytest.raises(ConfigError, match=r"size >= 2.*Groups\(size=16\).*groups=None"):
+        Groups(size=1)
+    with pytest.raises(ConfigTypeError, match="Groups\\(size=16\\)"):
+        Groups(size="16")  # type: ignore[arg-type]
+    with pytest.raises(ConfigTypeError):
+        Groups(size=True)
+
+
+@pytest.mark.parametrize("n, size, shape", [(1, 16, (1, 1)), (16, 16, (1, 16)), (17, 16, (2, 5)), (256, 16, (2, 16)),
+                                             (1000, 16, (3, 10)), (1000, 32, (2, 32)), (4, 2, (2, 2)),
+                                             (6, 2, (3, 2)), (64, 4, (3, 4)), (50, None, (1, 50))])
+def test_grid_shape_is_the_fewest_dimensions_of_at_most_size(n, size, shape):
+    dims, side = grid_shape(n, size)
+    assert (dims, side) == shape
+    assert side ** dims >= n and (size is None or side <= size)
+
+
+def test_a_small_swarm_is_one_group_with_the_old_majority_rule():
+    for grid in (Grid(None, "a"), Grid(16, "a")):
+        plan = grid.plan(round_id=7, num_peers=10)
+        assert (plan.dims, plan.cell, plan.whole_swarm) == (1, "", True)
+    assert ONE_GROUP.whole_swarm and ONE_GROUP.cell == ""
+    for n, g in itertools.product(range(1, 17), range(1, 17)):
+        assert is_majority(g, cell_peers(n, 16)) == is_majority(g, n) == is_majority(g, cell_peers(n, None))
+
+
+def test_commit_rule_is_a_majority_of_the_line():
+    assert cell_peers(1000, 16) == 10  # 10 x 10 x 10 grid: lines of 10
+    assert is_majority(6, cell_peers(1000, 16)) and not is_majority(5, cell_peers(1000, 16))
+    assert not is_majority(16, 1000)  # the old rule would never let a group of 16 commit in a swarm of 1,000
+
+
+def test_rounds_alternate_dimensions_and_lines_name_the_other_coordinates():
+    grids = [Grid(4, i) for i in range(64)]
+    plans = [[g.plan(r, 64) for g in grids] for r in range(3)]
+    assert {p.dimension for p in plans[0]} == {0} and {p.dimension for p in plans[1]} == {1}
+    assert {len(p.cell) for row in plans for p in row} == {6}  # dimension (2 bits), 16 lines of a 4 x 4 x 4 grid (4)
+    assert not {p.cell for p in plans[0]} & {p.cell for p in plans[1]}  # a round behind never meets this round
+    again = Grid(4, 0)
+    assert again.plan(1, 64) == grids[0].plan(1, 64)  # coordinates come from the seed (the peer id)
+    assert again.plan(1, 5000) == again.plan(1, 64)  # one plan per round, whatever the count meanwhile
+
+
+def _equal_weight_peers(values):
+    """LocalUpdates peers holding ``values`` (one row each), each with one zero-lr step (weight 1) per round."""
+    peers = []
+    for row in values:
+        w = torch.nn.Parameter(row.clone())
+        strategy = LocalUpdates()
+        strategy.bind([w], torch.optim.SGD([w], lr=0.0))
+        peers.append((w, strategy))
+    return peers
+
+
+def _step(peers):
+    for w, strategy in peers:
+        w.grad = torch.zeros_like(w)
+        assert strategy.local_step(1)
+
+
+def test_complete_grid_gives_the_exact_mean_after_dims_rounds():
+    side, dims = 4, 3
+    values = torch.randn(side ** dims, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    peers = _equal_weight_peers(values)
+    ids = list(range(len(peers)))
+    grids = [Grid(side, i) for i in ids]
+    for i, grid in enumerate(grids):  # one peer per cell
+        for j in range(dims):
+            grid.coords[j] = (i // side ** j) % side
+    mean = values.mean(0)
+    for r in range(dims):
+        spread = max(float((w.detach() - mean).abs().max()) for w, _ in peers)
+        assert spread > 1e-3, f"round {r}: the mean is reached too early (the groups are not partial)"
+        _step(peers)
+        committed, failed = moshpit_round([s for _, s in peers], grids, ids, r)
+        assert not failed and sorted(len(g) for g in committed) == [side] * side ** (dims - 1)
+    for w, _ in peers:
+        torch.testing.assert_close(w.detach(), mean, atol=1e-12, rtol=0)
+
+
+def test_random_grid_with_churn_decays_geometrically_to_the_swarm_mean():
+    """Peers start at random coordinates (lines fill unevenly, some groups fail); every round 10 % of the peers
+    leave and as many newcomers join holding the current swarm mean. The spread around the mean (rms) shrinks by
+    a constant factor per round."""
+    n, size = 256, 8
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(n, 3, dtype=torch.float64, generator=gen)
+    peers = _equal_weight_peers(values)
+    ids = list(range(n))
+    grids = [Grid(size, i) for i in ids]
+    next_id = n
+    spreads = []
+    for r in range(16):
+        _step(peers)
+        moshpit_round([s for _, s in peers], grids, ids, r)
+        stacked = torch.stack([w.detach() for w, _ in peers])
+        spreads.append(float((stacked - stacked.mean(0)).norm(dim=1).pow(2).mean().sqrt()))
+        leaving = torch.randperm(n, generator=gen)[: n // 10].tolist()
+        mean = stacked.mean(0)
+        for i in leaving:
+            peers[i] = _equal_weight_peers(mean[None])[0]
+            ids[i], grids[i] = next_id, Grid(size, next_id)
+            next_id += 1
+    assert spreads[-1] < 1e-3 * spreads[0], spreads
+    assert all(b < a for a, b in zip(spreads, spreads[1:])), spreads  # every round: fewer than a few groups fail
+
+
+def test_only_parameter_averaging_strategies_accept_groups():
+    groups = Groups(size=8)
+    for strategy in (LocalUpdates(), FedProx(mu=0.1), Scaffold()):
+        strategy.use_groups(groups)
+    with pytest.raises(ConfigError, match="sync-equivalence.*LocalUpdates"):
+        GradientAveraging().use_groups(groups)
+    for strategy in (DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7)), FedNova()):
+        with pytest.raises(ConfigError, match="anchor x.*LocalUpdates.*groups=None"):
+            strategy.use_groups(groups)
+
+
+def _scaffold_swarm(cls, n, size, complete=True):
+    probs = problems(n)
+    peers = [Peer(cls(), p, lr=0.005) for p in probs]  # the stiffest of 16 problems needs lr < 0.01
+    grids = [Grid(size, i) for i in range(n)]
+    if complete:
+        dims, side = grid_shape(n, size)
+        for i, grid in enumerate(grids):
+            for j in range(dims):
+                grid.coords[j] = (i // side ** j) % side
+    return probs, peers, grids
+
+
+def test_scaffold_in_partial_groups_keeps_the_controls_summing_to_zero_and_reaches_the_optimum():
+    """16 heterogeneous quadratics on a 4 x 4 grid, groups of 4, full gradients. K-GT rounds keep each group's
+    Σ d and hence the swarm's at 0 after every round (while single groups' sums are not 0: the controls carry the
+    other lines' gradients), and SCAFFOLD reaches the swarm's optimum; FedAvg in the same groups does not."""
+    n, size = 16, 4
+    probs, peers, grids = _scaffold_swarm(Scaffold, n, size)
+    ids = list(range(n))
+    group_sums = []
+    for r in range(120):
+        for peer in peers:
+            peer.local_steps(10)
+        committed, failed = moshpit_round([p.strategy for p in peers], grids, ids, r)
+        assert not failed and len(committed) == 4
+        total = sum(p.strategy.controls[0] for p in peers)
+        scale = float(sum(p.strategy.controls[0].abs() for p in peers).max())
+        assert float(total.abs().max()) <= 1e-12 * scale, f"round {r}: Σ d = {total} (Σ |d| = {scale})"
+        group_sums.append(max(float(sum(peers[i].strategy.controls[0] for i in g).abs().max()) for g in committed))
+    assert max(group_sums[-10:]) > 1e-3  # per group the sum is not 0: a control holds more than its group's view
+    target = optimum(probs)
+    scaffold_error = max(float((p.w.detach() - target).norm()) for p in peers)
+    assert scaffold_error < 1e-6, scaffold_error
+    assert max(float(p.strategy.controls[0].abs().max()) for p in peers) > 1e-2  # not silently FedAvg
+
+    _, fedavg, grids = _scaffold_swarm(LocalUpdates, n, size)
+    for r in range(120):
+        for peer in fedavg:
+            peer.local_steps(10)
+        moshpit_round([p.strategy for p in fedavg], grids, ids, r)
+    fedavg_error = max(float((p.w.detach() - target).norm()) for p in fedavg)
+    assert fedavg_error > 100 * max(scaffold_error, 1e-8), (fedavg_error, scaffold_error)
+
+
+def test_scaffold_controls_after_a_pass_are_the_swarms_correction():
+    """With the parameters held fixed (lr 0 steps do not move; the gradients are stationary), one pass over a
+    complete grid's dimensions gives every peer d_i = mean(g) - g_i, as one group of the whole swarm would."""
+    n, size = 16, 4
+    probs, peers, grids = _scaffold_swarm(Scaffold, n, size)
+    for peer in peers:
+        peer.inner.param_groups[0]["lr"] = 1e-12  # z_i = mean corrected gradient, the parameters barely move
+    ids = list(range(n))
+    for r in range(2):
+        for peer in peers:
+            peer.local_steps(1)
+        moshpit_round([p.strategy for p in peers], grids, ids, r)
+    grads = [a.T @ (a @ torch.zeros(DIM, dtype=torch.float64) - b) for a, b in probs]
+    mean = sum(grads) / n
+    for peer, g in zip(peers, grads):
+        torch.testing.assert_close(peer.strategy.controls[0], mean - g, atol=1e-6, rtol=1e-6)
+
+
+def test_failing_groups_change_nothing():
+    grids = [Grid(16, i) for i in range(1000)]
+    plans, committing, failing = moshpit_groups(grids, list(range(1000)), round_id=0)
+    assert failing, "random coordinates leave some lines short of a majority"
+    assert all(len(g) <= 16 for g in committing + failing)
+    assert all(len(g) >= 6 for g in committing) and all(len(g) <= 5 for g in failing)
+    assert {len(p.cell) for p in plans} == {2 + 7}  # dimension of 3: 2 bits; 100 lines: 7 bits

@@ -107,9 +107,12 @@ def check_rounds(swarm, results: list, strategy: str) -> None:
     assert downloads <= 2, ([r["rounds"] for r in results], swarm.round_events())
 
 
-@pytest.mark.parametrize("strategy, strategy_cls", [("grad", swarm_opt.GradientAveraging),
-                                                    ("local", swarm_opt.LocalUpdates)], ids=["grad", "local"])
-@pytest.mark.parametrize("codec", ["Float16", "Int8Blockwise"])
+# each codec and each kind of strategy once by default; the other two pairings are extended (CI budget)
+@pytest.mark.parametrize("codec, strategy, strategy_cls", [
+    ("Float16", "grad", swarm_opt.GradientAveraging), ("Int8Blockwise", "local", swarm_opt.LocalUpdates),
+    pytest.param("Int8Blockwise", "grad", swarm_opt.GradientAveraging, marks=pytest.mark.extended),
+    pytest.param("Float16", "local", swarm_opt.LocalUpdates, marks=pytest.mark.extended)],
+    ids=["Float16-grad", "Int8Blockwise-local", "Int8Blockwise-grad", "Float16-local"])
 def test_compressed_swarm_stays_within_the_codec_bound(swarm, codec, strategy, strategy_cls):
     results = run_swarm(swarm, strategy, codec)
     check_rounds(swarm, results, strategy)

@@ -132,6 +132,7 @@ def test_a_donor_killed_while_sending_its_state_does_not_stop_the_newcomer(swarm
         assert_quiet(swarm.log(r["rank"]))
 
 
+@pytest.mark.extended  # CI budget; the donor cap that spreads newcomers is tests/swarm/test_newcomers.py
 def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
     """Three donors at the same epoch; two newcomers download the state ten times each. hivemind's newcomers all
     hammered one donor (hivemind#169); ours draw among the donors of the highest epoch."""

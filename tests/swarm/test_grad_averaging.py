@@ -128,7 +128,7 @@ def test_bf16_peers_train_together_and_a_different_model_is_kept_apart(swarm):
     assert "train a different model" in swarm.log(2)
 
 
-@pytest.mark.parametrize("victim, delay", [(0, 0.0), (2, 0.6)])
+@pytest.mark.parametrize("victim, delay", [(0, 0.0), pytest.param(2, 0.6, marks=pytest.mark.extended)])
 def test_a_peer_killed_at_any_moment_does_not_stall_or_corrupt_the_others(swarm, victim, delay):
     """SIGKILL one of four peers right after a round (everyone computing, victim 0 being the peer whose address the
     others joined through) or 0.6 s later (matchmaking for the next round is under way)."""

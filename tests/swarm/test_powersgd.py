@@ -89,8 +89,10 @@ def run_swarm(swarm, **config) -> list:
     return [swarm.result(r) for r in range(PEERS)]
 
 
-@pytest.mark.parametrize("rank, lr", [(1, 0.05), pytest.param(2, 0.15, marks=pytest.mark.extended)],
-                         ids=["rank1", "rank2"])
+# extended (CI budget): the same protocol against the same reference runs by default over the gloo lane
+# (test_powersgd_over_the_gloo_lane_runs_the_same_protocol), and through hivemind's path in the kill test below
+@pytest.mark.extended
+@pytest.mark.parametrize("rank, lr", [(1, 0.05), (2, 0.15)], ids=["rank1", "rank2"])
 def test_three_peers_run_exactly_powersgd_and_reach_the_uncompressed_optimum(swarm, rank, lr):
     results = run_swarm(swarm, compression="PowerSGD", compression_args=dict(rank=rank), lsq_lr=lr)
     for r in results:

@@ -136,6 +136,7 @@ def test_a_lockstep_scaffold_swarm_on_identical_data_equals_fedavg(swarm, tmp_pa
     assert fedavg.norm() > 1.0  # the runs trained
 
 
+@pytest.mark.extended  # CI budget; FedNova's maths are unit-tested (test_fednova_maths)
 def test_a_fednova_swarm_whose_peers_take_different_numbers_of_steps_computes_what_its_maths_says(swarm, tmp_path):
     """FedNova's round through hivemind's all-reduce (the normalized updates and, as one more part, each peer's sum
     of learning rates) gives the in-process simulation's model; FedAvg's would differ."""
@@ -230,6 +231,7 @@ def test_scaffold_reaches_the_global_optimum_where_local_updates_stays_off(swarm
     assert scaffold_error < fedavg_error / 4, (scaffold_error, fedavg_error)
 
 
+@pytest.mark.extended  # CI budget; churn's re-centring is unit-tested (test_scaffold_maths)
 def test_a_peer_killed_mid_run_leaves_the_survivors_controls_centred(swarm):
     for rank in range(4):
         swarm.start(rank, strategy="scaffold", expect_peers=4, **dict(COMMON, epochs=18))

@@ -26,8 +26,10 @@ def test_lane_peers_equal_one_process_on_the_union_of_batches(swarm):
     results = [swarm.result(r) for r in range(3)]
     assert_one_process(swarm, results, "adam", epochs)
     averaged = [sum(not rep["caught_up"] and rep["group_size"] >= 2 for rep in r["reports"]) for r in results]
-    # every round a peer averaged went over the lane (a peer late on a loaded machine may catch up instead)
-    assert [r["lane_rounds"] for r in results] == averaged and min(averaged) >= 1 and max(averaged) >= epochs // 2, \
+    # every round a peer averaged went over the lane (a peer late on a loaded machine may catch up instead; a lane
+    # round that completed and was then discarded by the commit rule counts as a lane round, not as averaged)
+    assert all(lane >= n for lane, n in zip([r["lane_rounds"] for r in results], averaged)) \
+        and min(averaged) >= 1 and max(averaged) >= epochs // 2, \
         ([r["lane_rounds"] for r in results], [r["reports"] for r in results])
 
 

@@ -108,6 +108,7 @@ class SwarmCallback(Callback):
         self._dht: Optional[Any] = None  # the DHT in use during fit (ours or the caller's)
         self._optimizer: Optional[Optimizer] = None
         self._pending_samples = 0  # samples of the micro-batches since the last optimizer step
+        self._logged_epoch = -1  # the swarm epoch last logged (on_train_batch_end)
         self._restored: Optional[Dict[str, Any]] = None
 
     # --- what a running fit exposes -------------------------------------------------------------------------------
@@ -165,6 +166,7 @@ class SwarmCallback(Callback):
         trainer.strategy.optimizers = [self._optimizer]
         trainer.strategy.lr_scheduler_configs = []  # the swarm optimizer steps it, on the global epoch
         self._pending_samples = 0
+        self._logged_epoch = -1
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._pending_samples += self._batch_size(batch)
@@ -174,7 +176,7 @@ class SwarmCallback(Callback):
         # step() without a sample count, so the swarm optimizer reads it from its config. If the loss scaler skips
         # the step (overflow), step() is never called and these samples count nowhere
         swarm = self._optimizer
-        if swarm is not None and self._pending_samples > 0:
+        if swarm is not None and 0 < self._pending_samples != swarm.config.batch_size_per_step:
             swarm.config = dataclasses.replace(swarm.config, batch_size_per_step=self._pending_samples)
         self._pending_samples = 0
 
@@ -183,6 +185,12 @@ class SwarmCallback(Callback):
         swarm = self._optimizer
         if swarm is None:
             return
+        # Lightning's log() costs about a millisecond per call; loggers write every log_every_n_steps batches and
+        # the progress bar keeps the last value, so the swarm's figures are logged then, and when its epoch changes
+        every = max(1, trainer.log_every_n_steps)
+        if batch_idx % every != 0 and swarm.local_epoch == self._logged_epoch:
+            return
+        self._logged_epoch = swarm.local_epoch
         progress = swarm.progress
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("swarm/epoch", float(swarm.local_epoch), prog_bar=True, **log)

@@ -227,6 +227,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=60.0)
     parser.add_argument("--max-seconds", type=float, default=240.0, help="a run's time limit")
+    parser.add_argument("--out", default="utilization.json", help="the JSON's name under benchmarks/results/")
     args = parser.parse_args()
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "params", "step_seconds", "grad_steps", "grad_rounds", "local_steps", "local_rounds", "matchmaking_time",
@@ -260,7 +261,7 @@ def main() -> None:
           f"{args.step_seconds:.2f} s compute per step; gradient averaging: a global step per {args.grad_steps} local "
           f"steps, local updates/DiLoCo: a round per {args.local_steps} local steps")
     print(table(headers, [summarize(run) for run in runs]))
-    path = write_json("utilization.json", dict(rate=args.rate, link_mbit_s=link, params=args.params,
+    path = write_json(args.out, dict(rate=args.rate, link_mbit_s=link, params=args.params,
                                                step_seconds=args.step_seconds, runs=runs,
                                                seconds=time.time() - started))
     print(f"wrote {path}\nreproduce: python benchmarks/utilization.py {' '.join(sys.argv[1:])}".rstrip())

@@ -35,6 +35,15 @@ every member; "lane setup ms" is the time the member that began the round last t
 rendezvous store (exchanging weights) and find its cached process group: the lane's own cost per round, without the
 wait for groupmates that began earlier (the first round of a group, which creates it, is the warm-up).
 
+``--link RATE`` puts every worker on a test host of its own (a network namespace of this machine, ``tests/hosts.py``;
+needs root) whose outgoing link ``tc tbf`` limits to RATE (``100mbit``, ``1gbit``): gloo, hivemind's path and the
+lane then move their bytes through links slower than the CPU, as between machines. The link is measured first (one
+TCP stream). ``--lane-codecs`` names the codecs to run over the lane (instead of ``--lane``'s every ``--codecs``
+entry), e.g. the lane's three beside hivemind's uncompressed path:
+
+    python benchmarks/allreduce.py --link 100mbit --peers 4 --sizes 1e7 --reps 3 --codecs none \\
+        --lane-codecs none fp16 powersgd4
+
 Tuning experiments (none of this is needed to reproduce the table):
 
 * ``--engine-opt KEY=VALUE`` overrides an argument of hivemind's ``DecentralizedAverager`` as ``TensorAverager``
@@ -126,7 +135,9 @@ def variants_of(args: argparse.Namespace) -> List[Tuple[str, Dict[str, Any]]]:
     each of those again over the gloo lane (codecs it carries only)."""
     variants = [parse_variant(v) for v in args.variant] + [(c, {"codec": c}) for c in args.codecs]
     variants = variants or [("default", {})]
-    if args.lane:
+    if args.lane_codecs:
+        variants += [(f"lane-{codec}", {"codec": codec, "lane": True}) for codec in args.lane_codecs]
+    elif args.lane:
         variants += [(f"lane-{name}" if name != "default" else "lane", {**options, "lane": True})
                      for name, options in variants if options.get("codec", "none") in LANE_CODECS]
     return variants
@@ -169,13 +180,13 @@ def engine_options(options: Dict[str, Any]) -> Iterator[None]:
 
 # --- worker ---------------------------------------------------------------------------------------------------------
 def make_averager(dht: Any, world: int, size: int, name: str, options: Dict[str, Any], engine_opts: Dict[str, Any],
-                  timeouts: Any, template: Any, auxiliary: bool = False) -> Any:
+                  timeouts: Any, template: Any, auxiliary: bool = False, host: str = "127.0.0.1") -> Any:
     import swarm_opt
     from swarm_opt._hivemind.averager import TensorAverager
 
     options = dict(options)
     codec = make_codec(options.pop("codec", "none"))
-    lane = swarm_opt.Gloo(host="127.0.0.1") if options.pop("lane", False) else None
+    lane = swarm_opt.Gloo(host=host) if options.pop("lane", False) else None
     with engine_options({**engine_opts, **options}):
         return TensorAverager(dht, prefix=f"bench_allreduce_w{world}_n{size}_{name}", templates=[template],
                               timeouts=timeouts, compression=codec, auxiliary=auxiliary, lane=lane)
@@ -234,13 +245,13 @@ def worker(args: argparse.Namespace) -> None:
     import swarm_opt
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
-    rank, world = args.rank, args.world
+    rank, world, host = args.rank, args.world, args.host
     engine_opts = parse_engine_opts(args.engine_opt)
     variants = variants_of(args)
     dht_opts = {"tls": False} if args.no_tls else {}
     maddrs_file = Path(args.tmp) / "maddrs.json"
     if rank == 0:
-        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True, **dht_opts)
+        dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True, **dht_opts)
         tmp_file = maddrs_file.with_suffix(".tmp")
         tmp_file.write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         os.replace(tmp_file, maddrs_file)
@@ -250,9 +261,10 @@ def worker(args: argparse.Namespace) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError("rank 0 did not publish its DHT address within 60 s")
             time.sleep(0.05)
-        dht = hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        dht = hivemind.DHT(initial_peers=json.loads(maddrs_file.read_text()), host_maddrs=[f"/ip4/{host}/tcp/0"],
                            start=True, **dht_opts)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    # rank 0's address hosts the baseline's rendezvous (on --link runs, gloo's own device is eth0: GLOO_SOCKET_IFNAME)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}:{args.port}", rank=rank, world_size=world)
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64)
@@ -312,7 +324,8 @@ def worker(args: argparse.Namespace) -> None:
         gloo_times = []
         try:
             for name, options in variants:
-                averagers[name] = make_averager(dht, world, size, name, options, engine_opts, timeouts, tensor)
+                averagers[name] = make_averager(dht, world, size, name, options, engine_opts, timeouts, tensor,
+                                                host=host)
             if rank == 0:  # the helpers' averagers of this size are up too
                 for h in range(args.helpers):
                     wait_for(Path(args.tmp) / f"helper{h}_ready{size}", 120, f"helper {h} did not start")
@@ -403,20 +416,33 @@ def run_world(args: argparse.Namespace, world: int, helpers: int, tmp: Path) -> 
     result_file = run_dir / "result.json"
     port = free_port()
     procs, logs = [], []
+    hosts, link_mbit_s = None, None
+    if args.link:  # one test host (network namespace) per worker, each one's outgoing link limited by tc tbf
+        from tests.hosts import Hosts, burst_for
+
+        hosts = Hosts(world, rate=args.link, burst=burst_for(args.link))
+    address = (lambda rank: hosts.address(rank)) if hosts else (lambda rank: "127.0.0.1")
     try:
+        if hosts:
+            link_mbit_s = hosts.measure_link()
+            print(f"  {world} test hosts, links limited to {args.link}: one TCP stream measured at "
+                  f"{link_mbit_s:.1f} Mbit/s", flush=True)
         for rank in range(world):
             log = run_dir / f"rank{rank}.log"
             worker_args = [__file__, "--worker", "--rank", str(rank), "--world", str(world), "--port", str(port),
                            "--tmp", str(run_dir), "--result", str(result_file), "--sizes", *map(str, args.sizes),
+                           "--host", address(rank), "--master", address(0),
                            "--reps", str(args.reps), "--warmup", str(args.warmup),
                            "--matchmaking-time", str(args.matchmaking_time),
                            "--averaging-timeout", str(args.averaging_timeout), "--helpers", str(helpers),
                            *(["--trace"] if args.trace else []), *(["--no-tls"] if args.no_tls else []),
                            *(["--lane"] if args.lane else []),
+                           *(["--lane-codecs", *args.lane_codecs] if args.lane_codecs else []),
                            *[a for opt in args.engine_opt for a in ("--engine-opt", opt)],
                            *[a for variant in args.variant for a in ("--variant", variant)],
                            *(["--codecs", *args.codecs] if args.codecs else [])]
-            procs.append(launch(worker_args, log, env_extra={"OMP_NUM_THREADS": str(args.threads)}))
+            env = {"OMP_NUM_THREADS": str(args.threads), **({"GLOO_SOCKET_IFNAME": "eth0"} if hosts else {})}
+            procs.append(launch(worker_args, log, env_extra=env, prefix=hosts.prefix(rank) if hosts else ()))
             logs.append(log)
         for h in range(helpers):
             log = run_dir / f"helper{h}.log"
@@ -434,7 +460,9 @@ def run_world(args: argparse.Namespace, world: int, helpers: int, tmp: Path) -> 
         left = leftovers(procs)
         if left:
             print(f"WARNING: processes left behind: {left}", file=sys.stderr)
-    return json.loads(result_file.read_text())
+        if hosts:
+            hosts.close()
+    return [dict(e, link=args.link, link_mbit_s=link_mbit_s) for e in json.loads(result_file.read_text())]
 
 
 def main() -> None:
@@ -460,6 +488,11 @@ def main() -> None:
     parser.add_argument("--no-tls", action="store_true", help="start p2pd without TLS (experiments)")
     parser.add_argument("--lane", action="store_true",
                         help="also run every averager over the gloo lane (swarm_opt.Gloo), in the same workers")
+    parser.add_argument("--lane-codecs", nargs="+", default=[], choices=LANE_CODECS,
+                        help="run these codecs over the gloo lane (instead of --lane's every --codecs entry)")
+    parser.add_argument("--link", metavar="RATE",
+                        help="run each worker on a test host of its own (a network namespace, tests/hosts.py) whose "
+                             "outgoing link tc tbf limits to RATE, e.g. 100mbit or 1gbit (needs root; no helpers)")
     parser.add_argument("--trace", action="store_true", help="record each timed round's wall-clock window")
     parser.add_argument("--out", default="allreduce.json")
     parser.add_argument("--no-plot", action="store_true")
@@ -468,6 +501,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)  # this worker's address
+    parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)  # rank 0's address
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -477,6 +512,14 @@ def main() -> None:
     if args.helper:
         return helper(args)
 
+    if args.link:
+        from tests.hosts import namespaces_unavailable
+
+        reason = namespaces_unavailable()
+        if reason:
+            raise SystemExit(f"--link needs test hosts: {reason}")
+        if args.helpers != [0]:
+            raise SystemExit("--link runs no helpers: drop --helpers")
     print(f"command: {command_line()}", flush=True)
     rows, all_results = [], []
     with tempfile.TemporaryDirectory(prefix="swarm_allreduce_") as tmp:
@@ -488,6 +531,7 @@ def main() -> None:
                       flush=True)
                 all_results.extend(entries)
     variants = [name for name, _ in variants_of(args)]
+    lane = any(options.get("lane") for _, options in variants_of(args))  # lane columns
     nan = float("nan")
     for e in all_results:
         gloo = e["gloo_s"]["median"]
@@ -506,17 +550,21 @@ def main() -> None:
                      *([f"{vs_first:.2f}"] if len(variants) > 1 else []), f"{swarm / gloo:.1f}x", f"{mm:.2f}",
                      e["swarm_failed_rounds"], f"{e.get('swarm_max_error', nan):.1e}",
                      *([f"{e['lane_rounds']}", f"{e['lane_setup_s']['median'] * 1e3:.1f}" if e["lane_setup_s"]
-                        else "-"] if args.lane else [])])
+                        else "-"] if lane else [])])
     print()
+    if args.link:
+        print("links: " + ", ".join(sorted({f"{e['world']} peers {e['link_mbit_s']:.1f} Mbit/s measured"
+                                            for e in all_results})) + f" (tc tbf {args.link})")
     # MB/s ratio: ratio of the medians; paired ratio: median over repetitions of gloo's time / swarm_opt's time in
     # the same repetition (robust to load that changes during the run); time vs first: the same against the first
     # variant
     print(table(["peers", "helpers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
                  "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio",
                  *([f"time vs {variants[0]}"] if len(variants) > 1 else []), "slowdown", "matchmaking s", "failed",
-                 "max err", *(["lane rounds", "lane setup ms"] if args.lane else [])], rows))
+                 "max err", *(["lane rounds", "lane setup ms"] if lane else [])], rows))
     path = write_json(args.out, {"benchmark": "allreduce", "reps": args.reps, "warmup": args.warmup,
                                  "matchmaking_time": args.matchmaking_time, "worker_threads": args.threads,
+                                 "link": args.link,
                                  "engine_opts": parse_engine_opts(args.engine_opt), "tls": not args.no_tls,
                                  "variants": [{"name": n, "engine_opts": o} for n, o in variants_of(args)],
                                  "results": all_results})
@@ -549,7 +597,8 @@ def plot(results: List[dict], name: str) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("float32 parameters (millions)")
     ax.set_ylabel("tensor MB / s (median)")
-    ax.set_title("All-reduce on loopback, 2-core CPU")
+    link = results[0].get("link") if results else None
+    ax.set_title(f"All-reduce {f'over {link} links' if link else 'on loopback'}, 2-core CPU")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = RESULTS_DIR / name

@@ -14,7 +14,8 @@ compute per step.
 Both swarm_opt and ``hivemind.Optimizer`` (the peer our users would otherwise pick) run the same workloads:
 hivemind's gradient averaging, with ``delay_optimizer_step`` + ``delay_grad_averaging`` as its overlap, and its
 ``use_local_updates``. Codecs: none and fp16 (hivemind's ``Float16Compression`` for hivemind), and PowerSGD rank 4
-for swarm_opt's gradient averaging.
+for swarm_opt's gradient averaging. System ``lane`` is swarm_opt with ``transport=swarm_opt.Gloo(host=...)``: its
+rounds move over the gloo fast lane (each peer's lane on its test host's address) instead of hivemind's path.
 
 Each peer measures from its first epoch change (the swarm has formed) to ``rounds`` epochs later:
 utilization = seconds in the compute sleep / wall seconds, plus samples per round against the target (overlap lets
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +45,7 @@ CONFIGS = [  # system/strategy/codec
     "swarm_opt/grad+overlap/none", "swarm_opt/grad+overlap/fp16",
     "swarm_opt/local/fp16", "swarm_opt/diloco/none", "swarm_opt/diloco/fp16",
     "hivemind/grad/none", "hivemind/grad/fp16", "hivemind/grad+overlap/fp16", "hivemind/local/fp16",
+    "lane/grad/none", "lane/grad+overlap/none", "lane/grad/powersgd4",
 ]
 
 
@@ -68,7 +69,7 @@ def make_optimizer(args: argparse.Namespace, dht: Any, model: Any, target: int) 
     common = dict(dht=dht, run_id="utilization", target_batch_size=target, batch_size_per_step=BATCH,
                   params=model.parameters(), optimizer=sgd, matchmaking_time=args.matchmaking_time,
                   averaging_timeout=args.averaging_timeout)
-    if system == "swarm_opt":
+    if system in ("swarm_opt", "lane"):  # lane: swarm_opt with its rounds over the gloo lane (transport=Gloo)
         strategies = {
             "grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates,
             "grad+overlap": lambda: swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap()),
@@ -77,7 +78,9 @@ def make_optimizer(args: argparse.Namespace, dht: Any, model: Any, target: int) 
         }
         codecs = {"none": swarm_opt.NoCompression, "fp16": swarm_opt.Float16,
                   "powersgd4": lambda: swarm_opt.PowerSGD(rank=4)}
-        return swarm_opt.Optimizer(strategy=strategies[strategy](), compression=codecs[codec](), **common)
+        transport = swarm_opt.Gloo(host=args.host) if system == "lane" else None
+        return swarm_opt.Optimizer(strategy=strategies[strategy](), compression=codecs[codec](), transport=transport,
+                                   **common)
     from hivemind.compression import Float16Compression, NoCompression
 
     compression = {"none": NoCompression(), "fp16": Float16Compression()}[codec]
@@ -135,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     epochs_measured = epoch() - first if wall_start is not None else 0
     result = dict(rank=args.rank, config=args.config, utilization=computing / wall if wall else None, wall=wall,
                   computing=computing, epochs=epochs_measured, start_epoch=start_epoch, marks=marks, target=target,
-                  longest_step=longest,
+                  longest_step=longest, lane_rounds=getattr(getattr(opt, "_averager", None), "lane_rounds", None),
                   seconds_per_round=wall / epochs_measured if epochs_measured else None)
     (workdir / f"result{args.rank}.json").write_text(json.dumps(result))
     while not (workdir / "stop").exists():  # stay until every peer is done: a leaving peer stalls the others
@@ -145,23 +148,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # --- orchestrator ---------------------------------------------------------------------------------------------------
-def probe_link(hosts: Any, seconds: float = 3.0) -> float:
-    """Mbit/s of one TCP stream from host 1 to host 0 (the rate the tbf shaping really gives)."""
-    code = ("import socket,sys,time\n"
-            "s=socket.socket();s.bind((sys.argv[1],5999));s.listen(1);c,_=s.accept();n=0;t=time.time()\n"
-            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
-            "print(n*8/(time.time()-t)/1e6)")
-    server = subprocess.Popen(["ip", "netns", "exec", hosts.names[0], sys.executable, "-c", code, hosts.address(0)],
-                              stdout=subprocess.PIPE, text=True)
-    time.sleep(1.0)
-    sender = ("import socket,sys,time\nc=socket.create_connection((sys.argv[1],5999));b=b'x'*(1<<16);"
-              f"e=time.time()+{seconds}\nwhile time.time()<e: c.sendall(b)\nc.close()")
-    subprocess.run(["ip", "netns", "exec", hosts.names[1], sys.executable, "-c", sender, hosts.address(0)],
-                   check=True, timeout=60)
-    out, _ = server.communicate(timeout=30)
-    return float(out.strip())
-
-
 def run_config(args: argparse.Namespace, hosts: Any, config: str) -> Dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="swarm_util_"))
     logs = [workdir / f"worker{r}.log" for r in range(PEERS)]
@@ -171,7 +157,7 @@ def run_config(args: argparse.Namespace, hosts: Any, config: str) -> Dict[str, A
             worker_args = [str(Path(__file__).resolve()), "--worker", "--rank", str(rank), "--workdir", str(workdir),
                            "--host", hosts.address(rank), "--config", config, *args.passthrough]
             procs.append(launch(worker_args, logs[rank], {"OMP_NUM_THREADS": "1"},
-                                prefix=("ip", "netns", "exec", hosts.names[rank])))
+                                prefix=hosts.prefix(rank)))
         deadline = time.monotonic() + 180
         while not all((workdir / f"ready{r}").exists() for r in range(PEERS)):
             for proc, log in zip(procs, logs):
@@ -206,11 +192,11 @@ def run_config(args: argparse.Namespace, hosts: Any, config: str) -> Dict[str, A
 def summarize(run: Dict[str, Any]) -> List[Any]:
     system, strategy, codec = run["config"].split("/")
     if "failed" in run:
-        return [system, strategy, codec, "failed", "-", "-", "-", "-", "-"]
+        return [system, strategy, codec, "failed", "-", "-", "-", "-", "-", "-"]
     peers = run["peers"]
     done = [p for p in peers if p["utilization"] is not None and p["epochs"]]
     if not done:
-        return [system, strategy, codec, "no rounds", "-", "-", "-", "-", "-"]
+        return [system, strategy, codec, "no rounds", "-", "-", "-", "-", "-", "-"]
     util = sum(p["utilization"] for p in done) / len(done)
     per_round = sum(p["seconds_per_round"] for p in done) / len(done)
     # samples per round: 4 peers × (steps between rounds) × batch, from each peer's compute time per round
@@ -218,7 +204,8 @@ def summarize(run: Dict[str, Any]) -> List[Any]:
     samples = PEERS * steps_per_round * BATCH
     longest = max(p.get("longest_step", float("nan")) for p in done)
     return [system, strategy, codec, f"{100 * util:.1f} %", f"{per_round:.2f}", f"{samples / done[0]['target']:.2f}x",
-            f"{longest:.2f}", f"{min(p['epochs'] for p in done)}", f"{min(p['utilization'] for p in done) * 100:.1f} %"]
+            f"{longest:.2f}", f"{min(p['epochs'] for p in done)}", f"{min(p['utilization'] for p in done) * 100:.1f} %",
+            "-" if system != "lane" else f"{min(p.get('lane_rounds') or 0 for p in done)}"]
 
 
 def main() -> None:
@@ -240,6 +227,7 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=60.0)
     parser.add_argument("--max-seconds", type=float, default=240.0, help="a run's time limit")
+    parser.add_argument("--out", default="utilization.json", help="the JSON's name under benchmarks/results/")
     args = parser.parse_args()
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "params", "step_seconds", "grad_steps", "grad_rounds", "local_steps", "local_rounds", "matchmaking_time",
@@ -249,16 +237,16 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from tests.hosts import Hosts, namespaces_unavailable
+    from tests.hosts import Hosts, burst_for, namespaces_unavailable
 
     reason = namespaces_unavailable()
     if reason:
         raise SystemExit(f"utilization.py needs test hosts: {reason}")
-    hosts = Hosts(PEERS, rate=args.rate, burst="256kbit")
+    hosts = Hosts(PEERS, rate=args.rate, burst=burst_for(args.rate))
     runs: List[Dict[str, Any]] = []
     started = time.time()
     try:
-        link = probe_link(hosts)
+        link = hosts.measure_link()
         print(f"{PEERS} hosts, links limited to {args.rate}: one TCP stream measured at {link:.1f} Mbit/s")
         for config in args.configs:
             t0 = time.time()
@@ -268,12 +256,12 @@ def main() -> None:
     finally:
         hosts.close()
     headers = ["system", "strategy", "codec", "utilization (mean of peers)", "s / round", "samples / round vs target",
-               "longest step() s", "rounds measured", "lowest peer"]
+               "longest step() s", "rounds measured", "lowest peer", "lane rounds (fewest of peers)"]
     print(f"\nUtilization, 4 peers on {args.rate} links ({link:.0f} Mbit/s measured), {args.params / 1e6:.1f}M params, "
           f"{args.step_seconds:.2f} s compute per step; gradient averaging: a global step per {args.grad_steps} local "
           f"steps, local updates/DiLoCo: a round per {args.local_steps} local steps")
     print(table(headers, [summarize(run) for run in runs]))
-    path = write_json("utilization.json", dict(rate=args.rate, link_mbit_s=link, params=args.params,
+    path = write_json(args.out, dict(rate=args.rate, link_mbit_s=link, params=args.params,
                                                step_seconds=args.step_seconds, runs=runs,
                                                seconds=time.time() - started))
     print(f"wrote {path}\nreproduce: python benchmarks/utilization.py {' '.join(sys.argv[1:])}".rstrip())

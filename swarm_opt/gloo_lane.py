@@ -227,9 +227,9 @@ class GlooLane:
         the process group unless it was cached)."""
         members = tuple(sorted(peer_ids))
         try:
-            started = time.perf_counter()
             # with fp16, one scale per tensor for the whole group (from its largest magnitude): nothing can overflow
             absmax = [_absmax(t) for t in tensors] if self.wire_dtype == torch.float16 else []
+            started = time.perf_counter()  # the setup: meeting the group, not the codec's pass over the values
             store = self._rendezvous(addresses[0])
             held, shares = self._group(store, members, members.index(own_id), group_id, start_timeout,
                                        _Share(token="", weight=float(weight), absmax=absmax))

@@ -7,9 +7,12 @@ traffic stays between these namespaces.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
+import time
 import uuid
 
 SUBNET = "10.213.{}.{}"
@@ -44,6 +47,26 @@ class Hosts:
     def address(self, i: int) -> str:
         return SUBNET.format(self.third_octet, i + 1)
 
+    def prefix(self, i: int) -> tuple:
+        """The command prefix that runs a program on host ``i``."""
+        return ("ip", "netns", "exec", self.names[i])
+
+    def measure_link(self, seconds: float = 3.0, port: int = 5999) -> float:
+        """Mbit/s of one TCP stream from host 1 to host 0 (the rate the tbf shaping really gives)."""
+        code = ("import socket,sys,time\ns=socket.socket();s.bind((sys.argv[1],int(sys.argv[2])));s.listen(1)\n"
+                "c,_=s.accept();n=0;t=time.time()\n"
+                "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+                "print(n*8/(time.time()-t)/1e6)")
+        server = subprocess.Popen([*self.prefix(0), sys.executable, "-c", code, self.address(0), str(port)],
+                                  stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        sender = ("import socket,sys,time\nc=socket.create_connection((sys.argv[1],int(sys.argv[2])));b=b'x'*(1<<16);"
+                  f"e=time.time()+{seconds}\nwhile time.time()<e: c.sendall(b)\nc.close()")
+        subprocess.run([*self.prefix(1), sys.executable, "-c", sender, self.address(0), str(port)], check=True,
+                       timeout=60)
+        out, _ = server.communicate(timeout=30)
+        return float(out.strip())
+
     @staticmethod
     def _in(namespace: str, *args: str) -> None:
         _sh("ip", "netns", "exec", namespace, *args)
@@ -57,6 +80,16 @@ class Hosts:
                 except (ProcessLookupError, ValueError):
                     pass
             _sh("ip", "netns", "del", name, check=False)
+
+
+def burst_for(rate: str) -> str:
+    """A tbf bucket for ``rate`` ("100mbit", "1gbit"): 256 kbit, or 2.5 ms of the rate if more (a bucket too small
+    for the kernel's timer tick caps a fast link below its rate)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.strip().lower())
+    if match is None:
+        raise ValueError(f"a link rate like '100mbit' or '1gbit' is expected, got {rate!r}")
+    bits = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
+    return f"{max(256, int(bits / 400 / 1e3))}kbit"
 
 
 def namespaces_unavailable() -> str:

@@ -164,12 +164,26 @@ class _Engine(DecentralizedAverager):
         Members get as long to begin as ``_first_failure`` gives them on hivemind's path. The all-reduces of the
         round (PowerSGD runs two) go through ``_run_allreduce_inplace_`` as on hivemind's path, with ``lane=``."""
         start_timeout = _START_TIMEOUT + 2 * max(_seconds(info.get("step_period")) for info in infos)
-        async with enter_asynchronously(self.get_tensors()) as tensors:
+        async with self._tensors_now() as tensors:
             await self._run_allreduce_inplace_(tensors, group_info, lane=(addresses, start_timeout), **kwargs)
         with self._lane_rounds.get_lock():
             self._lane_rounds.value += 1
         return {peer: self.serializer.loads(self.serializer.loads(data)[2])
                 for peer, data in zip(group_info.peer_ids, group_info.gathered)}
+
+    @contextlib.asynccontextmanager
+    async def _tensors_now(self) -> AsyncIterator[Sequence[torch.Tensor]]:
+        """``get_tensors()`` for the event loop: taken at once when free (it is when a round begins: the host let go of
+        it before triggering), else waited for in a thread as hivemind does; a hop to a thread costs a lane round
+        about a millisecond on the critical path, more on a loaded machine."""
+        if self.lock_averaged_tensors.acquire(block=False):
+            try:
+                yield self._averaged_tensors
+            finally:
+                self.lock_averaged_tensors.release()
+        else:
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                yield tensors
 
     async def _lane_allreduce(self, tensors: Sequence[torch.Tensor], group_info: Any, group_id: bytes,
                               addresses: List[Tuple[str, int]], start_timeout: float, weight: float) -> None:

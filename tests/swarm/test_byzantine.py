@@ -134,6 +134,7 @@ def test_audited_reducers_catch_a_lying_reducer_and_train_on_without_it(swarm):
         assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
 
 
+@pytest.mark.extended
 def test_audited_reducers_start_from_the_previous_result_and_agree(swarm):
     """``Audited(CenteredClip(start="previous"))`` over peers' momentum, with a sign-flipping member: from the
     second round on, every member holds the previous round's result, and each part's two reducers start from it

@@ -335,7 +335,9 @@ def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) 
 def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float],
                 previous: Optional[torch.Tensor] = None) -> torch.Tensor:
     """What a reducer sends back for one part: ``aggregation`` over the usable copies (see the module docstring),
-    in float32 like hivemind's reducer. Raises ValueError when no copy is usable.
+    in float32 like hivemind's reducer. Raises ValueError when no copy is usable. ``previous``: the part's result in
+    the previous round, passed on to an aggregation that ``uses_previous`` (dropped otherwise, and when it is not
+    finite or not of the part's size: this reducer's own copy, but it must not break a round).
 
     The arithmetic runs in float32 (one pass over the copies per step, as hivemind's sum), and again in float64 in
     the rare case where float32 overflowed (norms of copies beyond about 1e19) and the result is not finite."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Generic, Hashable, List, Optional, Tuple, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -31,6 +31,59 @@ from swarm_opt.config import TrustConfig
 logger = logging.getLogger(__name__)
 
 _MAX_IGNORE_SECONDS = 3600.0
+Key = TypeVar("Key", bound=Hashable)
+
+
+class Suspensions(Generic[Key]):
+    """Peers suspended for a while, longer at each repeat: ``first`` seconds, then twice as long at every new
+    offence, up to ``longest``. Forgiveness that a hostile peer cannot exploit cheaply: one that offends again as
+    soon as it is let back in is suspended ``first·(2^k − 1)`` seconds after ``k`` offences, so its offences grow
+    with the logarithm of time; one named by mistake (a bit flip, a bug fixed by a restart) comes back.
+
+    Bounded memory: at most ``capacity`` peers; when full, the one whose suspension ended first (or ends first) is
+    forgotten. A peer's count of offences is kept while it is suspended and for ``longest`` after (so that
+    offending again at once doubles), or until ``forget`` drops it. Not thread-safe: one owner calls it.
+    """
+
+    def __init__(self, first: float, longest: float, capacity: int = 4096) -> None:
+        if not 0 < first <= longest < float("inf") or capacity < 1:
+            raise ValueError(f"Suspensions needs 0 < first <= longest < inf and capacity >= 1, got {first}, "
+                             f"{longest}, {capacity}")
+        self.first, self.longest, self.capacity = float(first), float(longest), int(capacity)
+        self._entries: Dict[Key, Tuple[int, float]] = {}  # peer -> (offences, suspended until)
+
+    def suspend(self, key: Key, now: float) -> float:
+        """Record an offence of ``key`` at ``now``; returns how many seconds it is suspended."""
+        self._expire(now)
+        offences = self._entries.pop(key, (0, 0.0))[0]
+        seconds = min(self.longest, self.first * 2.0 ** min(offences, 64))
+        if len(self._entries) >= self.capacity:
+            del self._entries[min(self._entries, key=lambda k: self._entries[k][1])]
+        self._entries[key] = (offences + 1, now + seconds)
+        return seconds
+
+    def suspended(self, key: Key, now: float) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and now < entry[1]
+
+    def offences(self, key: Key) -> int:
+        """How many offences of ``key`` are remembered (0 once forgotten)."""
+        return self._entries.get(key, (0, 0.0))[0]
+
+    def remembered(self) -> List[Key]:
+        """Every peer with a record (suspended now, or suspended recently)."""
+        return list(self._entries)
+
+    def forget(self, key: Key, now: float) -> None:
+        """Drop ``key``'s record if its suspension is over (a peer gone from the swarm starts afresh if it comes
+        back after that)."""
+        entry = self._entries.get(key)
+        if entry is not None and entry[1] <= now:
+            del self._entries[key]
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, until) in self._entries.items() if until + self.longest <= now]:
+            del self._entries[key]
 
 
 def believed_epoch(epochs: List[int], local_epoch: Optional[int]) -> int:
@@ -73,8 +126,8 @@ class ClaimChecker:
         self._epoch_began: Dict[int, float] = {}  # epochs whose start we witnessed, and when
         self._newest_seen: Optional[int] = None
         self._ahead_since: Dict[Tuple[bytes, str], float] = {}
-        self._ignored_until: Dict[Tuple[bytes, str], float] = {}
-        self._ignore_count: Dict[Tuple[bytes, str], int] = {}
+        self._ignored: Suspensions[Tuple[bytes, str]] = Suspensions(config.ignore_seconds,
+                                                                    max(config.ignore_seconds, _MAX_IGNORE_SECONDS))
         self._reference_rate = 0.0
 
     def check(self, records: list, local, now: float, target_batch_size: int,
@@ -86,7 +139,7 @@ class ClaimChecker:
 
     def _check(self, records: list, local, now: float, target_batch_size: int,
                local_epoch_started: Optional[float]) -> list:
-        live = [r for r in records if self._ignored_until.get(_key(r), -1.0) <= now]
+        live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
         epoch = believed_epoch([r.epoch for r in live] + ([local_epoch] if local is not None else []), local_epoch)
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
@@ -151,10 +204,7 @@ class ClaimChecker:
             del self._epoch_began[old]
 
     def _ignore(self, key: Tuple[bytes, str], now: float, why: str) -> None:
-        count = self._ignore_count.get(key, 0)
-        seconds = min(_MAX_IGNORE_SECONDS, self.config.ignore_seconds * 2 ** count)
-        self._ignore_count[key] = count + 1
-        self._ignored_until[key] = now + seconds
+        seconds = self._ignored.suspend(key, now)
         self._credits.pop(key, None)
         self._ahead_since.pop(key, None)
         logger.warning(f"Ignoring peer {_describe(key)} for {seconds:.0f} s: {why}")
@@ -163,9 +213,8 @@ class ClaimChecker:
         for table in (self._credits, self._ahead_since):
             for key in [k for k in table if k not in present]:
                 del table[key]
-        for key in [k for k, until in self._ignored_until.items() if until <= now and k not in present]:
-            del self._ignored_until[key]
-            self._ignore_count.pop(key, None)
+        for key in [k for k in self._ignored.remembered() if k not in present]:
+            self._ignored.forget(key, now)
 
 
 def _key(record) -> Tuple[bytes, str]:

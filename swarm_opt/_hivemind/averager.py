@@ -48,6 +48,7 @@ from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
 from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
+from swarm_opt.trust import Suspensions
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,16 @@ _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of tw
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
+#: the gather's entry naming the previous round's result a member holds, [its round, its group id]
+#: (``Aggregation.uses_previous``): the reducers of a part start from it only if they all hold the same
+PREVIOUS_KEY = "previous"
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
 #: that many newcomers joining together spread over the donors (and come back, with backoff, if all are busy)
 MAX_UPLOADS_AT_ONCE = 4
+#: how long a peer named a lying reducer (``Audited``) is left out of this peer's groups the first time; each new
+#: offence doubles it, up to a day (``swarm_opt.trust.Suspensions``): a peer named by mistake comes back
+LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS = 600.0, 86400.0
 
 
 class _Engine(DecentralizedAverager):
@@ -88,7 +95,12 @@ class _Engine(DecentralizedAverager):
         self._uploads = 0  # state downloads this donor serves now (averager process)
         self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
-        self._liars: set = set()  # peers an audited round showed lying as reducers (averager process)
+        #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
+        self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
+        #: ((round, group id), the flattened result) of this peer's last complete round, for reducers that start
+        #: from it (``Aggregation.uses_previous``; averager process)
+        self._previous: Optional[Tuple[Tuple[int, bytes], torch.Tensor]] = None
+        self._values_from_previous = mp.Value("d", 0.0)  # values this peer reduced starting from it (shared)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -105,8 +117,11 @@ class _Engine(DecentralizedAverager):
             # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
             # split the trainers into two groups nor hold them until its own deadline; it joins a trainer's group
             self._matchmaking.client_mode = True
-        if self._liars and not getattr(self._matchmaking, "_avoids_liars", False):
+        if self._liars.remembered() and not getattr(self._matchmaking, "_avoids_liars", False):
             self._avoid_liars_as_leaders(self._matchmaking)
+        if self._previous is not None and self.aggregation.uses_previous:  # tell the groupmates which one it holds
+            step._data_for_gather = _with_member_info(self.serializer, step.data_for_gather,
+                                                      PREVIOUS_KEY, list(self._previous[0]))
         await super()._step(step=step, future_for_init=future_for_init)
 
     def _avoid_liars_as_leaders(self, matchmaking: Any) -> None:
@@ -114,14 +129,14 @@ class _Engine(DecentralizedAverager):
         request = matchmaking._request_join_group
 
         async def _request_join_group(leader: PeerID) -> Any:
-            return None if leader in self._liars else await request(leader)
+            return None if self._liars.suspended(leader, time.monotonic()) else await request(leader)
 
         matchmaking._request_join_group, matchmaking._avoids_liars = _request_join_group, True
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """hivemind's, refusing a known liar (``Audited``): its groups form without it."""
-        if context.remote_id in self._liars:
+        if self._liars.suspended(context.remote_id, time.monotonic()):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
@@ -132,7 +147,7 @@ class _Engine(DecentralizedAverager):
         a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
         so that none of them waits out a timeout for streams that will never come. A group whose every member
         offers the gloo lane averages there instead (``_lane_round``)."""
-        known_liars = self._liars.intersection(group_info.peer_ids)
+        known_liars = [peer for peer in group_info.peer_ids if self._liars.suspended(peer, time.monotonic())]
         if known_liars:  # a group formed around a liar by a groupmate that does not know it yet
             self._say_goodbye(group_info)
             raise AllreduceException(f"the group holds {', '.join(map(str, known_liars))}, seen lying as a reducer")
@@ -149,6 +164,7 @@ class _Engine(DecentralizedAverager):
                 raise AllreduceException(watchdog.result())
             gathered = aggregation.result()
             self._check_complete(group_info.group_id)
+            await self._remember_result(group_info)
             return gathered
         except BaseException:
             self._say_goodbye(group_info)
@@ -234,13 +250,18 @@ class _Engine(DecentralizedAverager):
         # the members' modes: hivemind computes them and forgets to pass them on (its PR #432), so its auxiliary
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
+        audit = audit_order(group_info.peer_ids, kwargs["peer_fractions"]) \
+            if isinstance(self.aggregation, Audited) else None
+        orders = [group_info.peer_ids] + ([audit] if audit is not None else [])
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
-                                    aggregation=self.aggregation, **kwargs)
+                                    aggregation=self.aggregation,
+                                    previous=self._previous_for(group_info, group_info.peer_ids, orders), **kwargs)
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
+        self._count_from_previous(runner)
         if isinstance(self.aggregation, Audited):
-            await self._audited_allreduce(runner, tensors, group_info, modes, **kwargs)
+            await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs)
         else:
             await self._consume(runner, tensors)
         if self.mode == AveragingMode.AUX:
@@ -257,12 +278,13 @@ class _Engine(DecentralizedAverager):
             tensor.copy_(mean)  # the same values on every member (the runner returns means, not differences)
 
     async def _audited_allreduce(self, runner: AllOrNothingRunner, tensors: Sequence[torch.Tensor], group_info: Any,
-                                 modes: Sequence[AveragingMode], **kwargs: Any) -> None:
+                                 modes: Sequence[AveragingMode], order: Optional[List[PeerID]], **kwargs: Any
+                                 ) -> None:
         """``runner``'s all-reduce and a second one of the same values with every share reduced by another member
-        (``swarm_opt._hivemind.allreduce.audit_order``), at the same time; the round fails if any part's two results
-        differ (``Audited``). Every member computes the same order from the same group, so all of them run both."""
+        (``order``: ``swarm_opt._hivemind.allreduce.audit_order``), at the same time; the round fails if any part's
+        two results differ (``Audited``). Every member computes the same order from the same group, so all of them
+        run both."""
         audit_id = group_info.group_id + AUDIT_SUFFIX
-        order = audit_order(group_info.peer_ids, kwargs["peer_fractions"])
         if order is None:
             self._running_groups[audit_id].cancel()
             raise AllreduceException("Audited: only one member of the group reduces, nobody can check it")
@@ -270,8 +292,11 @@ class _Engine(DecentralizedAverager):
         audit = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=copies,
                                    group_id=audit_id, ordered_peer_ids=order,
                                    modes=tuple(modes[group_info.peer_ids.index(peer)] for peer in order),
-                                   aggregation=self.aggregation, **kwargs)
+                                   aggregation=self.aggregation,
+                                   previous=self._previous_for(group_info, order, [group_info.peer_ids, order]),
+                                   **kwargs)
         self._running_groups[audit_id].set_result(audit)
+        self._count_from_previous(audit)
         owners = part_owners(runner)
         tasks = [asyncio.ensure_future(self._consume(runner, tensors)),
                  asyncio.ensure_future(self._consume(audit, copies))]
@@ -287,13 +312,51 @@ class _Engine(DecentralizedAverager):
         pairs = await asyncio.get_event_loop().run_in_executor(
             None, disagreeing_reducers, self.aggregation, owners, tensors, copies, group_info.peer_ids, order)
         if pairs:
-            for liar in liars(pairs) - self._liars:
-                self._liars.add(liar)
-                logger.warning(f"Peer {liar} returned means that two other reducers of the same values contradict: "
-                               f"it lies (or is broken); rounds with it fail")
+            now = time.monotonic()
+            for liar in liars(pairs):
+                if not self._liars.suspended(liar, now):
+                    seconds = self._liars.suspend(liar, now)
+                    logger.warning(f"Peer {liar} returned means that two other reducers of the same values "
+                                   f"contradict: it lies (or is broken); left out of groups for {seconds:.0f} s "
+                                   f"(offence {self._liars.offences(liar)}; each new one doubles it)")
             named = "; ".join(sorted(f"{a} and {b}" for a, b in pairs))
             raise AllreduceException(f"Audited: reducers returned different means of the same values ({named}): "
                                      f"one of each pair lies")
+
+    async def _remember_result(self, group_info: Any) -> None:
+        """Keep the result of a complete round for the reducers of the next one (``Aggregation.uses_previous``): every
+        member of the group holds the same values (the runners return identical means), named by the round and the
+        group's id. A helper receives no result: it keeps none."""
+        if not self.aggregation.uses_previous or self.mode == AveragingMode.AUX:
+            return
+        own = _member_info(self.serializer, group_info.gathered[group_info.peer_ids.index(self.peer_id)])
+        round_id = own.get("round")
+        self._previous = None
+        if isinstance(round_id, int) and not isinstance(round_id, bool):
+            async with enter_asynchronously(self.get_tensors()) as tensors:
+                flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+            self._previous = ((round_id, bytes(group_info.group_id)), flat)
+
+    def _previous_for(self, group_info: Any, order: Sequence[PeerID], orders: Sequence[Sequence[PeerID]]
+                      ) -> Optional[torch.Tensor]:
+        """This peer's copy of the previous round's result for the all-reduce of ``order``, if the reducers of its
+        share there (its reducer in each of ``orders``: one, or two when audited) all hold that same result and all
+        are in the round after it; else None (a reducer then starts as without it). Decided from the gathered
+        entries, which every member reads alike: two reducers of an audited part start from the same values."""
+        if self._previous is None or not self.aggregation.uses_previous or self.peer_id not in order:
+            return None
+        key, flat = self._previous
+        share = list(order).index(self.peer_id)
+        for reducers in orders:
+            info = _member_info(self.serializer, group_info.gathered[list(group_info.peer_ids).index(reducers[share])])
+            if _previous_key(info.get(PREVIOUS_KEY)) != key or info.get("round") != key[0] + 1:
+                return None
+        return flat
+
+    def _count_from_previous(self, runner: AllOrNothingRunner) -> None:
+        if runner.tensor_part_reducer.previous is not None:
+            with self._values_from_previous.get_lock():
+                self._values_from_previous.value += sum(p.numel() for p in runner.tensor_part_reducer.previous)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -532,6 +595,25 @@ def _member_info(serializer: Any, data: bytes) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def _with_member_info(serializer: Any, data: bytes, key: str, value: Any) -> bytes:
+    """A step's gather (hivemind's ``[bandwidth, mode, user data]``) with ``key: value`` added to the user data."""
+    outer = serializer.loads(data)
+    info = serializer.loads(outer[2])
+    outer[2] = serializer.dumps({**(info if isinstance(info, dict) else {}), key: value})
+    return serializer.dumps(outer)
+
+
+def _previous_key(value: Any) -> Optional[Tuple[int, bytes]]:
+    """A member's ``PREVIOUS_KEY`` entry as (round, group id), or None if it is not one (network input)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        return None
+    round_id, group_id = value
+    if isinstance(round_id, bool) or not isinstance(round_id, int) or not isinstance(group_id, bytes) \
+            or len(group_id) > 256:
+        return None
+    return round_id, group_id
+
+
 def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
 
@@ -665,6 +747,12 @@ class TensorAverager:
     def lane_rounds(self) -> int:
         """How many of this peer's rounds averaged over the gloo lane."""
         return int(self._engine._lane_rounds.value)
+
+    @property
+    def values_from_previous(self) -> int:
+        """How many values this peer's reducer combined starting from the previous round's result
+        (``CenteredClip(start="previous")``), in all its rounds."""
+        return int(self._engine._values_from_previous.value)
 
     @property
     def uploads(self) -> Tuple[int, int]:

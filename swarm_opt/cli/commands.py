@@ -110,6 +110,13 @@ def run_id(text: str) -> str:
     return str(text)
 
 
+def aggregation(text: str) -> Any:
+    """``--aggregation``: ``swarm_opt.aggregation.parse_aggregation``'s forms (its ConfigError is a ValueError)."""
+    from swarm_opt.aggregation import parse_aggregation
+
+    return parse_aggregation(text)
+
+
 def _boolean(text: Any) -> bool:
     if isinstance(text, bool):
         return text
@@ -250,6 +257,10 @@ OPTIONS: Dict[str, List[_Option]] = {
                 default=5.0),
         _Option("--averaging-timeout", "seconds after which a round is abandoned and retried", type=positive_float,
                 default=60.0),
+        _Option("--aggregation", "how each averaged part is combined, the same on every peer of the run (default: "
+                "mean, each member's norm bounded): mean:none (the plain mean), trimmed-mean[:FRACTION], "
+                "centered-clip[:tau=T,iterations=N,start=median|previous], and audited:... for two reducers per "
+                "part (contains a lying reducer, 2x the bytes)", type=aggregation, metavar="SPEC"),
         _Option("--gloo-lane", "average over torch.distributed's gloo, several times faster than hivemind's path, "
                 "in rounds whose every member offers the lane: this machine's IP address (and a rendezvous port, "
                 "default any) on a trusted network; gloo neither authenticates nor encrypts", type=lane_address,

@@ -132,6 +132,9 @@ def run_train(args: argparse.Namespace) -> int:
     if args.batch_size > args.target_batch_size:
         raise ConfigError(f"--batch-size ({args.batch_size}) must not exceed --target-batch-size "
                           f"({args.target_batch_size})")
+    if args.gloo_lane is not None and args.aggregation is not None:
+        raise ConfigError("--aggregation needs hivemind's averaging path (the gloo lane computes the plain weighted "
+                          "mean): drop --gloo-lane or --aggregation")
     task = load_task(args.task, seed=args.seed)
     strategy = make_strategy(args)
     transport = None if args.gloo_lane is None else swarm_opt.Gloo(*args.gloo_lane)
@@ -156,7 +159,7 @@ def run_train(args: argparse.Namespace) -> int:
                 batch_size_per_step=args.batch_size, params=task.model.parameters(),
                 optimizer=make_inner_optimizer(args), strategy=strategy,
                 matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
-                transport=transport,
+                transport=transport, aggregation=args.aggregation,
             )
         stop.install()
         _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
@@ -215,7 +218,8 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
         with children_ignore_sigint():
             helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=task.model.parameters(),
                                              strategy=strategy, matchmaking_time=args.matchmaking_time,
-                                             averaging_timeout=args.averaging_timeout)
+                                             averaging_timeout=args.averaging_timeout,
+                                             aggregation=args.aggregation)
         stop.install()
         _say(f"helping run '{args.run_id}' as auxiliary peer {dht.peer_id}: reduces a share of every round, "
              f"trains nothing")

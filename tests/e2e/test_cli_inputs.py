@@ -46,6 +46,11 @@ def assert_one_line_error(result, *fragments: str, status: int = 2) -> None:
     (["train", "--run-id", "r", "--config", "missing.yaml"], ["cannot read config file 'missing.yaml'"]),
     (["train", "--run-id", "r", "--gloo-lane", "10.0.0.5:port"], ["argument --gloo-lane", "HOST:PORT"]),
     (["train", "--run-id", "r", "--gloo-lane", "my-laptop"], ["Gloo(host='my-laptop')", "IP address"]),
+    (["train", "--run-id", "r", "--aggregation", "median"], ["argument --aggregation", "unknown aggregation",
+                                                              "trimmed-mean:0.25", "audited:centered-clip"]),
+    (["train", "--run-id", "r", "--aggregation", "trimmed-mean:0.5"], ["argument --aggregation", "[0, 0.5)"]),
+    (["train", "--run-id", "r", "--aggregation", "centered-clip", "--gloo-lane", "127.0.0.1"],
+     ["drop --gloo-lane or --aggregation"]),
 ])
 def test_bad_input_is_one_line(args, fragments, capsys, tmp_path, monkeypatch):
     """In-process through main(argv) (the same code as the console script): many cases, no start-up cost each."""

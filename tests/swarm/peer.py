@@ -233,6 +233,7 @@ def main(config_path: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import swarm_opt
+    from swarm_opt.aggregation import parse_aggregation
 
     cfg = json.load(open(config_path))
     install_fault(cfg)
@@ -275,7 +276,8 @@ def main(config_path: str) -> None:
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
-        aggregation=(getattr(swarm_opt, cfg["aggregation"])(**_named_args(cfg.get("aggregation_args", {})))
+        aggregation=(parse_aggregation(cfg["aggregation"]) if ":" in cfg.get("aggregation", "")  # the CLI's form
+                     else getattr(swarm_opt, cfg["aggregation"])(**_named_args(cfg.get("aggregation_args", {})))
                      if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
         transport=swarm_opt.Gloo(host="127.0.0.1") if cfg.get("lane") else None,  # the gloo fast lane
         groups=swarm_opt.Groups(size=cfg["groups"]) if cfg.get("groups") else None,  # Moshpit group averaging
@@ -407,6 +409,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
                    discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
+                   values_from_previous=opt._averager.values_from_previous,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
                    peer_id=str(opt._averager.peer_id)))
 

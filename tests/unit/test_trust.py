@@ -143,3 +143,36 @@ def test_a_liars_speed_is_not_believed_while_the_honest_peers_take_their_first_s
     speeds = [rec("a", 0, 40, 100.0, 102.0), rec("liar", 0, 200, 1e9, 102.0)]  # now the honest speeds are known
     counted = checker.check(speeds, rec("me", 0, 40, 100.0, 102.0), 102.0, TARGET)
     assert max(r.samples_per_second for r in counted) <= TrustConfig().max_rate_vs_median * 100.0
+
+
+def test_suspensions_double_at_each_offence_and_forgive_a_peer_that_stays_clean():
+    from swarm_opt.trust import Suspensions
+
+    bans: Suspensions[str] = Suspensions(first=10.0, longest=100.0, capacity=3)
+    assert bans.suspend("liar", 0.0) == 10.0
+    assert bans.suspended("liar", 9.9) and not bans.suspended("liar", 10.0)
+    # offending again as soon as it is back: 20, 40, 80, then capped at 100
+    now, lengths = 10.0, []
+    for _ in range(5):
+        lengths.append(bans.suspend("liar", now))
+        now += lengths[-1]
+    assert lengths == [20.0, 40.0, 80.0, 100.0, 100.0]
+    assert bans.offences("liar") == 6
+    # one named by mistake: after its suspension and `longest` without an offence, it starts afresh
+    bans.suspend("mistaken", 0.0)
+    assert bans.suspend("mistaken", 10.0 + 100.0) == 10.0
+    # a peer is never remembered without bound: the one whose suspension ends first goes when the table is full
+    bans.suspend("a", now)
+    bans.suspend("b", now + 1)
+    assert sorted(bans.remembered()) == ["a", "b", "liar"]  # "mistaken" was forgiven (clean for `longest`)
+    small: Suspensions[str] = Suspensions(first=10.0, longest=100.0, capacity=2)
+    for t, peer in enumerate("xyz"):
+        small.suspend(peer, float(t))
+    assert sorted(small.remembered()) == ["y", "z"]
+    # forget() drops a record whose suspension is over, never a current one
+    bans.forget("b", now + 2)
+    assert bans.suspended("b", now + 2)
+    bans.forget("a", now + 20)
+    assert bans.offences("a") == 0
+    with pytest.raises(ValueError):
+        Suspensions(first=0.0, longest=1.0)

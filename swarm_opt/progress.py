@@ -183,17 +183,15 @@ def aggregate_progress(
 
 def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> float:
     """The compute speed ``record``'s peer is counted at in the swarm's speed, hence in every peer's share of the
-    target and in the ETA. A peer in its first steps has no measured speed yet (``_Throughput`` publishes none); if
-    it adds samples in this epoch (or the last: the round it just finished with us), or the epoch began less than
-    ``max_extrapolation`` ago (``fresh``: its first step may not have reached us yet), it is counted at the median
+    target and in the ETA. A peer in its first steps has no measured speed yet (``_Throughput`` publishes one after
+    its second step): during the epoch's first ``max_extrapolation`` seconds (``fresh``) it is counted at the median
     measured speed (``typical``), or each peer that knows its own speed would compute the whole target alone while
-    the others' records travel. Never extrapolated at that guess (its samples count as published); a peer that
-    still adds nothing after that (all its steps skipped) is not counted, so nobody waits for it."""
+    the others' records travel. Never extrapolated at that guess (its samples count as published), and only for
+    those seconds: a peer still unmeasured after them is slow (or skips every step) and is not counted, so a fast
+    peer does not stop at a share that a slow one would never fill."""
     if record.samples_per_second > 0:
         return record.samples_per_second
-    if record.epoch < epoch - 1:
-        return 0.0
-    return typical if record.samples > 0 or fresh else 0.0
+    return typical if fresh and record.epoch >= epoch - 1 else 0.0
 
 
 def parse_records(raw: object, *, model_schema: Optional[str], now: float,

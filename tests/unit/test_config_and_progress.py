@@ -82,19 +82,21 @@ def test_a_peer_that_stopped_reporting_is_not_extrapolated_forever():
     assert aggregate_progress([idle], local, 100, now=100.0, max_extrapolation=2.0).samples_accumulated == 60
 
 
-def test_a_peer_computing_before_its_speed_is_measured_counts_at_the_typical_speed_but_is_not_extrapolated():
+def test_a_peer_whose_speed_is_not_measured_counts_at_the_typical_speed_early_in_the_epoch_only():
     local = record(b"me", 2, 32, 100.0, 100.0)
-    others = [record(b"a", 2, 32, 0.0, 99.0),  # computes, speed not published yet: counted at the median, 100
-              record(b"b", 2, 0, 0.0, 99.0),  # adds nothing (e.g. every step skipped): not counted
+    others = [record(b"a", 2, 32, 0.0, 99.0),  # computes, speed not published yet
+              record(b"b", 2, 0, 0.0, 99.0),  # its first step may still be on its way
               record(b"c", 2, 64, 300.0, 99.0)]
-    p = aggregate_progress(others, local, target_batch_size=1000, now=100.0)
-    assert p.samples_per_second == pytest.approx(100.0 + 200.0 + 300.0)  # median of 100 and 300
-    # a is counted as published (no extrapolation at a guess); c is extrapolated for 1 s at its own speed
-    assert p.samples_accumulated == 32 + 32 + 64 + 300
-    # in the epoch's first max_extrapolation seconds b's first step may still be on its way: counted too
-    just_begun = aggregate_progress(others, local, 1000, now=100.0, epoch_started=99.0, max_extrapolation=2.0)
-    assert just_begun.samples_per_second == pytest.approx(100.0 + 200.0 + 200.0 + 300.0)
-    alone = aggregate_progress([record(b"a", 2, 32, 0.0, 99.0)], record(b"me", 2, 0, 0.0, 100.0), 1000, now=100.0)
+    # in the epoch's first max_extrapolation seconds a and b count at the median measured speed (of 100 and 300)
+    early = aggregate_progress(others, local, 1000, now=100.0, epoch_started=99.0, max_extrapolation=2.0)
+    assert early.samples_per_second == pytest.approx(100.0 + 200.0 + 200.0 + 300.0)
+    # never extrapolated at the guess: a and b count as published; c is extrapolated for 1 s at its own speed
+    assert early.samples_accumulated == 32 + 32 + 0 + 64 + 300
+    # later, a peer still unmeasured is slow (or skips its steps): counted at nothing, so nobody stops early for it
+    late = aggregate_progress(others, local, 1000, now=100.0, epoch_started=95.0, max_extrapolation=2.0)
+    assert late.samples_per_second == pytest.approx(100.0 + 300.0)
+    alone = aggregate_progress([record(b"a", 2, 32, 0.0, 99.0)], record(b"me", 2, 0, 0.0, 100.0), 1000, now=100.0,
+                               epoch_started=99.5)
     assert alone.samples_per_second == 0.0  # nothing measured: nothing guessed
 
 

@@ -42,13 +42,16 @@ def run(setting: str, target: int, epochs: int, matchmaking_time: float) -> Dict
         finally:
             swarm.kill_all()
     per_epoch: Dict[int, int] = {}
-    for r in results:
+    per_peer: Dict[int, List[int]] = {}  # epoch -> samples each peer averaged into it (0: it caught up instead)
+    for rank, r in enumerate(results):
         for rep in r["reports"]:
+            per_peer.setdefault(rep["epoch"], [0] * len(results))[rank] = 0 if rep["caught_up"] else rep["samples"]
             if not rep["caught_up"]:
                 per_epoch[rep["epoch"]] = per_epoch.get(rep["epoch"], 0) + rep["samples"]
     ratios: List[float] = [s / target for _, s in sorted(per_epoch.items())]
     steady = [s / target for e, s in sorted(per_epoch.items()) if e > WARM_UP]
     return {"setting": setting, "target": target, "epochs": epochs, "samples_per_epoch": per_epoch,
+            "samples_per_epoch_by_peer": dict(sorted(per_peer.items())),
             "ratio": quantiles(ratios) if ratios else None, "ratio_mean": sum(ratios) / len(ratios) if ratios else None,
             "ratio_mean_after_warm_up": sum(steady) / len(steady) if steady else None}
 

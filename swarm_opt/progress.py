@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -144,11 +145,15 @@ def aggregate_progress(
         return SwarmProgress(0, 0, target_batch_size, 0, 0, 0.0, now + 3600.0, now)
     epoch = max(r.epoch for r in peers)
     weights = [1.0 if r is local else scale for r in peers]
-    throughput = sum(w * r.samples_per_second for w, r in zip(weights, peers))
+    measured = [r.samples_per_second for r in peers if r.samples_per_second > 0]
+    typical = statistics.median(measured) if measured else 0.0
+    fresh = local is not None and epoch_started is not None and now - epoch_started < max_extrapolation
+    speeds = [_speed(r, epoch, typical, fresh) for r in peers]
+    throughput = sum(w * speed for w, speed in zip(weights, speeds))
     samples = 0.0
-    for record in peers:
+    for record, speed in zip(peers, speeds):
         # a peer stops computing at its share of the target (see ``Optimizer``): extrapolate it no further
-        share = target_batch_size * record.samples_per_second / throughput if throughput > 0 else 0.0
+        share = target_batch_size * speed / throughput if throughput > 0 else 0.0
         if record is local:
             samples += record.samples if record.epoch == epoch else 0
         elif record.epoch == epoch:
@@ -174,6 +179,19 @@ def aggregate_progress(
         eta=eta,
         time=now,
     )
+
+
+def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> float:
+    """The compute speed ``record``'s peer is counted at in the swarm's speed, hence in every peer's share of the
+    target and in the ETA. A peer in its first steps has no measured speed yet (``_Throughput`` publishes one after
+    its second step): during the epoch's first ``max_extrapolation`` seconds (``fresh``) it is counted at the median
+    measured speed (``typical``), or each peer that knows its own speed would compute the whole target alone while
+    the others' records travel. Never extrapolated at that guess (its samples count as published), and only for
+    those seconds: a peer still unmeasured after them is slow (or skips every step) and is not counted, so a fast
+    peer does not stop at a share that a slow one would never fill."""
+    if record.samples_per_second > 0:
+        return record.samples_per_second
+    return typical if fresh and record.epoch >= epoch - 1 else 0.0
 
 
 def parse_records(raw: object, *, model_schema: Optional[str], now: float,
@@ -209,6 +227,10 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float,
             continue
         records.append(record)
     return records, mismatched
+
+
+#: seconds between two reads while this peer computes and no peer's speed is measured yet (a run's first steps)
+_UNMEASURED_PERIOD = 0.2
 
 
 class _Throughput:
@@ -345,6 +367,7 @@ class ProgressTracker:
         self._epoch, self._samples = 0, 0
         self._params_digest: Optional[List[float]] = None
         self._epoch_started: Optional[float] = None
+        self._first_step: Optional[float] = None  # epoch 0's start for ``aggregate_progress`` (not for trust checks)
         self._throughput = _Throughput()
         self._checker = ClaimChecker(config.trust)
         self._others: List[ProgressRecord] = []
@@ -374,6 +397,8 @@ class ProgressTracker:
             if params_digest is not None:
                 self._params_digest = params_digest
                 self._wake.set()
+            if self._first_step is None and samples > 0:
+                self._first_step = get_dht_time()
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
 
@@ -395,7 +420,8 @@ class ProgressTracker:
     @property
     def progress(self) -> SwarmProgress:
         with self._lock:
-            local, others, started, scale = self._local_record(), self._others, self._epoch_started, self._scale
+            local, others, scale = self._local_record(), self._others, self._scale
+            started = self._epoch_started if self._epoch_started is not None else self._first_step
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
                                   max_extrapolation=self._records.max_extrapolation, scale=scale)
 
@@ -433,6 +459,10 @@ class ProgressTracker:
         if self._records.sample.level > 0:  # a sample's estimate is extrapolated between reads: no rush near the end
             return self.config.sampled_period
         progress = self.progress
+        if progress.samples_per_second == 0 and self._samples > 0:
+            # a run's first steps: no speed is measured yet, so there is no ETA to pace reads by, and the peers
+            # learn that the swarm reached the target only from each other's samples
+            return min(self.config.refresh_period, _UNMEASURED_PERIOD)
         until_target = progress.eta_seconds
         return min(self.config.refresh_period, max(0.05, until_target / 3))
 

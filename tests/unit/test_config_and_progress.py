@@ -82,6 +82,24 @@ def test_a_peer_that_stopped_reporting_is_not_extrapolated_forever():
     assert aggregate_progress([idle], local, 100, now=100.0, max_extrapolation=2.0).samples_accumulated == 60
 
 
+def test_a_peer_whose_speed_is_not_measured_counts_at_the_typical_speed_early_in_the_epoch_only():
+    local = record(b"me", 2, 32, 100.0, 100.0)
+    others = [record(b"a", 2, 32, 0.0, 99.0),  # computes, speed not published yet
+              record(b"b", 2, 0, 0.0, 99.0),  # its first step may still be on its way
+              record(b"c", 2, 64, 300.0, 99.0)]
+    # in the epoch's first max_extrapolation seconds a and b count at the median measured speed (of 100 and 300)
+    early = aggregate_progress(others, local, 1000, now=100.0, epoch_started=99.0, max_extrapolation=2.0)
+    assert early.samples_per_second == pytest.approx(100.0 + 200.0 + 200.0 + 300.0)
+    # never extrapolated at the guess: a and b count as published; c is extrapolated for 1 s at its own speed
+    assert early.samples_accumulated == 32 + 32 + 0 + 64 + 300
+    # later, a peer still unmeasured is slow (or skips its steps): counted at nothing, so nobody stops early for it
+    late = aggregate_progress(others, local, 1000, now=100.0, epoch_started=95.0, max_extrapolation=2.0)
+    assert late.samples_per_second == pytest.approx(100.0 + 300.0)
+    alone = aggregate_progress([record(b"a", 2, 32, 0.0, 99.0)], record(b"me", 2, 0, 0.0, 100.0), 1000, now=100.0,
+                               epoch_started=99.5)
+    assert alone.samples_per_second == 0.0  # nothing measured: nothing guessed
+
+
 def test_aggregate_sees_a_swarm_ahead_and_readiness():
     local = record(b"me", 1, 0, 0.0, 50.0)
     p = aggregate_progress([record(b"a", 4, 7, 1.0, 50.0)], local, target_batch_size=10, now=50.0)

@@ -94,8 +94,8 @@ class Strategy(ABC):
         """The optimizer averages in Moshpit groups (``swarm_opt.Groups``): members of different groups then hold
         different values after a round. Strategies that stay correct with that accept it; the default refuses."""
         raise ConfigError(
-            f"{type(self).__name__} does not average in groups (groups={groups!r}): use LocalUpdates(), FedProx() "
-            f"or Scaffold(), or groups=None")
+            f"{type(self).__name__} does not average in groups (groups={groups!r}): use LocalUpdates(), FedProx(), "
+            f"Scaffold() or DiLoCo(), or groups=None")
 
     @abstractmethod
     def reset(self) -> None:

@@ -1,12 +1,24 @@
-"""DiLoCo (Douillard et al., 2023): local updates, then an outer optimizer steps on the averaged pseudo-gradient."""
+"""DiLoCo (Douillard et al., 2023): local updates, then an outer optimizer steps on the averaged pseudo-gradient.
+
+**Moshpit groups** (``swarm_opt.groups``): a group's members come from different groups of the previous round and
+hold different anchors ``x`` and outer momenta ``m``. Their rounds average ``x`` and ``m`` with the parameters (two
+more model-sized tensors: three times the bytes of a round of the whole swarm), and the outer step runs from the
+group's mean ``x`` with its mean ``m`` on the mean pseudo-gradient. SGD's outer step (with momentum, Nesterov or not)
+is linear in ``(x, m, x - ybar)``, so that step is the mean of the members' own outer steps: every member ends the
+round with the same ``x``, and the swarm's mean ``(x, m)`` moves as one DiLoCo over the whole swarm would on the
+swarm's mean pseudo-gradient. Adaptive outer optimizers (Adam's steps are not linear in their state) are refused
+with groups.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from swarm_opt.errors import ConfigTypeError, IncompatibleStateError
+from swarm_opt.buffers import AveragingResult
+from swarm_opt.config import Groups
+from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.anchor import entry
 from swarm_opt.strategies.local_updates import Anchored
 
@@ -39,12 +51,51 @@ class DiLoCo(Anchored):
                 "outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)"
             )
         self._outer_factory = outer_optimizer
+        self._groups: Optional[Groups] = None
+
+    def use_groups(self, groups: Groups) -> None:
+        """Accepted with an SGD outer optimizer: rounds then also average ``x`` and the outer momentum (module
+        docstring); checked at ``bind``, when the outer optimizer exists."""
+        self._groups = groups
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
         self.outer = self._outer_factory(self.anchor.tensors)
         if not isinstance(self.outer, torch.optim.Optimizer):
             raise ConfigTypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
+        if self._groups is not None:
+            _check_linear(self.outer, self._groups)
+
+    @property
+    def variant(self) -> str:
+        """Peers in groups send ``x`` and the outer momentum too: they average only with each other."""
+        if self._groups is None:
+            return ""
+        outer = getattr(self, "outer", None)  # bound: whether momentum buffers travel
+        return "+groups" + ("+momentum" if outer is not None and _momentum_buffers(outer) else "")
+
+    def buffer_templates(self) -> List[torch.Tensor]:
+        """In groups, ``x`` and the outer momentum follow the parameters."""
+        return super().buffer_templates() + self._grouped_state()
+
+    def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
+        super().write_round(buffers)
+        state = self._grouped_state()
+        for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
+            buffer.copy_(tensor)
+
+    def apply_round(self, result: AveragingResult) -> None:
+        """In groups, the outer step below starts from the group's mean ``x`` and momentum."""
+        state = self._grouped_state()
+        if state and result.averaged is not None:
+            for tensor, mean in zip(state, result.averaged[len(result.averaged) - len(state):]):
+                tensor.copy_(mean)
+        super().apply_round(result)
+
+    def _grouped_state(self) -> List[torch.Tensor]:
+        if self._groups is None:
+            return []
+        return list(self.anchor.tensors) + _momentum_buffers(self.outer)
 
     def start_next_round(self) -> None:
         """The parameters hold the group's mean ``ybar``: the outer optimizer steps from ``x`` on ``x - ybar``, and
@@ -73,3 +124,27 @@ class DiLoCo(Anchored):
         except (KeyError, ValueError, TypeError) as e:
             raise IncompatibleStateError(f"DiLoCo outer: the outer optimizer's state does not fit: {e!r}") from e
         load_anchor()
+
+
+def _check_linear(outer: torch.optim.Optimizer, groups: Groups) -> None:
+    if type(outer) is not torch.optim.SGD or any(group["dampening"] != 0 for group in outer.param_groups):
+        raise ConfigError(
+            f"DiLoCo in groups ({groups!r}) needs torch.optim.SGD as the outer optimizer (momentum and Nesterov are "
+            f"fine, dampening=0): groups average the outer state, and only SGD's step is linear in it. Got "
+            f"{type(outer).__name__}; use outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, "
+            f"nesterov=True), or groups=None")
+
+
+def _momentum_buffers(outer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """An SGD outer optimizer's momentum buffers, made (zero) where missing so that rounds in groups average them
+    from the first round on: torch's SGD starts a missing buffer at the first gradient, which a zero buffer gives
+    too when ``dampening=0`` (``_check_linear``). Read anew each round: loading a state replaces them."""
+    buffers = []
+    for group in outer.param_groups:
+        if group["momentum"] == 0:
+            continue
+        for x in group["params"]:
+            if outer.state[x].get("momentum_buffer") is None:
+                outer.state[x]["momentum_buffer"] = torch.zeros_like(x)
+            buffers.append(outer.state[x]["momentum_buffer"])
+    return buffers

@@ -324,12 +324,12 @@ class Anchored(LocalUpdates):
     def use_groups(self, groups: Groups) -> None:
         """Refused unless the variant says otherwise: members of a group then come from different groups of the
         previous round and hold different anchors ``x``, so an update measured from each member's own ``x``
-        (FedNova's ``x - S_eff mean(d)``, DiLoCo's outer step with each peer's outer state) would leave the members
-        of one group with different parameters. SCAFFOLD restarts ``x`` from the group's mean and accepts groups."""
+        (FedNova's ``x - S_eff mean(d)``) would leave the members of one group with different parameters. SCAFFOLD
+        restarts ``x`` from the group's mean, DiLoCo averages ``x`` and its outer state too: both accept groups."""
         raise ConfigError(
             f"{type(self).__name__} does not average in groups yet ({groups!r}): its rounds step from the swarm's "
-            f"common anchor x, which groups do not share. Use LocalUpdates(), FedProx() or Scaffold() with groups, "
-            f"or groups=None")
+            f"common anchor x, which groups do not share. Use LocalUpdates(), FedProx(), Scaffold() or DiLoCo() with "
+            f"groups, or groups=None")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"anchor": self.anchor.state(), "lr_sums": list(self.lr_sums.values)}

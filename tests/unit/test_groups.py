@@ -11,7 +11,7 @@ import torch
 from swarm_opt import ConfigError, ConfigTypeError, Groups
 from swarm_opt.groups import ONE_GROUP, Grid, cell_peers, grid_shape
 from swarm_opt.round import is_majority
-from swarm_opt.simulation import moshpit_groups, moshpit_round
+from swarm_opt.simulation import average_in_process, moshpit_groups, moshpit_round
 from swarm_opt.strategies import DiLoCo, FedNova, FedProx, GradientAveraging, LocalUpdates, Scaffold
 from tests.unit.test_scaffold_maths import DIM, Peer, optimum, problems
 
@@ -127,13 +127,67 @@ def test_random_grid_with_churn_decays_geometrically_to_the_swarm_mean():
 
 def test_only_parameter_averaging_strategies_accept_groups():
     groups = Groups(size=8)
-    for strategy in (LocalUpdates(), FedProx(mu=0.1), Scaffold()):
+    for strategy in (LocalUpdates(), FedProx(mu=0.1), Scaffold(), DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7))):
         strategy.use_groups(groups)
     with pytest.raises(ConfigError, match="sync-equivalence.*LocalUpdates"):
         GradientAveraging().use_groups(groups)
-    for strategy in (DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7)), FedNova()):
-        with pytest.raises(ConfigError, match="anchor x.*LocalUpdates.*groups=None"):
+    with pytest.raises(ConfigError, match="anchor x.*LocalUpdates.*DiLoCo.*groups=None"):
+        FedNova().use_groups(groups)
+
+
+@pytest.mark.parametrize("outer", [lambda p: torch.optim.Adam(p, lr=0.1),
+                                   lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, dampening=0.1)])
+def test_diloco_in_groups_refuses_an_outer_step_that_is_not_linear_in_its_state(outer):
+    strategy = DiLoCo(outer)
+    strategy.use_groups(Groups(size=4))
+    w = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigError, match=r"DiLoCo in groups.*torch.optim.SGD.*dampening=0.*groups=None"):
+        strategy.bind([w], torch.optim.SGD([w], lr=0.1))
+
+
+def _nesterov(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _diloco_peers(probs, groups):
+    peers = []
+    for problem in probs:
+        strategy = DiLoCo(_nesterov)
+        if groups is not None:
             strategy.use_groups(groups)
+        peers.append(Peer(strategy, problem, lr=0.05))
+    return peers
+
+
+def test_diloco_in_groups_moves_the_swarms_mean_as_one_diloco_over_the_swarm():
+    """16 peers on a complete 4 x 4 grid, groups of 4, quadratics of one curvature and different optima (local SGD
+    is then affine in its start with one matrix for all), full gradients, outer Nesterov SGD. Each round's groups
+    average x and the outer momentum with the parameters: every group ends identical, the groups differ, and the
+    swarm's mean is exactly where one DiLoCo of the whole swarm is."""
+    n, side = 16, 4
+    a = problems(1)[0][0]
+    probs = [(a, b) for _, b in problems(n, seed=3)]
+    grouped, whole = _diloco_peers(probs, Groups(size=side)), _diloco_peers(probs, None)
+    assert grouped[0].strategy.variant == "+groups+momentum" and whole[0].strategy.variant == ""
+    assert len(grouped[0].strategy.buffer_templates()) == 3 * len(whole[0].strategy.buffer_templates())
+    grids = [Grid(side, i) for i in range(n)]
+    for i, grid in enumerate(grids):
+        for j in range(2):
+            grid.coords[j] = (i // side ** j) % side
+    ids = list(range(n))
+    for r in range(12):
+        for peer in grouped + whole:
+            peer.local_steps(5)
+        committed, failed = moshpit_round([p.strategy for p in grouped], grids, ids, r)
+        assert not failed and len(committed) == side
+        average_in_process([p.strategy for p in whole])
+        for group in committed:
+            for i in group[1:]:
+                torch.testing.assert_close(grouped[i].w.detach(), grouped[group[0]].w.detach(), atol=1e-12, rtol=0)
+        mean = torch.stack([p.w.detach() for p in grouped]).mean(0)
+        torch.testing.assert_close(mean, whole[0].w.detach(), atol=1e-10, rtol=1e-10)
+        spread = float(torch.stack([p.w.detach() for p in grouped]).std(0).max())
+        assert spread > 1e-6, f"round {r}: the groups are not partial"
 
 
 def _scaffold_swarm(cls, n, size, complete=True):

@@ -41,8 +41,9 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -431,8 +432,27 @@ def plot_grid(runs: List[dict], args: argparse.Namespace, name: str) -> Path:
 
 
 # --- real peers on loopback -----------------------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> None:
-    """One real peer: its own DHT, swarm_opt.Optimizer with the strategy, its shard, the simulation's batch order."""
+@dataclass
+class PeerSetup:
+    """What a real peer trains with: its model, the inner optimizer (a factory over the parameters or an optimizer
+    instance), the strategy, an endless iterator of its (inputs, labels) batches, and ``privacy=``'s object."""
+    model: torch.nn.Module
+    optimizer: Any
+    strategy: swarm_opt.Strategy
+    batches: Iterator[Tuple[torch.Tensor, torch.Tensor]]
+    privacy: Any = None
+
+
+def default_setup(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, shard: torch.Tensor) -> PeerSetup:
+    """The simulation's peer: ``STRATEGIES[args.strategy_name]``, inner SGD, the simulated peer's batch order."""
+    stream = batch_stream(len(shard), args.batch_size, stream_seed(args.seed, args.rank))
+    return PeerSetup(make_model(args.seed), lambda p: make_inner(p, args.lr), STRATEGIES[args.strategy_name].make(),
+                     ((x[idx], y[idx]) for idx in (shard[i] for i in stream)))
+
+
+def worker(args: argparse.Namespace, setup: Callable[..., PeerSetup] = default_setup) -> None:
+    """One real peer: its own DHT, swarm_opt.Optimizer with what ``setup`` gives (by default the strategy, its shard
+    and the simulation's batch order); records, per round, the test accuracy, the steps and ``progress.epsilon``."""
     import logging
 
 
@@ -443,13 +463,14 @@ def worker(args: argparse.Namespace) -> None:
     tmp = Path(args.tmp)
     data = torch.load(tmp / "data.pt")
     x, y, xt, yt, shard = data["x"], data["y"], data["xt"], data["yt"], data["shards"][args.rank]
-    model = make_model(args.seed)
+    peer = setup(args, x, y, shard)
+    model = peer.model
     dht = join_loopback_swarm(tmp, args.rank, timeout=120)
+    params = None if isinstance(peer.optimizer, torch.optim.Optimizer) else model.parameters()
     opt = swarm_opt.Optimizer(
         dht=dht, run_id=f"noniid_{args.strategy_name}", target_batch_size=args.peers * args.steps * args.batch_size,
-        batch_size_per_step=args.batch_size, params=model.parameters(),
-        optimizer=lambda p: make_inner(p, args.lr), strategy=STRATEGIES[args.strategy_name].make(),
-        matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+        batch_size_per_step=args.batch_size, params=params, optimizer=peer.optimizer, strategy=peer.strategy,
+        matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout, privacy=peer.privacy,
     )
     try:
         deadline = time.monotonic() + 120
@@ -461,21 +482,20 @@ def worker(args: argparse.Namespace) -> None:
         wait_for(tmp / "go", 300, "the orchestrator did not give the start signal")
         time.sleep(max(0.0, float((tmp / "go").read_text()) - time.time()))
 
-        stream = batch_stream(len(shard), args.batch_size, stream_seed(args.seed, args.rank))
         rounds = [dict(epoch=0, accuracy=accuracy(model, xt, yt), steps=0, t=0.0)]
         steps_this_round, last = 0, None
         start = time.perf_counter()
         stop_at = time.monotonic() + args.max_seconds
         while opt.local_epoch < args.rounds and time.monotonic() < stop_at:
-            idx = shard[next(stream)]
+            inputs, labels = next(peer.batches)
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+            opt.step()  # batch_size_per_step (with DP-SGD, the expected batch size: see swarm_opt.privacy)
             steps_this_round += 1
             if opt.last_round is not last:  # the epoch changed: a round committed here, or a download caught us up
                 last = opt.last_round
                 rounds.append(dict(last.__dict__, accuracy=accuracy(model, xt, yt), steps=steps_this_round,
-                                   t=time.perf_counter() - start))
+                                   t=time.perf_counter() - start, epsilon=opt.progress.epsilon))
                 steps_this_round = 0
             time.sleep(args.step_sleep)
         result = dict(rank=args.rank, epoch=opt.local_epoch, wall_s=time.perf_counter() - start, rounds=rounds,

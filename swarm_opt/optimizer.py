@@ -222,10 +222,12 @@ class Optimizer(torch.optim.Optimizer):
 
     @property
     def progress(self) -> SwarmProgress:
-        """The swarm's progress as this peer sees it (no network call); with ``privacy=``, ``epsilon`` is the privacy
-        this peer spent so far (Opacus's accountant)."""
+        """The swarm's progress as this peer sees it (no network call). ``epsilon`` is the privacy this peer spent so
+        far: with ``privacy=``, its DP-SGD's (Opacus's accountant, sample-level); otherwise the strategy's peer-level
+        DP's (``PeerDP(..., delta=...)``), if any."""
         progress = self._tracker.progress
-        return progress if self.privacy is None else replace(progress, epsilon=self.privacy.epsilon())
+        epsilon = self.privacy.epsilon() if self.privacy is not None else self.strategy.epsilon()
+        return progress if epsilon is None else replace(progress, epsilon=epsilon)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")
@@ -410,6 +412,9 @@ class Optimizer(torch.optim.Optimizer):
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
         privacy = self.privacy.log_suffix() if self.privacy is not None else ""
+        peer_epsilon = self.strategy.epsilon()
+        if peer_epsilon is not None:
+            privacy += f", peer-level ε {peer_epsilon:.6g}"
         logger.info(f"epoch {self._epoch}: averaged with {report.group_size} of {report.num_peers} peer(s), "
                     f"{samples_per_second:.0f} samples/s{loss}{privacy}")
 

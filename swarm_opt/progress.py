@@ -100,8 +100,8 @@ def progress_validators(run_id: str) -> list:
 @dataclass(frozen=True)
 class SwarmProgress:
     """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch).
-    ``epsilon``: the privacy this peer spent so far, ε at its ``OpacusPrivacy``'s δ (``Optimizer.progress`` only;
-    ``None`` without ``privacy=``)."""
+    ``epsilon``: the privacy this peer spent so far, ε at its ``OpacusPrivacy``'s δ (sample-level), or without
+    ``privacy=`` at its ``PeerDP``'s δ (peer-level; ``Optimizer.progress`` only; ``None`` when neither accounts)."""
 
     epoch: int
     samples_accumulated: int

@@ -9,7 +9,7 @@ goes through on loading (it may come from another model, another strategy, or a 
 from __future__ import annotations
 
 import math
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -29,9 +29,12 @@ class Anchor:
         self.tensors = [p.detach().to("cpu", state_dtype(p), copy=True) for p in self.params]
 
     @classmethod
-    def of_trainable(cls, inner: torch.optim.Optimizer) -> Anchor:
-        """The parameters the inner optimizer trains (``requires_grad``), by param group."""
-        return cls([[p for p in group["params"] if p.requires_grad] for group in inner.param_groups])
+    def of_trainable(cls, inner: torch.optim.Optimizer, among: Optional[Sequence[torch.Tensor]] = None) -> Anchor:
+        """The parameters the inner optimizer trains (``requires_grad``), by param group; only those in ``among``
+        if given (the averaged ones: those ``KeepLocal`` keeps are no part of the swarm's ``x``)."""
+        kept = None if among is None else {id(p) for p in among}
+        return cls([[p for p in group["params"] if p.requires_grad and (kept is None or id(p) in kept)]
+                    for group in inner.param_groups])
 
     def restart(self) -> None:
         """A new round starts from the parameters as they are: ``x <- p``."""

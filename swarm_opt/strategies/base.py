@@ -18,7 +18,7 @@ when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -84,6 +84,12 @@ class Strategy(ABC):
         their inner-optimizer state to peers downloading its state, and keeps its own when it downloads. Default:
         none."""
         return []
+
+    def epsilon(self) -> Optional[float]:
+        """The privacy this peer spent through the strategy's own mechanism so far (ε of peer-level DP,
+        ``LocalUpdates(peer_dp=PeerDP(..., delta=...))``), reported in ``Optimizer.progress`` and the rounds' log
+        lines. Default: None (the strategy releases nothing private of its own)."""
+        return None
 
     def observe_loss(self, loss: float) -> None:
         """The training loss of a local step (``Optimizer.step(closure)``'s, or ``Optimizer.report_loss``), finite.

@@ -21,6 +21,8 @@ from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.anchor import entry
 from swarm_opt.strategies.local_updates import Anchored
+from swarm_opt.strategies.partial import DriftedLayers, KeepLocal
+from swarm_opt.strategies.peer_dp import PeerDP
 
 OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 
@@ -32,6 +34,9 @@ class DiLoCo(Anchored):
 
     :param outer_optimizer: a factory over the anchor tensors returning any ``torch.optim.Optimizer``, typically
         ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``.
+    :param exchange: ``KeepLocal(model, where)``: parameters that never leave this peer, trained by the inner
+        optimizer alone (the outer optimizer steps on the averaged ones). ``select=`` and ``peer_dp=`` are refused
+        (``Anchored``).
 
     A peer that missed a round downloads the swarm's state: the anchor and outer optimizer must be the swarm's.
 
@@ -43,8 +48,11 @@ class DiLoCo(Anchored):
 
     name = "diloco"
 
-    def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = ()) -> None:
-        super().__init__(average_optimizer_state=average_optimizer_state)
+    def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = (),
+                 exchange: Optional[KeepLocal] = None, select: Optional[DriftedLayers] = None,
+                 peer_dp: Optional[PeerDP] = None) -> None:
+        super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, select=select,
+                         peer_dp=peer_dp)
         if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
             raise ConfigTypeError(
                 "outer_optimizer must be a factory over the anchor parameters, e.g. "

@@ -33,6 +33,9 @@ class FedNova(Anchored):
     Every peer that stepped weighs the same (``p_i = 1/n``): weights following each round's samples would bring the
     speed-weighting back.
 
+    With ``exchange=KeepLocal(...)`` the kept parameters are neither normalized nor sent: the inner optimizer alone
+    trains them (``Anchored``).
+
     Costs an anchor (1x the trainable parameters, fp32, on the CPU) and one scalar per param group in each round.
     ``Mean()``'s default norm bound applies to ``S_i`` as to any averaged part: a peer whose ``S_i`` exceeds 10x the
     group's median counts as if it had that much (``Mean(max_norm_ratio=None)`` lifts it).
@@ -65,8 +68,8 @@ class FedNova(Anchored):
         super().apply_round(result)
 
     def _slots(self, buffers: Sequence[torch.Tensor]) -> Iterator[Tuple[torch.Tensor, torch.Tensor, int]]:
-        """(the buffer of each trainable parameter, its anchor ``x``, the index of its param group)."""
-        position = {p: i for i, p in enumerate(self.params)}
+        """(the buffer of each averaged trainable parameter, its anchor ``x``, the index of its param group)."""
+        position = {p: i for i, p in enumerate(self.shared)}  # the buffers' order (KeepLocal's are not in them)
         anchors = iter(self.anchor.tensors)
         for index, group in enumerate(self.anchor.groups):
             for p in group:

@@ -76,6 +76,10 @@ class LocalUpdates(Strategy):
     def personal_parameters(self) -> List[torch.Tensor]:
         return list(self.personal)
 
+    def epsilon(self) -> Optional[float]:
+        """``peer_dp``'s ε so far (with ``PeerDP(..., delta=...)``; otherwise None)."""
+        return None if self.peer_dp is None else self.peer_dp.epsilon()
+
     # --- the local step -------------------------------------------------------------------------------------------
     def local_step(self, batch_size: int) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -293,11 +297,33 @@ class Anchored(LocalUpdates):
     ``x`` is the swarm's: every peer ends a committed round from the same one, a peer that missed a round holds an
     outdated ``x`` and downloads the swarm's state, and after a download it continues from the swarm's ``x`` (not
     from the donor's half-finished local model). ``x`` and the learning rates spent since are part of the state.
+
+    ``exchange=KeepLocal(...)``: the kept parameters are no part of ``x`` (nor of a variant's state built on it, such
+    as SCAFFOLD's controls or DiLoCo's outer optimizer): each peer trains them with its inner optimizer alone, and
+    they never leave it. ``select=`` and ``peer_dp=`` are refused (see ``__init__``).
     """
+
+    def __init__(self, *, average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
+                 select: Optional[DriftedLayers] = None, peer_dp: Optional[PeerDP] = None) -> None:
+        super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, select=select,
+                         peer_dp=peer_dp)
+        name = type(self).__name__
+        if select is not None:
+            raise ConfigError(
+                f"{name} does not take select=DriftedLayers(...): its rounds are measured from the swarm's common "
+                f"starting point x, and a layer a peer did not send would start its next round from that peer's own "
+                f"values. Use exchange=KeepLocal(...) for layers that always stay local, or LocalUpdates(select=...) "
+                f"/ FedProx(select=...)")
+        if peer_dp is not None:
+            raise ConfigError(
+                f"{name} does not take peer_dp=PeerDP(...): its rounds send or compute more than the clipped, noised "
+                f"update (SCAFFOLD's controls, FedNova's division by each peer's steps, DiLoCo's outer step from x), "
+                f"so the noise would not bound what one peer reveals. Use LocalUpdates(peer_dp=...) or "
+                f"FedProx(peer_dp=...)")
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
-        self.anchor = Anchor.of_trainable(inner)
+        self.anchor = Anchor.of_trainable(inner, among=self.shared)
         self.lr_sums = LrSums(inner)
 
     def after_inner_step(self) -> None:

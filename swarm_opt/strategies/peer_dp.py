@@ -8,6 +8,11 @@ With ``AdaptiveClip`` each peer also sends its *clipping bit* ``b = 1 if ‖y - 
 ``N(0, σ_b² / split)``) and its ``C`` beside the tensors (``SharedScalars``); every member then sets, from the same
 averaged values, ``C ← C̄ · exp(−η (b̄ − γ))``: ``C`` moves geometrically toward the ``γ``-quantile of the updates'
 norms, identically on every member. What the noise protects against, and from whom, is in docs/privacy.md.
+
+With ``delta``, a peer also accounts for what it released: every write of a round's tensors is one Gaussian mechanism
+on its whole data set (sample rate 1) with multiplier ``z/√split`` against the groupmates that see it (composed with
+the clipping bit's, ``σ_b/√split``, with ``AdaptiveClip``), composed over the releases with Rényi DP
+(``gaussian_epsilon``): ``PeerDP.epsilon()``, ``Optimizer.progress.epsilon`` and each round's log line.
 """
 
 from __future__ import annotations
@@ -23,6 +28,24 @@ from swarm_opt.strategies.anchor import Anchor
 from swarm_opt.strategies.shared_scalars import SharedScalars
 
 _MIN_CLIP, _MAX_CLIP = 1e-12, 1e12  # a clip bound outside these (only reachable by tampering) is bounded to them
+#: the Rényi orders ε is minimised over: Opacus's RDP accountant's defaults, so that the two report the same ε
+RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
+
+
+def gaussian_epsilon(noise_multiplier: float, releases: int, delta: float) -> float:
+    """ε at ``delta`` of ``releases`` Gaussian mechanisms of ``noise_multiplier`` (noise std / sensitivity) on the
+    whole data set (no subsampling), composed with Rényi DP: each costs ``α / (2 z²)`` at order ``α`` (Mironov 2017),
+    converted to (ε, δ) as Opacus's accountant does (Balle et al. 2020), minimised over ``RDP_ORDERS``."""
+    if releases == 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return math.inf
+    best = math.inf
+    for order in RDP_ORDERS:
+        rdp = releases * order / (2 * noise_multiplier ** 2)
+        eps = rdp - (math.log(delta) + math.log(order)) / (order - 1) + math.log((order - 1) / order)
+        best = min(best, eps)
+    return max(best, 0.0)
 
 
 def _positive(value: Any) -> bool:
@@ -71,11 +94,14 @@ class PeerDP:
         ``split`` honest peers carries the noise of central DP-FedAvg (``z·C/n`` on the mean of ``n = split``). Each
         single update then carries only ``z/√split`` of noise against the groupmates that see it: 1 (the default)
         gives every update the full ``z`` (local DP), at ``√n`` times the noise on the mean. See docs/privacy.md.
+    :param delta: report ε at this δ (``epsilon()``, ``Optimizer.progress.epsilon``, the rounds' log lines): the
+        privacy this peer's releases spent against its groupmates. Default ``None``: not accounted.
     """
 
     names = ("unclipped", "clip")  # the scalars a round carries with AdaptiveClip (SharedScalars)
 
-    def __init__(self, *, noise_multiplier: float, clip: Union[float, AdaptiveClip], split: int = 1) -> None:
+    def __init__(self, *, noise_multiplier: float, clip: Union[float, AdaptiveClip], split: int = 1,
+                 delta: Optional[float] = None) -> None:
         if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
                 or not 0 <= noise_multiplier < math.inf:
             raise ConfigError(f"PeerDP noise_multiplier must be a number >= 0, got {noise_multiplier!r}; e.g. 1.0")
@@ -83,6 +109,11 @@ class PeerDP:
             raise ConfigTypeError(f"PeerDP clip must be a positive number or AdaptiveClip(...), got {clip!r}")
         if isinstance(split, bool) or not isinstance(split, int) or split < 1:
             raise ConfigError(f"PeerDP split must be an int >= 1 (the peers that share the noise), got {split!r}")
+        if delta is not None and (isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1):
+            raise ConfigError(f"PeerDP delta must be None or in (0, 1), got {delta!r}; e.g. delta=1e-5")
+        self.delta = None if delta is None else float(delta)
+        #: rounds' tensors this peer wrote (every attempt is a release: a retried round draws fresh noise)
+        self.releases = 0
         self.noise_multiplier, self.split = float(noise_multiplier), split
         self.adaptive = clip if isinstance(clip, AdaptiveClip) else None
         self.clip = clip.initial if isinstance(clip, AdaptiveClip) else float(clip)
@@ -92,7 +123,27 @@ class PeerDP:
 
     def __repr__(self) -> str:
         clip = self.adaptive if self.adaptive is not None else self.clip
-        return f"PeerDP(noise_multiplier={self.noise_multiplier}, clip={clip}, split={self.split})"
+        delta = "" if self.delta is None else f", delta={self.delta:g}"
+        return f"PeerDP(noise_multiplier={self.noise_multiplier}, clip={clip}, split={self.split}{delta})"
+
+    def effective_noise_multiplier(self) -> float:
+        """The multiplier of one release against the groupmates that see it: the update's ``z/√split`` (its
+        sensitivity is ``C``), composed with the clipping bit's ``σ_b/√split`` (sensitivity 1) with ``AdaptiveClip``:
+        ``(Σ z_k⁻²)^(-1/2)``, 0 when either is released without noise."""
+        multipliers = [self.noise_multiplier / math.sqrt(self.split)]
+        if self.adaptive is not None:
+            multipliers.append(self.adaptive.bit_noise / math.sqrt(self.split))
+        if min(multipliers) <= 0:
+            return 0.0
+        return sum(m ** -2 for m in multipliers) ** -0.5
+
+    def epsilon(self) -> Optional[float]:
+        """The privacy this peer spent so far, ε at ``delta`` against its groupmates (None without ``delta``): the
+        releases composed as Gaussian mechanisms of ``effective_noise_multiplier()`` (``gaussian_epsilon``); an upper
+        bound for whoever sees only rounds' means, which carry at least this much noise relative to one peer."""
+        if self.delta is None:
+            return None
+        return gaussian_epsilon(self.effective_noise_multiplier(), self.releases, self.delta)
 
     def bind(self, shared: Sequence[torch.Tensor]) -> None:
         """Attach to the tensors a round averages; their values now are the first round's start ``x``."""
@@ -106,7 +157,8 @@ class PeerDP:
 
     def privatize(self, buffers: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]) -> float:
         """Turn the round's buffers (holding ``y``, in the anchor's order) into ``x + clip_C(y − x) + ξ``, and write
-        the clipping bit into ``extra``. Returns the norm of ``y − x`` (before clipping)."""
+        the clipping bit into ``extra``. Returns the norm of ``y − x`` (before clipping). Counts one release."""
+        self.releases += 1
         for buffer, x in zip(buffers, self.anchor.tensors):
             buffer.sub_(x)
         norm = math.sqrt(sum(float(b.to(torch.float64).pow(2).sum()) for b in buffers))

@@ -44,6 +44,10 @@ class Scaffold(Anchored):
 
     Supports ``torch.optim.SGD`` (with or without momentum). Other inner optimizers are refused: SCAFFOLD's
     correction assumes the step is ``lr * gradient``, and no public work validates it with adaptive optimizers.
+
+    With ``exchange=KeepLocal(...)`` (FedPer, FedBN) the kept parameters have no control: each peer's own objective is
+    the only one they serve, so there is no drift to correct (``c_i = c``); they are trained by the inner optimizer
+    alone and nothing of them is sent.
     """
 
     name = "scaffold"

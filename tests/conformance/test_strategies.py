@@ -91,6 +91,30 @@ STRATEGIES = {
     "fednova": StrategyInfo(
         lambda: swarm_opt.FedNova(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.FedNova(average_optimizer_state=[1]), TypeError, "sequence"),)),
+    # the strategies measured from the swarm's x: KeepLocal's parameters stay out of x, the controls, the outer step
+    "scaffold+keep_local": StrategyInfo(
+        lambda model: swarm_opt.Scaffold(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2."))),
+        needs_model=True,
+        bad_arguments=((lambda: swarm_opt.Scaffold(select=swarm_opt.DriftedLayers()), ValueError,
+                        "select=DriftedLayers"),
+                       (lambda: swarm_opt.Scaffold(peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0)),
+                        ValueError, "peer_dp=PeerDP"))),
+    "fednova+keep_local": StrategyInfo(
+        lambda model: swarm_opt.FedNova(exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("0.")),
+                                        average_optimizer_state=("momentum_buffer",)),
+        needs_model=True,
+        bad_arguments=((lambda: swarm_opt.FedNova(select=swarm_opt.DriftedLayers()), ValueError,
+                        "select=DriftedLayers"),
+                       (lambda: swarm_opt.FedNova(peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0)),
+                        ValueError, "peer_dp=PeerDP"))),
+    "diloco+keep_local": StrategyInfo(
+        lambda model: swarm_opt.DiLoCo(outer_optimizer=_outer,
+                                       exchange=swarm_opt.KeepLocal(model, lambda n, m: n.startswith("2."))),
+        inner=lambda p: torch.optim.AdamW(p, lr=0.01), needs_model=True,
+        bad_arguments=((lambda: swarm_opt.DiLoCo(_outer, select=swarm_opt.DriftedLayers()), ValueError,
+                        "select=DriftedLayers"),
+                       (lambda: swarm_opt.DiLoCo(_outer, peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0)),
+                        ValueError, "peer_dp=PeerDP"))),
 }
 
 

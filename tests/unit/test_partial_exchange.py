@@ -148,3 +148,41 @@ def test_peers_keeping_different_parameters_have_different_model_schemas():
     params = list(_model(0).parameters())
     assert model_schema(params, "local") == model_schema(params, "local", kept=())
     assert model_schema(params, "local", kept=[2, 3]) != model_schema(params, "local", kept=[4, 5])
+
+
+def _diloco(**kwargs) -> swarm_opt.DiLoCo:
+    return swarm_opt.DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True), **kwargs)
+
+
+@pytest.mark.parametrize("strategy", [swarm_opt.Scaffold, swarm_opt.FedNova, _diloco])
+def test_strategies_measured_from_x_keep_personal_parameters_out_of_rounds_anchor_and_state(strategy):
+    peers = [_peer(0, strategy=strategy) for _ in range(3)]  # the swarm's common x; each peer its own data
+    for rnd in range(2):
+        for (model, s), seed in zip(peers, range(3)):
+            _train(model, s, seed + 10 * rnd)
+            if rnd == 1:
+                with torch.no_grad():
+                    model[1].weight.fill_(1000.0 + seed)  # a personal value no buffer and no state may hold
+        for _, s in peers:
+            personal = {id(p) for p in s.personal_parameters()}
+            assert len(personal) == 2 and not any(id(p) in personal for p in s.anchor.params)  # no x, control, outer
+            assert all(b.abs().max() < 1000 for b in round_values(s))
+            if isinstance(s, swarm_opt.Scaffold):
+                assert [tuple(d.shape) for d in s.controls] == [(6, 4), (6,), (2, 6), (2,)]
+        average_in_process([s for _, s in peers])
+        for index in (0, 1, 4, 5):  # the shared parameters: one value on every peer
+            for model, _ in peers[1:]:
+                torch.testing.assert_close(list(model.parameters())[index], list(peers[0][0].parameters())[index])
+    for seed, (model, s) in enumerate(peers):
+        assert torch.all(model[1].weight == 1000.0 + seed)  # untouched by the round
+        assert all(t.abs().max() < 1000 for t in s.anchor.state())
+        s.reset()  # after a download: back to the swarm's x, and the personal parameters stay this peer's own
+        assert torch.all(model[1].weight == 1000.0 + seed)
+
+
+@pytest.mark.parametrize("strategy", [swarm_opt.Scaffold, swarm_opt.FedNova, _diloco])
+def test_strategies_measured_from_x_refuse_drifted_layers_and_peer_dp(strategy):
+    with pytest.raises(ValueError, match="select=DriftedLayers"):
+        strategy(select=swarm_opt.DriftedLayers())
+    with pytest.raises(ValueError, match="peer_dp=PeerDP"):
+        strategy(peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0))

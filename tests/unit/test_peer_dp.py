@@ -111,3 +111,47 @@ def test_state_round_trips_and_bad_arguments_name_the_fix():
     _peer(dp)
     with pytest.raises(ValueError, match="new PeerDP"):
         _peer(dp)
+
+
+@pytest.mark.parametrize("z, releases, delta", [(1.0, 1, 1e-5), (1.0, 30, 1e-5), (2.5, 100, 1e-6), (0.7, 7, 1e-3),
+                                                (8.0, 1000, 1e-5)])
+def test_epsilon_of_gaussian_releases_is_opacus_rdp_accountants_at_sample_rate_one(z, releases, delta):
+    from opacus.accountants import RDPAccountant
+
+    from swarm_opt.strategies.peer_dp import gaussian_epsilon
+
+    accountant = RDPAccountant()
+    accountant.history = [(z, 1.0, releases)]
+    assert gaussian_epsilon(z, releases, delta) == pytest.approx(accountant.get_epsilon(delta), rel=1e-9)
+
+
+def test_every_release_is_counted_and_epsilon_is_against_the_groupmates_multiplier():
+    from opacus.accountants import RDPAccountant
+
+    w, s = _peer(swarm_opt.PeerDP(noise_multiplier=2.0, clip=1.0, split=4, delta=1e-5))
+    assert s.epsilon() == 0.0
+    for releases in (1, 2, 3):
+        _move(w, s, torch.full((8,), 0.1, dtype=torch.float64))
+        round_values(s)  # a round written (and given back, as a failed round: still a release)
+        assert s.peer_dp.releases == releases
+        accountant = RDPAccountant()
+        accountant.history = [(2.0 / math.sqrt(4), 1.0, releases)]  # each update carries z / sqrt(split)
+        assert s.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    average_in_process([s])  # a committed round alone still wrote its tensors
+    assert s.peer_dp.releases == 4
+    assert swarm_opt.LocalUpdates(peer_dp=swarm_opt.PeerDP(noise_multiplier=1.0, clip=1.0)).epsilon() is None
+    assert swarm_opt.LocalUpdates().epsilon() is None
+
+
+def test_the_clipping_bit_is_composed_and_a_bit_sent_in_clear_spends_unbounded_privacy():
+    noisy = swarm_opt.PeerDP(noise_multiplier=2.0, clip=swarm_opt.AdaptiveClip(1.0, bit_noise=4.0), delta=1e-5)
+    assert noisy.effective_noise_multiplier() == pytest.approx((2.0 ** -2 + 4.0 ** -2) ** -0.5)
+    w, s = _peer(swarm_opt.PeerDP(noise_multiplier=2.0, clip=swarm_opt.AdaptiveClip(1.0), delta=1e-5))
+    _move(w, s, torch.full((8,), 0.1, dtype=torch.float64))
+    round_values(s)
+    assert s.epsilon() == math.inf
+    w, s = _peer(swarm_opt.PeerDP(noise_multiplier=0.0, clip=1.0, delta=1e-5))
+    round_values(s)
+    assert s.epsilon() == math.inf
+    with pytest.raises(ValueError, match="delta"):
+        swarm_opt.PeerDP(noise_multiplier=1, clip=1.0, delta=1.5)

@@ -21,6 +21,7 @@ exact number of samples the swarm had accumulated when each peer's tracker first
 
     python benchmarks/tracker_traffic.py                        # 2..64 peers, both designs, ~25 min
     python benchmarks/tracker_traffic.py --peers 2 8 --seconds 20 --out /tmp/tt.json
+    python benchmarks/tracker_traffic.py --no-operations --peers 8 --shard-size 2 --seconds 40  # 8 peers, sharded
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm_opt import TrackerConfig
-from swarm_opt.progress import ProgressTracker
+from swarm_opt.progress import _SHARD_READ_BEAM, ProgressTracker
 
 DESIGNS = {"baseline": TrackerConfig(shard_size=2 ** 40), "sharded": TrackerConfig()}
 SAMPLES_PER_SECOND = 10.0  # a peer's mean throughput; each peer draws its own in [0.5, 1.5] x this
@@ -188,7 +189,7 @@ def run_swarm(n: int, config: TrackerConfig, seconds: float, warmup: float, epoc
 
 async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[float]]:
     """Bytes one DHT operation moves on a quiet DHT of ``nodes`` real nodes, against the records under the key:
-    a read (latest, hivemind's default beam / the sharded beam of 3) and a write (default beam / beam 5). One
+    a read (latest, hivemind's default beam / the sharded beam) and a write (default beam / beam 5). One
     operation at a time, so that CPU load cannot time anything out."""
     from hivemind.dht.routing import DHTID
     from hivemind.utils import get_dht_time
@@ -312,24 +313,31 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/tracker_traffic.json")
     parser.add_argument("--plot", default=None, help="PNG of bytes/s per peer against N (needs matplotlib)")
     parser.add_argument("--model-nodes", type=int, default=32, help="DHT nodes for the per-operation costs")
+    parser.add_argument("--operations", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the per-operation costs and the model (~4 min)")
+    parser.add_argument("--shard-size", type=int, default=TrackerConfig().shard_size,
+                        help="the sharded design's shard_size (small values shard a small real swarm)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
-    ops = asyncio.run(measure_operations(args.model_nodes, [1, 4, 16, 64]))
-    model = cost_model(ops, DESIGNS["sharded"])
-    columns = ("read", "read_sharded", "write", "write_sharded", "find_nearest", "write_direct")
-    print(table(["records under the key", "read (default beam)", "read (beam 3)", "write (default beam)",
-                 "write (beam 5)", "find nearest (no value)", "write direct"],
-                [[r, *(f"{ops[k][i] / 1e3:.1f} KB" for k in columns)] for i, r in enumerate(ops["records"])]))
-    print(table(["peers", "baseline KB/s per peer (model)", "sharded, search per write (model)",
-                 "sharded, direct writes (model)"],
-                [[n, *(f"{model[design][n] / 1e3:.1f}" for design in ("baseline", "sharded_search", "sharded"))]
-                 for n in model["baseline"]]), flush=True)
-
+    ops: Dict[str, List[float]] = {}
+    model: Dict[str, Dict[int, float]] = {}
+    if args.operations:
+        ops = asyncio.run(measure_operations(args.model_nodes, [1, 4, 16, 64]))
+        model = cost_model(ops, DESIGNS["sharded"])
+        columns = ("read", "read_sharded", "write", "write_sharded", "find_nearest", "write_direct")
+        print(table(["records under the key", "read (default beam)", f"read (beam {_SHARD_READ_BEAM})",
+                     "write (default beam)", "write (beam 5)", "find nearest (no value)", "write direct"],
+                    [[r, *(f"{ops[k][i] / 1e3:.1f} KB" for k in columns)] for i, r in enumerate(ops["records"])]))
+        print(table(["peers", "baseline KB/s per peer (model)", "sharded, search per write (model)",
+                     "sharded, direct writes (model)"],
+                    [[n, *(f"{model[design][n] / 1e3:.1f}" for design in ("baseline", "sharded_search", "sharded"))]
+                     for n in model["baseline"]]), flush=True)
     results: Dict[str, List[Dict]] = {design: [] for design in args.designs}
     for n in args.peers:
         for design in args.designs:
-            result = run_swarm(n, DESIGNS[design], args.seconds, args.warmup, args.epoch_seconds, args.seed)
+            config = DESIGNS[design] if design == "baseline" else TrackerConfig(shard_size=args.shard_size)
+            result = run_swarm(n, config, args.seconds, args.warmup, args.epoch_seconds, args.seed)
             results[design].append(result)
             print(f"{design:8s} N={n:3d}: {result['bytes_per_peer_per_second'] / 1e3:8.2f} KB/s per peer "
                   f"({result['bytes_per_peer_per_second_at_cadence'] / 1e3:.2f} at the product's cadence), "

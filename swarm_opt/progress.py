@@ -44,12 +44,13 @@ from swarm_opt.trust import ClaimChecker
 
 logger = logging.getLogger(__name__)
 
-# A sharded read asks the 3 DHT nodes nearest to the shard's key (of the 5 that store it) instead of a beam of 20:
-# each node a search visits answers with ~1 KB of routing and the key's whole value, so the beam, not the shard,
-# dominates a peer's bytes. A sharded write stores straight to the shard's 5 nearest nodes, found (with a beam of 5)
-# by a search that downloads no value and is repeated every _NEAREST_REFRESH seconds. Level 0 keeps hivemind's
-# defaults.
-_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 3, 5
+# A sharded read follows a beam of 1 to the DHT node nearest to the shard's key (one of the 5 that store it) instead
+# of a beam of 20: each node a search visits answers with ~1 KB of routing and, if it holds the key, its whole value,
+# so the beam, not the shard, dominates a peer's bytes (one node's copy may miss a record stored while it was away:
+# the estimate is a sample anyway). A sharded write stores straight to the shard's 5 nearest nodes, found (with a
+# beam of 5) by a search that downloads no value and is repeated every _NEAREST_REFRESH seconds. Level 0 keeps
+# hivemind's defaults.
+_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 1, 5
 _NEAREST_REFRESH = 30.0
 _MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
 _MAX_SAMPLES_PER_SECOND = 1e9

@@ -21,12 +21,14 @@ exact number of samples the swarm had accumulated when each peer's tracker first
 
     python benchmarks/tracker_traffic.py                        # 2..64 peers, both designs, ~25 min
     python benchmarks/tracker_traffic.py --peers 2 8 --seconds 20 --out /tmp/tt.json
+    python benchmarks/tracker_traffic.py --no-operations --peers 8 --shard-size 2 --seconds 40  # 8 peers, sharded
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -43,7 +45,7 @@ from hivemind.dht.validation import CompositeValidator
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm_opt import TrackerConfig
-from swarm_opt.progress import ProgressTracker
+from swarm_opt.progress import _SHARD_READ_BEAM, ProgressTracker
 
 DESIGNS = {"baseline": TrackerConfig(shard_size=2 ** 40), "sharded": TrackerConfig()}
 SAMPLES_PER_SECOND = 10.0  # a peer's mean throughput; each peer draws its own in [0.5, 1.5] x this
@@ -74,6 +76,10 @@ class LoopbackDHT:
     def store(self, key, value, expiration_time, subkey=None, return_future=False, **kwargs):
         future = asyncio.run_coroutine_threadsafe(
             self.node.store(key, value, expiration_time, subkey=subkey, **kwargs), self.loop)
+        return future if return_future else future.result()
+
+    def run_coroutine(self, coro, return_future=False):
+        future = asyncio.run_coroutine_threadsafe(coro(self, self.node), self.loop)
         return future if return_future else future.result()
 
     def get(self, key, latest=False, return_future=False, **kwargs):
@@ -183,17 +189,20 @@ def run_swarm(n: int, config: TrackerConfig, seconds: float, warmup: float, epoc
 
 async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[float]]:
     """Bytes one DHT operation moves on a quiet DHT of ``nodes`` real nodes, against the records under the key:
-    a read (latest, hivemind's default beam / the sharded beam of 3) and a write (default beam / beam 5). One
+    a read (latest, hivemind's default beam / the sharded beam) and a write (default beam / beam 5). One
     operation at a time, so that CPU load cannot time anything out."""
+    from hivemind.dht.routing import DHTID
     from hivemind.utils import get_dht_time
 
-    from swarm_opt.progress import _SHARD_READ_BEAM, _SHARD_WRITE_BEAM, progress_validators
+    from swarm_opt._hivemind.near_store import forget, nearest_nodes, store_near
+    from swarm_opt.progress import _NEAREST_REFRESH, _SHARD_READ_BEAM, _SHARD_WRITE_BEAM, progress_validators
     from swarm_opt.sharding import progress_key
 
     dhts = await start_nodes(nodes)
     for d in dhts:
         d.add_validators(progress_validators("model"))
-    out: Dict[str, List[float]] = {"records": [], "read": [], "read_sharded": [], "write": [], "write_sharded": []}
+    out: Dict[str, List[float]] = {"records": [], "read": [], "read_sharded": [], "write": [], "write_sharded": [],
+                                   "write_direct": [], "find_nearest": []}
     value = {"peer_id": b"x" * 38, "instance": "0123456789abcdef", "epoch": 1, "samples": 1000,
              "samples_per_second": 10.0, "time": 0.0, "client_mode": False, "model_schema": "m" * 64,
              "target_batch_size": 10000, "params_digest": [0.5] * 8}
@@ -220,6 +229,25 @@ async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[flo
                 await asyncio.sleep(0.3)  # the caching store a read triggers
                 costs.append(sum(d.bytes for d in dhts) - before)
             out[name].append(float(np.median(costs)))
+        # the product's sharded write: a search for the key's nearest nodes that downloads no value (repeated every
+        # _NEAREST_REFRESH seconds), then one store RPC per node
+        store = functools.partial(store_near, key=key, subkey=own, beam_size=_SHARD_WRITE_BEAM,
+                                  refresh=_NEAREST_REFRESH)
+        for name in ("find_nearest", "write_direct"):
+            costs = []
+            for _ in range(3):
+                if name == "find_nearest":
+                    forget(writer.node, key)
+                before = sum(d.bytes for d in dhts)
+                if name == "find_nearest":
+                    await nearest_nodes(writer.node, DHTID.generate(source=key), beam_size=_SHARD_WRITE_BEAM,
+                                        refresh=_NEAREST_REFRESH, now=get_dht_time())
+                else:
+                    assert await store(writer, writer.node, value=dict(value, time=get_dht_time()),
+                                       expiration_time=get_dht_time() + 120)
+                await asyncio.sleep(0.3)
+                costs.append(sum(d.bytes for d in dhts) - before)
+            out[name].append(float(np.median(costs)))
         out["records"].append(size)
     for d in dhts:
         await d.node.shutdown()
@@ -230,25 +258,34 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
     """Bytes per second per peer from the per-operation costs (linear in the records under the key, fitted) and
     each design's rules: the baseline reads and writes the one key of N records once per ``refresh_period``; the
     sharded design reads one shard and writes at each of its publishing levels once per ``sampled_period`` (once
-    per ``refresh_period`` while the swarm fits in one key)."""
+    per ``refresh_period`` while the swarm fits in one key). "sharded" writes a shard straight to its nearest nodes
+    (plus one value-less search for them every ``_NEAREST_REFRESH`` seconds); "sharded_search" is the previous
+    write, a hivemind store whose search downloads the shard from every node it visits."""
+    from swarm_opt.progress import _NEAREST_REFRESH
     from swarm_opt.sharding import ShardSample
 
     lines = {name: np.polyfit(ops["records"], ops[name], 1) for name in ("read", "read_sharded", "write",
-                                                                         "write_sharded")}
+                                                                         "write_sharded", "write_direct",
+                                                                         "find_nearest")}
     cost = lambda name, records: float(np.polyval(lines[name], records))  # noqa: E731
-    out: Dict[str, Dict[int, float]] = {"baseline": {}, "sharded": {}}
+    writes = {"sharded_search": lambda records: cost("write_sharded", records),
+              "sharded": lambda records: cost("write_direct", records)
+              + cost("find_nearest", records) * config.sampled_period / _NEAREST_REFRESH}
+    out: Dict[str, Dict[int, float]] = {"baseline": {}, **{design: {} for design in writes}}
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000):
         out["baseline"][n] = (cost("read", n) + cost("write", n)) / config.refresh_period
         sample = ShardSample(shard_size=config.shard_size, horizon=config.sample_horizon)
         sample.observe(n)
-        if sample.level == 0:
-            out["sharded"][n] = (cost("read", n) + cost("write", n) * len(sample.publish_levels())) \
-                / config.refresh_period
-        else:
-            records = n / 2 ** sample.level
-            out["sharded"][n] = (cost("read_sharded", records)
-                                 + cost("write_sharded", records) * len(sample.publish_levels())) \
-                / config.sampled_period
+        for design, write in writes.items():
+            if sample.level == 0:
+                out[design][n] = (cost("read", n) + cost("write", n) * len(sample.publish_levels())) \
+                    / config.refresh_period
+            else:
+                records = n / 2 ** sample.level
+                levels = sample.publish_levels()
+                out[design][n] = (cost("read_sharded", records)
+                                  + sum(cost("write", n) if level == 0 else write(n / 2 ** level)
+                                        for level in levels)) / config.sampled_period
     return out
 
 
@@ -276,23 +313,31 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/tracker_traffic.json")
     parser.add_argument("--plot", default=None, help="PNG of bytes/s per peer against N (needs matplotlib)")
     parser.add_argument("--model-nodes", type=int, default=32, help="DHT nodes for the per-operation costs")
+    parser.add_argument("--operations", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the per-operation costs and the model (~4 min)")
+    parser.add_argument("--shard-size", type=int, default=TrackerConfig().shard_size,
+                        help="the sharded design's shard_size (small values shard a small real swarm)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
-    ops = asyncio.run(measure_operations(args.model_nodes, [1, 4, 16, 64]))
-    model = cost_model(ops, DESIGNS["sharded"])
-    print(table(["records under the key", "read (default beam)", "read (beam 3)", "write (default beam)",
-                 "write (beam 5)"], [[r, *(f"{ops[k][i] / 1e3:.1f} KB" for k in ("read", "read_sharded", "write",
-                                                                                  "write_sharded"))]
-                                     for i, r in enumerate(ops["records"])]))
-    print(table(["peers", "baseline KB/s per peer (model)", "sharded KB/s per peer (model)"],
-                [[n, f"{model['baseline'][n] / 1e3:.1f}", f"{model['sharded'][n] / 1e3:.1f}"]
-                 for n in model["baseline"]]), flush=True)
-
+    ops: Dict[str, List[float]] = {}
+    model: Dict[str, Dict[int, float]] = {}
+    if args.operations:
+        ops = asyncio.run(measure_operations(args.model_nodes, [1, 4, 16, 64]))
+        model = cost_model(ops, DESIGNS["sharded"])
+        columns = ("read", "read_sharded", "write", "write_sharded", "find_nearest", "write_direct")
+        print(table(["records under the key", "read (default beam)", f"read (beam {_SHARD_READ_BEAM})",
+                     "write (default beam)", "write (beam 5)", "find nearest (no value)", "write direct"],
+                    [[r, *(f"{ops[k][i] / 1e3:.1f} KB" for k in columns)] for i, r in enumerate(ops["records"])]))
+        print(table(["peers", "baseline KB/s per peer (model)", "sharded, search per write (model)",
+                     "sharded, direct writes (model)"],
+                    [[n, *(f"{model[design][n] / 1e3:.1f}" for design in ("baseline", "sharded_search", "sharded"))]
+                     for n in model["baseline"]]), flush=True)
     results: Dict[str, List[Dict]] = {design: [] for design in args.designs}
     for n in args.peers:
         for design in args.designs:
-            result = run_swarm(n, DESIGNS[design], args.seconds, args.warmup, args.epoch_seconds, args.seed)
+            config = DESIGNS[design] if design == "baseline" else TrackerConfig(shard_size=args.shard_size)
+            result = run_swarm(n, config, args.seconds, args.warmup, args.epoch_seconds, args.seed)
             results[design].append(result)
             print(f"{design:8s} N={n:3d}: {result['bytes_per_peer_per_second'] / 1e3:8.2f} KB/s per peer "
                   f"({result['bytes_per_peer_per_second_at_cadence'] / 1e3:.2f} at the product's cadence), "

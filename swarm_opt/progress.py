@@ -12,6 +12,7 @@ a peer the same at 10 or 1,000 peers.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -27,6 +28,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from swarm_opt._hivemind.near_store import store_near
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
 from swarm_opt.sharding import (
@@ -43,10 +45,14 @@ from swarm_opt.trust import ClaimChecker
 
 logger = logging.getLogger(__name__)
 
-# A sharded read asks the 3 DHT nodes nearest to the shard's key (of the 5 that store it) instead of a beam of 20,
-# and a sharded write finds the 5 nearest with a beam of 5: each node a search visits answers with ~1 KB of routing
-# and the key's whole value, so the beam, not the shard, dominates a peer's bytes. Level 0 keeps hivemind's defaults.
-_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 3, 5
+# A sharded read follows a beam of 1 to the DHT node nearest to the shard's key (one of the 5 that store it) instead
+# of a beam of 20: each node a search visits answers with ~1 KB of routing and, if it holds the key, its whole value,
+# so the beam, not the shard, dominates a peer's bytes (one node's copy may miss a record stored while it was away:
+# the estimate is a sample anyway). A sharded write stores straight to the shard's 5 nearest nodes, found (with a
+# beam of 5) by a search that downloads no value and is repeated every _NEAREST_REFRESH seconds. Level 0 keeps
+# hivemind's defaults.
+_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 1, 5
+_NEAREST_REFRESH = 30.0
 _MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
 _MAX_SAMPLES_PER_SECOND = 1e9
 
@@ -491,10 +497,19 @@ class ProgressTracker:
         self._stored_until.update(dict.fromkeys(levels, expiration))
 
     def _store(self, levels: Iterable[int], value: Optional[dict], expiration_time: float, timeout: float) -> None:
-        futures = [self.dht.store(shard_key(self._run_id, shard_of(self._owner, level)), subkey=self._subkey,
-                                  value=value, expiration_time=expiration_time, return_future=True,
-                                  **({"beam_size": _SHARD_WRITE_BEAM} if level > 0 else {}))
-                   for level in sorted(levels)]
+        """Level 0 through hivemind's store; a shard straight to the nodes its last search found (``store_near``:
+        a search downloads the shard's whole value from every node it visits)."""
+        futures = []
+        for level in sorted(levels):
+            key = shard_key(self._run_id, shard_of(self._owner, level))
+            if level == 0:
+                futures.append(self.dht.store(key, subkey=self._subkey, value=value, expiration_time=expiration_time,
+                                              return_future=True))
+            else:
+                futures.append(self.dht.run_coroutine(
+                    functools.partial(store_near, key=key, subkey=self._subkey, value=value,
+                                      expiration_time=expiration_time, beam_size=_SHARD_WRITE_BEAM,
+                                      refresh=_NEAREST_REFRESH), return_future=True))
         for future in futures:
             future.result(timeout=timeout)
 

@@ -4,10 +4,12 @@ Reading every peer's record at every refresh costs each peer O(N) and the swarm 
 nodes that store the run's key. Instead, records are **sharded**: at level ``c`` there are ``K = 2^c`` keys, and a
 peer's record goes to shard ``sha256(owner key) mod K``, where the owner key is the RSA public key that signs the
 record. A peer picks its level from its estimate of the swarm's size so that a shard holds about ``shard_size``
-records, and reads **one shard every** ``sampled_period``, the one it read least recently, from the 3 DHT nodes
-nearest to its key (a narrow beam: each node a hivemind search visits answers with its routing table and the key's
-whole value). It keeps what it read for ``sample_horizon`` seconds and estimates the swarm from the shards it holds:
-if they cover a fraction ``f`` of the shards (``coverage``), each record held stands for ``1/f`` peers (``scale``).
+records, and reads **one shard every** ``sampled_period``, the one it read least recently, from the DHT node
+nearest to its key (a beam of 1: each node a hivemind search visits answers with its routing table and, if it holds
+the key, its whole value); it writes its own record straight to its shard's nearest nodes, without a search
+(``swarm_opt._hivemind.near_store``). It keeps what it read for ``sample_horizon`` seconds and estimates the swarm
+from the shards it holds: if they cover a fraction ``f`` of the shards (``coverage``), each record held stands for
+``1/f`` peers (``scale``).
 Per period a peer reads about ``shard_size`` records and writes its own once or twice, whatever N; the DHT load
 spreads over K keys. The cost per peer is then a constant set by ``shard_size`` and ``sampled_period``.
 

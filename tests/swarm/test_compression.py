@@ -158,6 +158,7 @@ def topk_reference() -> List[torch.Tensor]:
     return trajectory
 
 
+@pytest.mark.extended  # CI budget: TopK's bounds, identical results and error feedback are conformance tests
 def test_topk_swarm_members_end_identical_and_follow_the_error_feedback_maths(swarm):
     """Three peers with TopK(0.2): every round's update has at most one value per peer, every member ends every
     round with the same weights, bit for bit, and those are TopK's in-process trajectory (float32 on the wire)."""

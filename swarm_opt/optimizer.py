@@ -68,6 +68,7 @@ OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 _STATE_FORMAT = 1
 _CATCH_UP_BACKOFF = 5.0  # seconds between automatic catch-up attempts that found no usable donor
+_NEWCOMER_PATIENCE = 15.0  # seconds a newcomer tries to download from the peers ahead before its own epoch counts
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -198,8 +199,9 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
         # their first round's digests tell them apart and all but one group download (see _check_agreement)
-        self._synced = self._tracker.progress.epoch == 0
-        if self._synced:
+        # (a newcomer publishes no record, and its epoch is no evidence, until it holds a state: see mark_joined)
+        if self._tracker.progress.epoch == 0:
+            self._mark_synced()
             self._averager.offer_state(self._epoch)
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
@@ -390,6 +392,10 @@ class Optimizer(torch.optim.Optimizer):
         except StateDownloadError as e:
             logger.warning(f"{e}; training on, the next round compares the parameters again")
 
+    def _mark_synced(self) -> None:
+        self._synced = True
+        self._tracker.mark_joined()
+
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
         self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
@@ -404,7 +410,7 @@ class Optimizer(torch.optim.Optimizer):
     def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
         self._epoch += 1
         self._samples -= report.samples  # what remains was computed while a background round was in flight
-        self._synced = True
+        self._mark_synced()
         if self.scheduler is not None:
             self.scheduler.step()
         self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
@@ -443,12 +449,13 @@ class Optimizer(torch.optim.Optimizer):
         ``StateDownloadError``."""
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
         self._rounds.settle()
-        deadline, delay, attempts = time.monotonic() + timeout, 0.5, 0
+        started = time.monotonic()
+        deadline, delay, attempts = started + timeout, 0.5, 0
         while True:
             remaining = deadline - time.monotonic()
             downloaded = self._averager.load_state(timeout=max(1.0, remaining), donors=_donors,
                                                    exclude=tuple(self._bad_donors))
-            attempts += 1
+            attempts, nobody_ahead = attempts + 1, False
             if downloaded is None:
                 reason = self._averager.last_download_failure
             else:
@@ -458,7 +465,14 @@ class Optimizer(torch.optim.Optimizer):
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
+                    nobody_ahead = isinstance(e, _DonorBehind)  # donors are asked most advanced first
             logger.debug(f"State download attempt {attempts} failed: {reason}")
+            if not self._tracker.joined and (nobody_ahead or time.monotonic() - started >= _NEWCOMER_PATIENCE):
+                # the peers ahead serve no state: count our own epoch from now on, so that a lone peer claiming to
+                # be ahead (a liar, or one unreachable) holds the newcomers of a run no longer
+                logger.info(f"No peer ahead of this one served its state; this peer's epoch ({self._epoch}) now "
+                            f"counts in the swarm's")
+                self._tracker.mark_joined()
             if _min_epoch > self._epoch and self._tracker.progress.epoch <= self._epoch:
                 # catching up, and the peers that were ahead left (or we caught up by a round): train on
                 logger.debug("The swarm is no longer ahead of this peer; not downloading its state")
@@ -496,7 +510,7 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise IncompatibleStateError(f"bad epoch {epoch!r}")
         if epoch < min_epoch:
-            raise IncompatibleStateError(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
+            raise _DonorBehind(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
         try:
             state = unflatten(metadata.get("skeleton"), list(tensors))
         except ValueError as e:
@@ -532,7 +546,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
             self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
-            self._synced = True
+            self._mark_synced()
             self._epoch = epoch
             self._samples = 0
             self.strategy.reset()
@@ -576,7 +590,7 @@ class Optimizer(torch.optim.Optimizer):
             self.strategy.load_state_dict(extra.get("strategy") or {})
             if "epoch" in extra:
                 self._epoch, self._samples = int(extra["epoch"]), 0
-                self._synced = True  # our own history; if the swarm moved on, step() catches up as usual
+                self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
         if "epoch" in extra:
             self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
             self._averager.offer_state(self._epoch)
@@ -738,6 +752,10 @@ def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy) -> str:
 def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:
     """The DHT prefix under which a run's peers of one model look for averaging groups."""
     return f"{run_id}_{strategy_name}_{schema[:12]}"
+
+
+class _DonorBehind(IncompatibleStateError):
+    """The donor's state is older than the epoch this peer needs."""
 
 
 def _check_tensors_fit(received: List[Any], local: List[torch.Tensor]) -> None:

@@ -372,6 +372,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
         self._params_digest: Optional[List[float]] = None
+        self._joined = False  # see ``mark_joined``
         self._epoch_started: Optional[float] = None
         self._first_step: Optional[float] = None  # epoch 0's start for ``aggregate_progress`` (not for trust checks)
         self._throughput = _Throughput()
@@ -407,6 +408,21 @@ class ProgressTracker:
                 self._first_step = get_dht_time()
             self._epoch, self._samples = epoch, samples
             self._throughput.update(samples)
+
+    def mark_joined(self) -> None:
+        """This peer holds a state of the run (it founded it, committed a round, downloaded a state or resumed a
+        checkpoint): from now on it publishes its record, which other peers count, and its epoch counts as evidence
+        of the swarm's (``swarm_opt.trust``). A newcomer still deciding whether to download publishes nothing, so
+        that newcomers arriving together do not outvote the peers they join."""
+        with self._lock:
+            if not self._joined:
+                self._joined = True
+                self._wake.set()
+
+    @property
+    def joined(self) -> bool:
+        with self._lock:
+            return self._joined
 
     def majority_params_digest(self, epoch: int, tolerance: float) -> Optional[Tuple[float, ...]]:
         """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
@@ -483,6 +499,8 @@ class ProgressTracker:
 
     def _publish(self, *, force: bool, timeout: float) -> None:
         with self._lock:
+            if not self._joined:
+                return
             record = self._local_record()
         levels = self._records.sample.publish_levels()
         state = (record.epoch, record.samples, record.params_digest, levels)
@@ -523,8 +541,8 @@ class ProgressTracker:
                 f"(parameter shapes or dtypes differ); they are kept apart. Give each model its own run_id."
             )
         with self._lock:
-            local, started = self._local_record(), self._epoch_started
-        others = self._checker.check(records, local, now, self.target_batch_size, started)
+            local, started, joined = self._local_record(), self._epoch_started, self._joined
+        others = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
         scale = self._records.sample.scale
         with self._lock:
             self._others, self._scale = others, scale

@@ -5,13 +5,16 @@ moves the swarm only as far as its owner plausibly could:
 
 * **Epochs** ahead of ours count only once at least half of the live peers are there. A round commits only in a
   majority group, so an honest swarm always confirms its newest epoch; a single peer claiming epoch +1000 is not
-  believed, so nobody waits on it or tries to download its state.
+  believed, so nobody waits on it or tries to download its state. Only peers that hold a state of the run vote:
+  a newcomer still deciding whether to download publishes no record and does not count its own epoch (else
+  newcomers arriving together would outvote the founder they join, who trained alone); one that finds that no
+  peer ahead serves a state (``Optimizer``) joins, so a lone liar in a run's first seconds delays it, no more.
 * **Samples** grow no faster than a plausible throughput: at most ``max_rate_vs_median`` times the swarm's median
   throughput (a lower median, so that one liar among two peers cannot raise it), from when this peer saw the epoch
   begin (or from its first sight of the claimant, whose samples it then takes as they are, up to one global batch).
-* A peer whose claims fail these checks grossly (samples above twice the bound) or for long (an epoch ahead that
-  nobody confirms) is **ignored** for ``ignore_seconds``, doubling at each repeat: its record counts for nothing,
-  not even as a live peer. One WARNING line says so.
+* A peer whose claims fail these checks grossly (samples above twice the bound and twice the global batch) or for
+  long (an epoch ahead that nobody confirms) is **ignored** for ``ignore_seconds``, doubling at each repeat: its
+  record counts for nothing, not even as a live peer. One WARNING line says so.
 
 What this cannot stop: many identities that each claim plausible progress (a Sybil attack). A private run
 (``RunSecret``) keeps strangers out of the DHT altogether.
@@ -131,17 +134,20 @@ class ClaimChecker:
         self._reference_rate = 0.0
 
     def check(self, records: list, local, now: float, target_batch_size: int,
-              local_epoch_started: Optional[float] = None) -> list:
+              local_epoch_started: Optional[float] = None, *, local_votes: bool = True) -> list:
         """Return the records that count, with samples and throughput bounded. ``local`` is our own record (None for
-        an observer); ``now`` and ``local_epoch_started`` are DHT times."""
+        an observer); ``now`` and ``local_epoch_started`` are DHT times; ``local_votes``: whether our own epoch is
+        evidence of the swarm's (not while we are a newcomer deciding whether to download; unless nobody else
+        publishes one)."""
         with self._lock:
-            return self._check(records, local, now, target_batch_size, local_epoch_started)
+            return self._check(records, local, now, target_batch_size, local_epoch_started, local_votes)
 
     def _check(self, records: list, local, now: float, target_batch_size: int,
-               local_epoch_started: Optional[float]) -> list:
+               local_epoch_started: Optional[float], local_votes: bool) -> list:
         live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
-        epoch = believed_epoch([r.epoch for r in live] + ([local_epoch] if local is not None else []), local_epoch)
+        votes = [r.epoch for r in live] + ([local_epoch] if local is not None and (local_votes or not live) else [])
+        epoch = believed_epoch(votes, local_epoch)
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
 
         counted = []
@@ -184,7 +190,9 @@ class ClaimChecker:
                     credit = _Credit(epoch, float(min(record.samples, target_batch_size)), now)
                 self._credits[key] = credit
             allowed = credit.base_samples + rate_cap * (max(0.0, now - credit.base_time) + self.config.burst_seconds)
-            if record.samples > 2 * allowed:
+            # struck only when no honest peer could claim it: one stops at its share of the global batch, while the
+            # rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is honest)
+            if record.samples > 2 * max(allowed, target_batch_size):
                 self._ignore(key, now, f"it claims {record.samples} samples where at most {allowed:.0f} were "
                                        f"plausible")
                 continue

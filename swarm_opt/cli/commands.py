@@ -94,6 +94,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def worker_momentum(text: str) -> Any:
+    """``--worker-momentum``: ``swarm_opt.WorkerMomentum(beta)`` (its ConfigError is a ValueError)."""
+    from swarm_opt.strategies import WorkerMomentum
+
+    return WorkerMomentum(non_negative_float(text))
+
+
 def integer(text: str) -> int:
     try:
         return int(str(text))
@@ -243,9 +250,13 @@ OPTIONS: Dict[str, List[_Option]] = {
                 type=non_negative_float, default=0.01),
         _Option("--outer-lr", "DiLoCo: learning rate of the outer Nesterov SGD", type=positive_float, default=0.7),
         _Option("--outer-momentum", "DiLoCo: momentum of the outer SGD", type=non_negative_float, default=0.9),
+        _Option("--worker-momentum", "grad: each peer sends the momentum BETA (e.g. 0.9) of its own round gradients "
+                "instead of the gradients, so that a robust --aggregation tells attackers from honest noise; the "
+                "inner SGD then has no momentum of its own (raise --lr about 1/(1-BETA) times)", type=worker_momentum,
+                metavar="BETA"),
         _Option("--optimizer", "inner optimizer", choices=("sgd", "adam"), default="sgd"),
         _Option("--lr", "inner learning rate", type=positive_float, default=0.1),
-        _Option("--momentum", "SGD momentum", type=non_negative_float, default=0.9),
+        _Option("--momentum", "SGD momentum (default 0.9; 0 with --worker-momentum)", type=non_negative_float),
         _Option("--batch-size", "samples per local step", type=positive_int, default=32),
         _Option("--target-batch-size", "samples the swarm accumulates per global epoch (the global batch)",
                 type=positive_int, default=1024),

@@ -21,7 +21,7 @@ from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_
 from swarm_opt.cli.commands import private_run
 from swarm_opt.cli.tasks import Task, evaluate, load_task
 from swarm_opt.errors import ConfigError
-from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, Strategy
+from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, GradientAveraging, Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ def _diloco_options(args: argparse.Namespace) -> Dict[str, Any]:
 
 #: the command-line options of the strategies that take any (every other one is built with its defaults)
 _STRATEGY_OPTIONS: Dict[type, Callable[[argparse.Namespace], Dict[str, Any]]] = {
+    GradientAveraging: lambda args: {"momentum": args.worker_momentum},
     FedProx: lambda args: {"mu": args.fedprox_mu},
     DiLoCo: _diloco_options,
 }
@@ -45,12 +46,17 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
     strategy = STRATEGIES.get(args.strategy)
     if strategy is None:
         raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
+    if args.worker_momentum is not None and strategy is not GradientAveraging:
+        raise ConfigError(f"--worker-momentum applies to --strategy grad, not {args.strategy}")
     options = _STRATEGY_OPTIONS.get(strategy)
     return strategy(**(options(args) if options is not None else {}))
 
 
 def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:
-    lr, momentum = args.lr, args.momentum
+    if args.worker_momentum is not None and args.momentum:
+        raise ConfigError("--worker-momentum replaces the inner optimizer's momentum: drop --momentum (or pass 0)")
+    lr = args.lr
+    momentum = args.momentum if args.momentum is not None else 0.0 if args.worker_momentum is not None else 0.9
     if args.optimizer == "adam":
         return lambda params: torch.optim.Adam(params, lr=lr)
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)

@@ -74,3 +74,49 @@ def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monke
             opt.shutdown()
         for dht in dhts:
             dht.shutdown()
+
+
+def test_newcomers_arriving_together_join_a_founder_that_trained_alone():
+    """A founder trains alone to epoch 2; two newcomers arrive together, each seeing the other at epoch 0. Neither
+    may take the other for a majority that outvotes the founder (the swarm would split in two): both download the
+    founder's state, and the three then train one swarm."""
+    dhts, opts = [hivemind.DHT(host_maddrs=LOOPBACK, start=True)], []
+    models = [torch.nn.Linear(16, 4) for _ in range(3)]
+    try:
+        opts.append(_optimizer(dhts[0], models[0]))
+        while opts[0].local_epoch < 2:
+            _train_step(opts[0], models[0])
+        for model in models[1:]:
+            dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), host_maddrs=LOOPBACK, start=True))
+            opts.append(_optimizer(dhts[-1], model))
+        # the second newcomer saw the first at epoch 0, holding no state: it is no founder either
+        assert not opts[1]._synced and not opts[2]._synced
+        errors = []
+
+        def train(opt, model):
+            try:
+                while opt.local_epoch < 4:
+                    _train_step(opt, model)
+            except Exception as e:  # reported below, with the others'
+                errors.append(e)
+
+        threads = [threading.Thread(target=train, args=pair) for pair in zip(opts, models)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        assert all(opt.local_epoch == 4 for opt in opts), [opt.local_epoch for opt in opts]
+        for model in models[1:]:
+            assert torch.equal(model.weight, models[0].weight)
+    finally:
+        for opt in opts:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
+def _train_step(opt, model):
+    opt.zero_grad()
+    model(torch.ones(8, 16)).sum().backward()
+    opt.step()

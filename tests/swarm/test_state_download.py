@@ -38,6 +38,7 @@ def _a_peer_ahead(opt, epoch: int) -> ProgressTracker:
     """A peer of ``opt``'s run and model that reports ``epoch`` but serves no state (as one whose averager died)."""
     ahead = ProgressTracker(opt._tracker.dht, opt.config.run_id, opt.config.target_batch_size,
                             model_schema=opt.model_schema)
+    ahead.mark_joined()  # it holds a state of the run: its epoch is evidence of the swarm's
     ahead.start()
     ahead.report(epoch, 0)
     deadline = time.monotonic() + 20

@@ -33,3 +33,20 @@ def test_the_command_line_passes_each_strategy_its_options():
     w = torch.nn.Parameter(torch.zeros(2))
     diloco.bind([w], torch.optim.SGD([w], lr=0.1))
     assert diloco.outer.defaults["lr"] == 0.3 and diloco.outer.defaults["nesterov"] is False
+
+
+def test_the_command_line_selects_worker_momentum_for_gradient_averaging():
+    from swarm_opt.cli.train import make_inner_optimizer
+
+    args = _train_args("--worker-momentum", "0.8", "--aggregation", "trimmed-mean:0.2")
+    assert make_strategy(args).momentum == swarm_opt.WorkerMomentum(0.8)
+    w = torch.nn.Parameter(torch.zeros(2))
+    assert make_inner_optimizer(args)([w]).defaults["momentum"] == 0.0  # the workers' momentum replaces the inner one
+    assert make_inner_optimizer(_train_args())([w]).defaults["momentum"] == 0.9
+    assert make_strategy(_train_args()).momentum is None
+    with pytest.raises(swarm_opt.ConfigError, match="applies to --strategy grad, not local"):
+        make_strategy(_train_args("--strategy", "local", "--worker-momentum", "0.9"))
+    with pytest.raises(swarm_opt.ConfigError, match="drop --momentum"):
+        make_inner_optimizer(_train_args("--worker-momentum", "0.9", "--momentum", "0.5"))([w])
+    with pytest.raises(Exception, match=r"worker-momentum.*must be in \[0, 1\)"):  # one line naming the bound
+        _train_args("--worker-momentum", "1.5")

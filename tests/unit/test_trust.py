@@ -90,6 +90,27 @@ def test_a_peer_claiming_absurd_samples_is_ignored_and_cannot_fill_the_batch(cap
     assert any("for 120 s" in r.getMessage() for r in caplog.records)
 
 
+def test_a_slow_peer_bounds_fast_peers_but_does_not_ignore_them(caplog):
+    """A peer 200x slower than the two others (their speeds measured one after the other) bounds their samples by
+    its low median, but never ignores them for it: an honest peer claims at most about its share of the global
+    batch, so only claims beyond twice the batch are struck (as a liar's 10^9)."""
+    target = 5000
+    checker = ClaimChecker(TrustConfig())
+    checker.check([rec("a", 0, 0, 0.0, 99.0), rec("b", 0, 0, 0.0, 99.0)], rec("me", 0, 0, 0.0, 99.0), 99.0, target)
+    seen = checker.check([rec("a", 1, 0, 0.0, 100.0), rec("b", 1, 0, 0.0, 100.0)], rec("me", 1, 0, 4.0, 100.0),
+                         100.0, target, 100.0)
+    assert len(seen) == 2
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        for now in (101.0, 102.0, 103.0):  # one fast speed measured, then both
+            others = [rec("a", 1, int(950 * (now - 100)), 950.0, now),
+                      rec("b", 1, int(950 * (now - 100)), 950.0 if now > 101 else 0.0, now)]
+            counted = checker.check(others, rec("me", 1, 4, 4.0, now), now, target, 100.0)
+            assert len(counted) == 2
+    assert "Ignoring peer" not in caplog.text
+    liar = checker.check([rec("liar", 1, 3 * target, 950.0, 104.0)], rec("me", 1, 4, 4.0, 104.0), 104.0, target, 100.0)
+    assert liar == []
+
+
 def test_a_newcomer_takes_what_it_did_not_see_begin_at_face_value_up_to_one_batch():
     checker = ClaimChecker(TrustConfig())
     # an observer's first read: the epoch began before it looked, so 200 samples are plausible
@@ -109,6 +130,26 @@ def test_a_peer_that_downloads_the_swarms_epoch_did_not_see_it_begin():
     checker.check(others[1:], rec("me", 9, 0, 0.0, 101.0), 101.0, TARGET, local_epoch_started=101.0)  # a's record
     counted = checker.check(others, rec("me", 9, 0, 0.0, 101.5), 101.5, TARGET, 101.0)  # was missing from one read
     assert sorted(r.samples for r in counted) == [250, 300]
+
+
+def test_newcomers_arriving_together_do_not_outvote_the_founder_they_join(caplog):
+    """A founder trained alone to epoch 3; two newcomers arrive together. Neither publishes a record nor counts its
+    own epoch before it holds a state: each believes epoch 3 (and downloads it), and nobody ignores the founder."""
+    founder = rec("founder", 3, 40, 10.0, 100.0)
+    checker = ClaimChecker(TrustConfig(ahead_grace=5.0))
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        for now in (100.0, 110.0, 120.0):
+            local = rec("a", 0, 0, 0.0, now)
+            counted = checker.check([founder], local, now, TARGET, local_votes=False)
+            assert aggregate_progress(counted, local, TARGET, now).epoch == 3
+    assert "Ignoring peer" not in caplog.text
+    # once they hold a state they vote: two founders at epoch 0 outvote a lone claim of epoch 3 (the liar case)
+    checker = ClaimChecker(TrustConfig(ahead_grace=5.0))
+    counted = checker.check([founder, rec("b", 0, 0, 0.0, 100.0)], rec("a", 0, 0, 0.0, 100.0), 100.0, TARGET)
+    assert {r.instance for r in counted} == {"b"}
+    # a newcomer that sees nobody else is the run's founder: its own epoch counts
+    assert checker.check([], rec("c", 0, 0, 0.0, 100.0), 100.0, TARGET, local_votes=False) == []
+    assert believed_epoch([0], 0) == 0
 
 
 def test_trust_config_names_the_fix():

@@ -21,10 +21,13 @@ from swarm_opt.strategies.base import Strategy
 
 
 def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence[Sequence[int]]] = None,
-                       plans: Optional[Sequence[RoundPlan]] = None) -> None:
+                       plans: Optional[Sequence[RoundPlan]] = None, feedbacks: Optional[Sequence[Any]] = None,
+                       round_id: int = 0) -> None:
     """One round: each group (default: everyone) averages its members' values weighted by their rounds' ``weight``
     and every member applies the round. A group whose weights are all zero gives its rounds back. ``plans[i]``: where
-    peer ``i`` averages (``Strategy.begin_round``; default: one group)."""
+    peer ``i`` averages (``Strategy.begin_round``; default: one group). ``feedbacks[i]``: peer ``i``'s codec
+    feedback (``TopK``'s ``SparseFeedback``), applied to what it writes as ``TensorAverager`` does, for round
+    ``round_id``."""
     groups = [list(range(len(strategies)))] if groups is None else groups
     for group in groups:
         members = [strategies[i] for i in group]
@@ -37,14 +40,18 @@ def average_in_process(strategies: Sequence[Strategy], groups: Optional[Sequence
                     r.give_back()
                 continue
             buffers = [[buffer_like(t) for t in s.buffer_templates()] for s in members]
-            for r, own in zip(rounds, buffers):
+            for r, own, i in zip(rounds, buffers, group):
                 r.write(own)
+                if feedbacks is not None:
+                    feedbacks[i].select(own, r.weight, round_id)
             means = [sum(b.to(torch.float64) * (w / total) for b, w in zip(column, weights))
                      for column in zip(*buffers)]
             for r, own in zip(rounds, buffers):
                 for b, mean in zip(own, means):
                     b.copy_(mean)
                 r.apply(AveragingResult(peers=tuple(group), gathered={}, averaged=tuple(own)))
+            for i in group if feedbacks is not None else ():
+                feedbacks[i].commit(round_id, averaged=True)
 
 
 def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num_peers: Optional[int] = None

@@ -383,7 +383,9 @@ class Uniform8Bit(_SlotCodec):
 class TopK(_SlotCodec):
     """Top-k sparsification with error feedback: each round a peer sends, per tensor, only the ``fraction`` of its
     values of largest magnitude (after adding its residual), as indices + values (COO), and keeps the rest for later
-    rounds (``swarm_opt.compression.sparse``). Gradient averaging only: ``compression=swarm_opt.TopK(fraction=0.01)``.
+    rounds (``swarm_opt.compression.sparse``). For strategies whose rounds send changes (``Strategy.sends_changes``):
+    gradient averaging, and DiLoCo's pseudo-gradients (the change since the last round; FedAvg as DiLoCo with an
+    outer SGD of lr 1): ``compression=swarm_opt.TopK(fraction=0.01)``.
 
     The selection happens on the peer's values before they reach the wire; the wire itself is exact for them (this
     codec's ``compress`` drops nothing: a part goes as COO, 8 bytes per nonzero, or dense in float32 when that is
@@ -426,13 +428,14 @@ class TopK(_SlotCodec):
         return torch.zeros_like(tensor, dtype=torch.float32)
 
     def check_strategy(self, strategy: Any) -> None:
-        from swarm_opt.strategies.grad_averaging import GradientAveraging  # not at the top: a cycle
-
-        if not isinstance(strategy, GradientAveraging):
+        if not strategy.sends_changes:
             raise ConfigError(
-                f"{self!r} sends the largest values of each round's gradients and keeps the rest for later rounds; "
-                f"{type(strategy).__name__} averages model states, whose values cannot be left out. Use it with "
-                f"strategy=swarm_opt.GradientAveraging(), or compression=swarm_opt.Int8Blockwise() with this strategy"
+                f"{self!r} sends the largest values of each round's changes and keeps the rest for later rounds; "
+                f"{type(strategy).__name__} here averages model states, whose values cannot be left out. Use it with "
+                f"strategy=swarm_opt.GradientAveraging(), or swarm_opt.DiLoCo(...) without groups and "
+                f"average_optimizer_state (its rounds send pseudo-gradients; with outer_optimizer=lambda p: "
+                f"torch.optim.SGD(p, lr=1.0) it is FedAvg), or compression=swarm_opt.Int8Blockwise() with this "
+                f"strategy"
             )
 
     def check_aggregation(self, aggregation: Any) -> Mean:

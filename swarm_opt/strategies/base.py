@@ -121,6 +121,13 @@ class Strategy(ABC):
         group's majority downloads the state of a member of the majority (``swarm_opt.digest``)."""
         return False
 
+    @property
+    def sends_changes(self) -> bool:
+        """Whether every value a round averages is a change (a gradient, DiLoCo's pseudo-gradient ``x - y``) whose
+        mean the strategy applies as a step: a codec with error feedback (``TopK``) may then delay part of it to
+        later rounds. Not for model states (parameters, optimizer statistics), whose values cannot be left out."""
+        return False
+
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
         """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from
         its local state (it will be averaged back in next round); False if the peer must download the swarm's

@@ -30,7 +30,11 @@ OuterFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 class DiLoCo(Anchored):
     """Keep an anchor copy ``x`` of the parameters (fp32, on CPU); after each round's average ``ybar`` the
     pseudo-gradient ``x - ybar`` is given to the outer optimizer, which steps from ``x``; every peer then continues
-    from the new ``x``.
+    from the new ``x``. Rounds send each peer's pseudo-gradient ``x - y`` (whose mean is ``x - ybar``): a lossy
+    codec's error is then relative to the round's change, not to the weights, and ``TopK`` may send only the
+    largest changes, delaying the rest by error feedback (``sends_changes``; not in groups, nor with
+    ``average_optimizer_state``, whose values travel as they are). With ``torch.optim.SGD(p, lr=1.0)`` as the outer
+    optimizer DiLoCo is FedAvg: that is FedAvg with sparse exchange.
 
     :param outer_optimizer: a factory over the anchor tensors returning any ``torch.optim.Optimizer``, typically
         ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``.
@@ -73,31 +77,44 @@ class DiLoCo(Anchored):
             raise ConfigTypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
         if self._groups is not None:
             _check_linear(self.outer, self._groups)
+        anchored = {id(p) for p in self.anchor.params}
+        #: where each anchored parameter's value sits among the averaged tensors (in the anchor's order)
+        self._anchored = [j for j, p in enumerate(self.shared) if id(p) in anchored]
+        assert [id(self.shared[j]) for j in self._anchored] == [id(p) for p in self.anchor.params]
 
     @property
     def variant(self) -> str:
-        """Peers in groups send ``x`` and the outer momentum too: they average only with each other."""
+        """Rounds send pseudo-gradients (peers of versions that sent parameters never average with these); peers in
+        groups send ``x`` and the outer momentum too: they average only with each other."""
         if self._groups is None:
-            return ""
+            return "+changes"
         outer = getattr(self, "outer", None)  # bound: whether momentum buffers travel
-        return "+groups" + ("+momentum" if outer is not None and _momentum_buffers(outer) else "")
+        return "+changes+groups" + ("+momentum" if outer is not None and _momentum_buffers(outer) else "")
+
+    @property
+    def sends_changes(self) -> bool:
+        return self._groups is None and not self.average_optimizer_state
 
     def buffer_templates(self) -> List[torch.Tensor]:
         """In groups, ``x`` and the outer momentum follow the parameters."""
         return super().buffer_templates() + self._grouped_state()
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
-        super().write_round(buffers)
+        super().write_round(buffers)  # the parameters y: replaced by the pseudo-gradients x - y
+        for x, j in zip(self.anchor.tensors, self._anchored):
+            torch.sub(x, buffers[j], out=buffers[j])
         state = self._grouped_state()
         for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
             buffer.copy_(tensor)
 
     def apply_round(self, result: AveragingResult) -> None:
         """In groups, the outer step below starts from the group's mean ``x`` and momentum."""
-        state = self._grouped_state()
-        if state and result.averaged is not None:
+        if result.averaged is not None:
+            state = self._grouped_state()
             for tensor, mean in zip(state, result.averaged[len(result.averaged) - len(state):]):
                 tensor.copy_(mean)
+            for x, j in zip(self.anchor.tensors, self._anchored):  # ybar = x - the mean pseudo-gradient
+                torch.sub(x, result.averaged[j], out=result.averaged[j])
         super().apply_round(result)
 
     def _grouped_state(self) -> List[torch.Tensor]:

@@ -120,6 +120,10 @@ class GradientAveraging(Strategy):
         return "" if self.momentum is None else f"+momentum{self.momentum.beta!r}"
 
     @property
+    def sends_changes(self) -> bool:
+        return True
+
+    @property
     def shares_parameters(self) -> bool:
         return True
 

@@ -99,7 +99,8 @@ def install_fault(cfg: dict) -> None:
     averager process forks, so that it acts inside hivemind's averager process.
 
     * ``die_in_allreduce``: once ``OUT.arm`` exists, die as soon as the first averaged part of a round comes back
-      (this peer sent its tensors and its groupmates are still exchanging parts with it).
+      (this peer sent its tensors and its groupmates are still exchanging parts with it: armed, its reducer holds
+      back the means it owes them, so that they still wait for its share whatever the machine's load).
     * ``die_while_serving``: die right after sending the first message of its state to a newcomer, if this peer is
       the first to claim the file ``die_while_serving``.
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
@@ -188,6 +189,19 @@ def install_fault(cfg: dict) -> None:
                 die()
 
         TensorPartContainer.register_processed_part = register_processed_part
+        import asyncio
+
+        from swarm_opt._hivemind.allreduce import AllOrNothingRunner
+
+        original_mean = AllOrNothingRunner._encoded_mean
+
+        @functools.wraps(original_mean)
+        async def _held_mean(self, *args, **kwargs):
+            if os.path.exists(arm):  # dies before these replies are due (see the docstring)
+                await asyncio.sleep(60)
+            return await original_mean(self, *args, **kwargs)
+
+        AllOrNothingRunner._encoded_mean = _held_mean
     if cfg.get("die_in_lane"):
         from swarm_opt.gloo_lane import GlooLane
 

@@ -168,7 +168,7 @@ def test_diloco_in_groups_moves_the_swarms_mean_as_one_diloco_over_the_swarm():
     a = problems(1)[0][0]
     probs = [(a, b) for _, b in problems(n, seed=3)]
     grouped, whole = _diloco_peers(probs, Groups(size=side)), _diloco_peers(probs, None)
-    assert grouped[0].strategy.variant == "+groups+momentum" and whole[0].strategy.variant == ""
+    assert grouped[0].strategy.variant == "+changes+groups+momentum" and whole[0].strategy.variant == "+changes"
     assert len(grouped[0].strategy.buffer_templates()) == 3 * len(whole[0].strategy.buffer_templates())
     grids = [Grid(side, i) for i in range(n)]
     for i, grid in enumerate(grids):

@@ -11,6 +11,8 @@ from swarm_opt.aggregation import as_aggregation
 from swarm_opt.compression import as_codec
 from swarm_opt.compression.sparse import SparseFeedback, select_top_k, top_k_count
 from swarm_opt.errors import ConfigError
+from swarm_opt.simulation import average_in_process
+from tests.unit.test_scaffold_maths import Peer, problems
 
 SHAPES = [(40, 25), (25,)]
 FRACTION = 0.05
@@ -102,12 +104,66 @@ def test_a_peer_that_missed_a_round_drops_its_residual():
     assert torch.equal(sent[0], expected[0])
 
 
+def _fedavg(**kwargs) -> swarm_opt.DiLoCo:  # DiLoCo with an outer SGD of lr 1 is FedAvg
+    return swarm_opt.DiLoCo(lambda p: torch.optim.SGD(p, lr=1.0), **kwargs)
+
+
 def test_topk_refuses_strategies_and_aggregations_it_cannot_serve():
-    with pytest.raises(ConfigError, match="GradientAveraging"):
+    with pytest.raises(ConfigError, match="GradientAveraging.*DiLoCo"):
         as_codec(swarm_opt.TopK(), swarm_opt.LocalUpdates())
     with pytest.raises(ConfigError, match="GradientAveraging"):
         as_codec(swarm_opt.TopK(), swarm_opt.Scaffold())
+    with pytest.raises(ConfigError, match="without groups and average_optimizer_state"):
+        as_codec(swarm_opt.TopK(), _fedavg(average_optimizer_state=("momentum_buffer",)))
+    grouped = _fedavg()
+    grouped.use_groups(swarm_opt.Groups(size=4))
+    with pytest.raises(ConfigError, match="model states"):
+        as_codec(swarm_opt.TopK(), grouped)
     assert as_codec(swarm_opt.TopK(0.1), swarm_opt.GradientAveraging()) == swarm_opt.TopK(0.1)
+    assert as_codec(swarm_opt.TopK(0.1), _fedavg()) == swarm_opt.TopK(0.1)
     with pytest.raises(ConfigError, match="Leave aggregation unset"):
         as_aggregation(swarm_opt.TrimmedMean(), swarm_opt.TopK())
     assert isinstance(as_aggregation(None, swarm_opt.TopK()), swarm_opt.Mean)
+
+
+def _fedavg_peers(probs, fraction):
+    peers = [Peer(_fedavg(), problem, lr=0.05) for problem in probs]
+    feedbacks = None if fraction is None else \
+        [SparseFeedback(p.strategy.buffer_templates(), fraction) for p in peers]
+    return peers, feedbacks
+
+
+def test_diloco_sends_pseudo_gradients_that_topk_sparsifies_by_change_with_error_feedback():
+    """FedAvg (DiLoCo, outer SGD lr 1) of 4 peers on heterogeneous quadratics: rounds send each peer's change since
+    the last round, x - y. Whole (fraction 1) it equals FedAvg on the parameters; sparse (1 of 5 values per round)
+    every peer ends every round identical, and error feedback delivers what rounds left out: the swarm circles
+    FedAvg's fixed point (each peer's own change there is not zero, so its residual comes and goes) and its mean
+    over rounds sits on it, where dropping the left-out changes instead stalls far from it."""
+    probs = problems(4)
+    reference = [Peer(swarm_opt.LocalUpdates(), problem, lr=0.05) for problem in probs]
+    whole, whole_feedback = _fedavg_peers(probs, 1.0)
+    sparse, sparse_feedback = _fedavg_peers(probs, 0.2)
+    dropped, dropping = _fedavg_peers(probs, 0.2)
+    rounds, window = 300, 100
+    mean = torch.zeros_like(sparse[0].w.detach())
+    for r in range(rounds):
+        for peer in reference + whole + sparse + dropped:
+            peer.local_steps(5)
+        average_in_process([p.strategy for p in reference])
+        average_in_process([p.strategy for p in whole], feedbacks=whole_feedback, round_id=r)
+        average_in_process([p.strategy for p in sparse], feedbacks=sparse_feedback, round_id=r)
+        average_in_process([p.strategy for p in dropped], feedbacks=dropping, round_id=r)
+        for feedback in dropping:  # no error feedback: what a round leaves out is lost
+            for residual in feedback.residuals:
+                residual.zero_()
+        for peers in (whole, sparse):
+            for peer in peers[1:]:
+                assert torch.equal(peer.w, peers[0].w), r
+        if r < 20:
+            torch.testing.assert_close(whole[0].w.detach(), reference[0].w.detach(), atol=1e-12, rtol=0)
+        if r >= rounds - window:
+            mean += sparse[0].w.detach() / window
+    target = reference[0].w.detach()
+    error = float((mean - target).norm())
+    assert error < 0.05 * float(target.norm()), error
+    assert float((dropped[0].w.detach() - target).norm()) > 10 * error

@@ -99,8 +99,9 @@ def install_fault(cfg: dict) -> None:
     averager process forks, so that it acts inside hivemind's averager process.
 
     * ``die_in_allreduce``: once ``OUT.arm`` exists, die as soon as the first averaged part of a round comes back
-      (this peer sent its tensors and its groupmates are still exchanging parts with it: armed, its reducer holds
-      back the means it owes them, so that they still wait for its share whatever the machine's load).
+      (this peer sent its tensors and its groupmates are still exchanging parts with it). With ``hold_replies``,
+      once armed its reducer also holds back the means it owes them, so that they surely still wait for its share
+      when it dies, whatever the machine's load (without, its share may all have gone out first).
     * ``die_while_serving``: die right after sending the first message of its state to a newcomer, if this peer is
       the first to claim the file ``die_while_serving``.
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
@@ -189,6 +190,7 @@ def install_fault(cfg: dict) -> None:
                 die()
 
         TensorPartContainer.register_processed_part = register_processed_part
+    if cfg.get("die_in_allreduce") and cfg.get("hold_replies"):
         import asyncio
 
         from swarm_opt._hivemind.allreduce import AllOrNothingRunner

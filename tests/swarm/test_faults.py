@@ -62,7 +62,7 @@ def test_a_peer_killed_inside_the_all_reduce_leaves_the_survivors_with_their_own
     reached nobody or everybody, never some peers only."""
     epochs = 6
     victim = 3
-    start_four(swarm, epochs, {victim: dict(die_in_allreduce=True, arm_at_epoch=2, journal=True)})
+    start_four(swarm, epochs, {victim: dict(die_in_allreduce=True, hold_replies=True, arm_at_epoch=2, journal=True)})
     swarm.procs[victim].wait(120)
     assert swarm.procs[victim].returncode == -signal.SIGKILL, swarm.log(victim)
     swarm.procs.pop(victim)

@@ -60,8 +60,7 @@ _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a r
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
-CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid, then the round (its key)
-_ROUND_KEY_BITS = 4  # rounds further apart than 16 share a key again; the gather's round still tells them apart
+CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 #: the gather's entry naming the previous round's result a member holds, [its round, its group id]
 #: (``Aggregation.uses_previous``): the reducers of a part start from it only if they all hold the same
 PREVIOUS_KEY = "previous"
@@ -615,13 +614,6 @@ def _previous_key(value: Any) -> Optional[Tuple[int, bytes]]:
     return round_id, group_id
 
 
-def _round_bits(round_id: int) -> str:
-    """The round in the matchmaking key, after the grid's line: a peer a few rounds behind (it has not seen the
-    swarm's last commit yet) looks for a group apart instead of joining the swarm's next round, whose group would
-    then be discarded for all its members (a mixture of rounds)."""
-    return format(round_id % 2**_ROUND_KEY_BITS, f"0{_ROUND_KEY_BITS}b")
-
-
 def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
 
@@ -805,8 +797,7 @@ class TensorAverager:
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
                 gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
-                        "aux": self.auxiliary, "aggregation": self._aggregation,
-                        CELL_KEY: self.group_key(round_id) + _round_bits(round_id),
+                        "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
 

@@ -76,10 +76,15 @@ def test_a_peer_killed_inside_the_all_reduce_leaves_the_survivors_with_their_own
         assert all(torch.isfinite(p).all() for p in r["params"])
         assert_no_stall(r["reports"])
         assert [rep for rep in r["reports"] if not rep["caught_up"]][-1]["group_size"] == 3
-    # the survivors' logs say why each failed round failed, and the round with the victim failed for a member
+    # the survivors' logs say why each failed round failed, and the round with the victim failed for a member,
+    # unless the victim reduced no share of it (hivemind's load balancing may give a loaded peer none): then its
+    # parts had all come back, and everybody committed its last batches (the references below allow both)
     failures = re.findall(r"did not reach a majority of \d peers \(failed: (.*)\); keeping", swarm.round_events())
-    assert failures and all(failures), swarm.round_events()
-    assert any(re.search(r"sender\(s\) failed|sent CANCELLED|did not start sending", f) for f in failures), failures
+    assert all(failures), swarm.round_events()
+    last_with_victim = max(rep["epoch"] for rep in survivors[0]["reports"] if rep.get("group_size") == 4)
+    if last_with_victim <= dead["last_epoch"]:  # the victim's last round is not among the survivors' commits
+        assert any(re.search(r"sender\(s\) failed|sent CANCELLED|did not start sending", f) for f in failures), \
+            failures
     for r in survivors[1:]:
         assert _close(r["params"], survivors[0]["params"], 1e-6)
     references = list(possible_references(survivors + [dead], "sgd", epochs))

@@ -196,10 +196,11 @@ def install_fault(cfg: dict) -> None:
         from swarm_opt._hivemind.allreduce import AllOrNothingRunner
 
         original_mean = AllOrNothingRunner._encoded_mean
+        held_when = cfg["out"] + ".arm"
 
         @functools.wraps(original_mean)
         async def _held_mean(self, *args, **kwargs):
-            if os.path.exists(arm):  # dies before these replies are due (see the docstring)
+            if os.path.exists(held_when):  # dies before these replies are due (see the docstring)
                 await asyncio.sleep(60)
             return await original_mean(self, *args, **kwargs)
 

@@ -52,9 +52,26 @@ from swarm_opt.trust import Suspensions
 
 logger = logging.getLogger(__name__)
 
+async def _nothing(dht: DHT, node: Any) -> None:
+    return None
+
+
+def _let_the_dht_read_our_calls(dht: DHT) -> None:
+    """Called by an averager process as it exits. Every hivemind DHT call crosses one pipe to the DHT process with a
+    future whose reply pipe the DHT process fetches from the *calling* process when it reads the call; a call still
+    unread when its caller exits kills the DHT process (an EOFError its read loop does not catch), and with it every
+    other optimizer and the progress tracker of the peer. The DHT reads calls in order: once a last call of this
+    process has returned, every earlier one was read. Bounded, and quiet if the DHT is already gone."""
+    try:
+        dht.run_coroutine(_nothing, return_future=True).result(timeout=_DHT_DRAIN_TIMEOUT)
+    except Exception as e:  # a DHT already shut down (broken pipe) or not answering: nothing left to protect
+        logger.debug("DHT did not confirm this averager's last calls: %r", e)
+
+
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
 MemberInfo = Callable[[], Dict[str, Any]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
+_DHT_DRAIN_TIMEOUT = 2.0  # seconds an exiting averager process waits for the DHT process to read its last calls
 _FAILURE_POLL_PERIOD = 0.05  # seconds between checks of a running all-reduce for a failed member
 _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a round
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
@@ -107,7 +124,10 @@ class _Engine(DecentralizedAverager):
             die_with_parent(signal.SIGKILL, self._parent_pid)
         if self.lane is not None:
             self.lane.start()
-        super().run()
+        try:
+            super().run()
+        finally:
+            _let_the_dht_read_our_calls(self.dht)
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
         # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group

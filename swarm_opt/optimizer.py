@@ -147,13 +147,6 @@ class Optimizer(torch.optim.Optimizer):
             if not isinstance(groups, Groups):
                 raise ConfigTypeError(f"groups must be swarm_opt.Groups(size=...) or None, got {groups!r}")
             strategy.use_groups(groups)
-        compression = as_codec(compression, strategy)
-        if transport is not None and aggregation is not None:
-            raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
-                              "(robust aggregation, Mean's norm bound) needs hivemind's path; drop transport= or "
-                              "aggregation=")
-        aggregation = as_aggregation(aggregation, compression)
-
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -164,6 +157,12 @@ class Optimizer(torch.optim.Optimizer):
         self.strategy = strategy
         self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
         self.strategy.bind(self._params, self.inner)
+        compression = as_codec(compression, strategy)  # bound: what the strategy's rounds send is known
+        if transport is not None and aggregation is not None:
+            raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
+                              "(robust aggregation, Mean's norm bound) needs hivemind's path; drop transport= or "
+                              "aggregation=")
+        aggregation = as_aggregation(aggregation, compression)
 
         self._init_torch_hooks()
         self._epoch, self._samples = 0, 0

@@ -33,7 +33,7 @@ class DiLoCo(Anchored):
     from the new ``x``. Rounds send each peer's pseudo-gradient ``x - y`` (whose mean is ``x - ybar``): a lossy
     codec's error is then relative to the round's change, not to the weights, and ``TopK`` may send only the
     largest changes, delaying the rest by error feedback (``sends_changes``; not in groups, nor with
-    ``average_optimizer_state``, whose values travel as they are). With ``torch.optim.SGD(p, lr=1.0)`` as the outer
+    ``average_optimizer_state`` or frozen parameters among the optimizer's, whose values travel as they are). With ``torch.optim.SGD(p, lr=1.0)`` as the outer
     optimizer DiLoCo is FedAvg: that is FedAvg with sparse exchange.
 
     :param outer_optimizer: a factory over the anchor tensors returning any ``torch.optim.Optimizer``, typically
@@ -93,7 +93,10 @@ class DiLoCo(Anchored):
 
     @property
     def sends_changes(self) -> bool:
-        return self._groups is None and not self.average_optimizer_state
+        """Not in groups nor with ``average_optimizer_state``; once bound, not when a frozen parameter is among the
+        averaged ones (it has no anchor, so its value travels as it is)."""
+        frozen = len(getattr(self, "_anchored", ())) < len(getattr(self, "shared", ()))
+        return self._groups is None and not self.average_optimizer_state and not frozen
 
     def buffer_templates(self) -> List[torch.Tensor]:
         """In groups, ``x`` and the outer momentum follow the parameters."""

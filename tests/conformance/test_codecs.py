@@ -177,7 +177,7 @@ def test_optimizer_refuses_foreign_codecs_and_names_the_choices():
 
     model = torch.nn.Linear(2, 1)
     common = dict(dht=create_autospec(DHT, instance=True), run_id="codec_check", target_batch_size=8,
-                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), params=model.parameters())
+                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1), params=list(model.parameters()))
     with pytest.raises(ConfigTypeError, match=r"swarm_opt\.Float16\(\).*swarm_opt\.Int8Blockwise\(\)"):
         swarm_opt.Optimizer(**common, compression=Float16Compression())
     with pytest.raises(ConfigTypeError, match=r"pass an instance: Float16\(\)"):

@@ -113,8 +113,17 @@ def test_topk_refuses_strategies_and_aggregations_it_cannot_serve():
         as_codec(swarm_opt.TopK(), swarm_opt.LocalUpdates())
     with pytest.raises(ConfigError, match="GradientAveraging"):
         as_codec(swarm_opt.TopK(), swarm_opt.Scaffold())
-    with pytest.raises(ConfigError, match="without groups and average_optimizer_state"):
+    with pytest.raises(ConfigError, match="without groups, average_optimizer_state"):
         as_codec(swarm_opt.TopK(), _fedavg(average_optimizer_state=("momentum_buffer",)))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)  # frozen but handed to the optimizer: no anchor, its value would be sparsified
+    frozen = _fedavg()
+    frozen.bind(list(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match="frozen parameters"):
+        as_codec(swarm_opt.TopK(), frozen)
+    trainable = _fedavg()
+    trainable.bind(list(model[1].parameters()), torch.optim.SGD(model[1].parameters(), lr=0.1))
+    assert as_codec(swarm_opt.TopK(0.1), trainable) == swarm_opt.TopK(0.1)
     grouped = _fedavg()
     grouped.use_groups(swarm_opt.Groups(size=4))
     with pytest.raises(ConfigError, match="model states"):

@@ -164,7 +164,9 @@ def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
 def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
     """A peer whose steps take 4 s joins an all-reduce only at its next step, seconds after its group formed (it
     starts matchmaking early enough: matchmaking_time 5 s). Its groupmates must wait for it (it announces its step
-    period) rather than fail the round as if it were dead."""
+    period) rather than fail the round as if it were dead. One start-up race is no such failure: the slow peer can
+    look for a group only from its first step on, so under load the others' first group may form before it
+    (it then says the swarm completed round 1 without it, and catches up by download)."""
     epochs = 4
     common = dict(batch_size=16, target_batch_size=5000, inner="sgd", epochs=epochs, expect_peers=3,
                   matchmaking_time=5.0, averaging_timeout=AVERAGING_TIMEOUT)
@@ -173,9 +175,12 @@ def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
     swarm.start(2, step_sleep=4.0, **common)
     swarm.wait(timeout=200)
     results = [swarm.result(r) for r in range(3)]
+    late_at_start = "(failed: the swarm completed round 1 without this peer)"
     for r in results:
         assert r["epoch"] == epochs
-        assert "did not reach a majority of 3 peers (failed" not in swarm.log(r["rank"]), swarm.log(r["rank"])
+        failed = [line for line in swarm.log(r["rank"]).splitlines() if "did not reach a majority of 3 peers (failed"
+                  in line and not (r["rank"] == 2 and late_at_start in line)]
+        assert not failed, swarm.log(r["rank"])
         assert_quiet(swarm.log(r["rank"]))
     slow = [rep for rep in results[2]["reports"] if not rep["caught_up"]]
     assert sum(rep["group_size"] == 3 for rep in slow) >= 2, results[2]["reports"]  # averaged with the others

@@ -52,22 +52,6 @@ from swarm_opt.trust import Suspensions
 
 logger = logging.getLogger(__name__)
 
-async def _nothing(dht: DHT, node: Any) -> None:
-    return None
-
-
-def _let_the_dht_read_our_calls(dht: DHT) -> None:
-    """Called by an averager process as it exits. Every hivemind DHT call crosses one pipe to the DHT process with a
-    future whose reply pipe the DHT process fetches from the *calling* process when it reads the call; a call still
-    unread when its caller exits kills the DHT process (an EOFError its read loop does not catch), and with it every
-    other optimizer and the progress tracker of the peer. The DHT reads calls in order: once a last call of this
-    process has returned, every earlier one was read. Bounded, and quiet if the DHT is already gone."""
-    try:
-        dht.run_coroutine(_nothing, return_future=True).result(timeout=_DHT_DRAIN_TIMEOUT)
-    except Exception as e:  # a DHT already shut down (broken pipe) or not answering: nothing left to protect
-        logger.debug("DHT did not confirm this averager's last calls: %r", e)
-
-
 StateProvider = Callable[[], Tuple[Any, Sequence[torch.Tensor]]]
 MemberInfo = Callable[[], Dict[str, Any]]
 BufferWriter = Callable[[Sequence[torch.Tensor]], None]
@@ -88,6 +72,22 @@ MAX_UPLOADS_AT_ONCE = 4
 #: how long a peer named a lying reducer (``Audited``) is left out of this peer's groups the first time; each new
 #: offence doubles it, up to a day (``swarm_opt.trust.Suspensions``): a peer named by mistake comes back
 LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS = 600.0, 86400.0
+
+
+async def _nothing(dht: DHT, node: Any) -> None:
+    return None
+
+
+def _let_the_dht_read_our_calls(dht: DHT) -> None:
+    """Called by an averager process as it exits. Every hivemind DHT call crosses one pipe to the DHT process with a
+    future whose reply pipe the DHT process fetches from the *calling* process when it reads the call; a call still
+    unread when its caller exits kills the DHT process (an EOFError its read loop does not catch), and with it every
+    other optimizer and the progress tracker of the peer. The DHT reads calls in order: once a last call of this
+    process has returned, every earlier one was read. Bounded, and quiet if the DHT is already gone."""
+    try:
+        dht.run_coroutine(_nothing, return_future=True).result(timeout=_DHT_DRAIN_TIMEOUT)
+    except Exception as e:  # a DHT already shut down (broken pipe) or not answering: nothing left to protect
+        logger.debug("DHT did not confirm this averager's last calls: %r", e)
 
 
 class _Engine(DecentralizedAverager):

@@ -33,8 +33,8 @@ class DiLoCo(Anchored):
     from the new ``x``. Rounds send each peer's pseudo-gradient ``x - y`` (whose mean is ``x - ybar``): a lossy
     codec's error is then relative to the round's change, not to the weights, and ``TopK`` may send only the
     largest changes, delaying the rest by error feedback (``sends_changes``; not in groups, nor with
-    ``average_optimizer_state`` or frozen parameters among the optimizer's, whose values travel as they are). With ``torch.optim.SGD(p, lr=1.0)`` as the outer
-    optimizer DiLoCo is FedAvg: that is FedAvg with sparse exchange.
+    ``average_optimizer_state`` or frozen parameters among the optimizer's, whose values travel as they are). With
+    ``torch.optim.SGD(p, lr=1.0)`` as the outer optimizer DiLoCo is FedAvg: that is FedAvg with sparse exchange.
 
     :param outer_optimizer: a factory over the anchor tensors returning any ``torch.optim.Optimizer``, typically
         ``lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)``.
@@ -64,6 +64,7 @@ class DiLoCo(Anchored):
             )
         self._outer_factory = outer_optimizer
         self._groups: Optional[Groups] = None
+        self._frozen_shared = False  # set at bind: an averaged parameter without an anchor (requires_grad=False)
 
     def use_groups(self, groups: Groups) -> None:
         """Accepted with an SGD outer optimizer: rounds then also average ``x`` and the outer momentum (module
@@ -81,6 +82,7 @@ class DiLoCo(Anchored):
         #: where each anchored parameter's value sits among the averaged tensors (in the anchor's order)
         self._anchored = [j for j, p in enumerate(self.shared) if id(p) in anchored]
         assert [id(self.shared[j]) for j in self._anchored] == [id(p) for p in self.anchor.params]
+        self._frozen_shared = len(self._anchored) < len(self.shared)
 
     @property
     def variant(self) -> str:
@@ -95,8 +97,7 @@ class DiLoCo(Anchored):
     def sends_changes(self) -> bool:
         """Not in groups nor with ``average_optimizer_state``; once bound, not when a frozen parameter is among the
         averaged ones (it has no anchor, so its value travels as it is)."""
-        frozen = len(getattr(self, "_anchored", ())) < len(getattr(self, "shared", ()))
-        return self._groups is None and not self.average_optimizer_state and not frozen
+        return self._groups is None and not self.average_optimizer_state and not self._frozen_shared
 
     def buffer_templates(self) -> List[torch.Tensor]:
         """In groups, ``x`` and the outer momentum follow the parameters."""

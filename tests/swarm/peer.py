@@ -377,7 +377,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
             time.sleep(0.05)  # the test holds the swarm at an epoch until it released this peer
         idx = torch.randint(0, len(x), (bs,), generator=g)
         if journal is not None:  # before the step: a peer killed inside it may have sent this batch's gradients
-            journal.write(json.dumps({"batch": idx.tolist()}) + "\n")
+            journal.write(json.dumps({"batch": idx.tolist(), "version": opt.local_epoch}) + "\n")
         opt.zero_grad()
         version = opt.local_epoch
         loss = torch.nn.functional.cross_entropy(model(x[idx].to(dtype)).float(), y[idx])

@@ -26,20 +26,25 @@ AVERAGING_TIMEOUT = 30.0  # waiting out a timeout for the dead peer would show a
 def killed_peer_batches(journal: Path, rank: int) -> dict:
     """What a SIGKILLed peer committed to each epoch, from its journal; the batches of the round it died in may or
     may not have reached its groupmates, so they count as discarded (used once or not at all)."""
-    committed, discarded, pending = {}, {}, []
+    committed, discarded, versions, pending = {}, {}, {}, []
     for line in journal.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by the kill
             continue
         if "batch" in record:
-            pending.append(record["batch"])
+            pending.append((record["batch"], record["version"]))
+            continue
+        if record["caught_up"]:
+            discarded[record["epoch"]] = [b for b, _ in pending]
+            versions[record["epoch"]] = [v for _, v in pending]
         else:
-            (discarded if record["caught_up"] else committed)[record["epoch"]] = pending
-            pending = []
+            committed[record["epoch"]] = [b for b, _ in pending]
+        pending = []
     last = max(list(committed) + list(discarded) + [0])
-    discarded[last + 1] = pending
-    return dict(rank=rank, committed=committed, discarded=discarded, last_epoch=last)
+    discarded[last + 1] = [b for b, _ in pending]
+    versions[last + 1] = [v for _, v in pending]
+    return dict(rank=rank, committed=committed, discarded=discarded, discarded_versions=versions, last_epoch=last)
 
 
 def start_four(swarm, epochs: int, extra: dict) -> None:

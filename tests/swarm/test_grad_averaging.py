@@ -40,12 +40,25 @@ def possible_references(results: list, inner: str, epochs: int):
     always be lost) cannot know whether its gradients made it into that epoch; it drops them and downloads the
     result. Its batches since the last round it committed went into that average up to the attempt that reached the
     group, i.e. some prefix of them (it may have retried after more steps): yield the reference for every prefix."""
-    ambiguous = [(epoch, batches) for r in results for epoch, batches in r["discarded"].items() if batches]
+    ambiguous = list(ambiguous_batches(results))
     choices = [range(len(batches) + 1) for _, batches in ambiguous]
     assert math.prod(len(c) for c in choices) <= 20_000, ambiguous
     for prefix in itertools.product(*choices):
         yield reference_params(results, inner, epochs,
                                extra=[(epoch, batches[:k]) for (epoch, batches), k in zip(ambiguous, prefix)])
+
+
+def ambiguous_batches(results: list):
+    """Each peer's discarded batches as (epoch, batches), by the only round they could have gone into: the one after
+    the epoch they were computed at (a peer that caught up reports the epoch it downloaded, which may be later if
+    the swarm moved on meanwhile)."""
+    for r in results:
+        for epoch, batches in r["discarded"].items():
+            versions = r.get("discarded_versions", {}).get(epoch, [epoch - 1] * len(batches))
+            for version in sorted(set(versions)):
+                group = [b for b, v in zip(batches, versions) if v == version]
+                if group:
+                    yield version + 1, group
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:

@@ -11,7 +11,8 @@ hivemind's token scheme needs an authority server; here the token is vouched for
 
 Averaging and state sharing are closed too: matchmaking happens through the gated DHT, a leader refuses followers
 whose schema hash lacks the run's tag (derived from the secret), and a donor serves its state only to peers that
-published a progress record through the gated DHT.
+wrote through the gated DHT: a progress record, or the announcement a peer makes before it asks for a state (a
+newcomer publishes no record until it joined).
 
 What remains visible: libp2p encrypts every connection (Noise/TLS), so an eavesdropper sees who talks to whom and
 how much, not what. A holder of the secret can do anything a peer can (the secret is the run's only key: rotate it
@@ -42,6 +43,8 @@ _MIN_SECRET_BYTES = 16
 _REFUSAL_LOG_PERIOD = 60.0  # seconds between two log lines about the same refused peer
 _SHA256_MULTIHASH = bytes([0x12, 0x20])  # a multihash prefix: sha2-256, 32 bytes
 _MEMBERS_REFRESH = 2.0  # seconds between two reads of a private run's members by a donor
+_ANNOUNCEMENT_TTL = 60.0  # seconds a downloader's announcement stays on the DHT (made again at every download)
+_MAX_PEER_ID_BYTES = 64
 
 
 class PrivateRun:
@@ -205,10 +208,14 @@ def _read(path: str, what: str) -> bytes:
 
 class RunAccess:
     """What a private run's averager checks: its schema hash carries the run's tag (a leader refuses followers
-    without it), and it serves its state only to peers that published a progress record through the gated DHT."""
+    without it), and it serves its state only to peers that wrote through the gated DHT (a progress record, or an
+    announcement made before downloading): only holders of the run's credentials can."""
 
-    def __init__(self, run: PrivateRun, members_key: str) -> None:
-        self.run, self.members_key = run, members_key
+    def __init__(self, run: PrivateRun, run_id: str) -> None:
+        from swarm_opt.sharding import progress_key
+
+        self.run = run
+        self.records_key, self.announcements_key = progress_key(run_id), f"{run_id}_downloaders"
         self._members: FrozenSet[bytes] = frozenset()
         self._members_read = -float("inf")
         self._logged: Dict[bytes, float] = {}
@@ -217,17 +224,26 @@ class RunAccess:
         return hashlib.sha256(self.run.averaging_tag + schema_hash).digest() if self.run.averaging_tag \
             else schema_hash
 
+    async def announce(self, dht, peer: PeerID) -> None:
+        """Before asking donors for their state (in the averager process): a newcomer has no progress record yet."""
+        from hivemind.utils import get_dht_time
+
+        await dht.store(self.announcements_key, subkey=peer.to_bytes(), value=True,
+                        expiration_time=get_dht_time() + _ANNOUNCEMENT_TTL, return_future=True)
+
     async def admits(self, dht, peer: PeerID) -> bool:
-        """Runs in the averager process; one DHT read every few seconds at most."""
+        """Runs in the averager process; two DHT reads every few seconds at most."""
         from hivemind.utils import get_dht_time
 
         from swarm_opt.progress import parse_records
 
         peer_id = peer.to_bytes()
         if peer_id not in self._members and time.monotonic() - self._members_read > _MEMBERS_REFRESH:
-            raw = await dht.get(self.members_key, latest=True, return_future=True)
+            raw = await dht.get(self.records_key, latest=True, return_future=True)
             records, _ = parse_records(raw, model_schema=None, now=get_dht_time())
-            self._members, self._members_read = frozenset(r.peer_id for r in records), time.monotonic()
+            announced = await dht.get(self.announcements_key, latest=True, return_future=True)
+            self._members = frozenset(r.peer_id for r in records) | _announced(announced)
+            self._members_read = time.monotonic()
         if peer_id in self._members:
             return True
         now = time.monotonic()
@@ -237,7 +253,15 @@ class RunAccess:
         return False
 
 
-def run_access(dht, members_key: str) -> Optional[RunAccess]:
+def _announced(raw: object) -> FrozenSet[bytes]:
+    """The peer ids announced under a private run's downloaders key (network input: anything else is dropped)."""
+    entries = getattr(raw, "value", None)
+    if not isinstance(entries, dict):
+        return frozenset()
+    return frozenset(key for key in entries if isinstance(key, bytes) and 0 < len(key) <= _MAX_PEER_ID_BYTES)
+
+
+def run_access(dht, run_id: str) -> Optional[RunAccess]:
     """The averager checks of a private run, if ``dht`` was started with ``PrivateRun.authorizer()``."""
     authorizer = getattr(dht, "kwargs", {}).get("authorizer")
-    return RunAccess(authorizer.run, members_key) if isinstance(authorizer, RunAuthorizer) else None
+    return RunAccess(authorizer.run, run_id) if isinstance(authorizer, RunAuthorizer) else None

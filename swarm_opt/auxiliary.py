@@ -36,7 +36,6 @@ from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
 from swarm_opt.optimizer import averaging_prefix, strategy_schema
-from swarm_opt.progress import progress_key
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -103,7 +102,7 @@ class AuxiliaryPeer:
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=strategy.buffer_templates(), timeouts=self.timeouts, compression=codec, aggregation=aggregation,
-            auxiliary=True, access=run_access(dht, progress_key(run_id)))
+            auxiliary=True, access=run_access(dht, run_id))
         self._snapshot: Optional[RunSnapshot] = None
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0

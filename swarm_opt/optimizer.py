@@ -37,7 +37,7 @@ from swarm_opt.gloo_lane import Gloo
 from swarm_opt.groups import Grid
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
-from swarm_opt.progress import ProgressTracker, SwarmProgress, progress_key
+from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.round import RoundInFlight, RoundRunner
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import Strategy
@@ -177,7 +177,7 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round: Optional[RoundReport] = None
         self.model_schema = strategy_schema(self._params, strategy)
 
-        access = run_access(dht, progress_key(run_id))
+        access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
         if access is not None:  # a private run's donors admit peers by their record under the run's one key
             tracker = replace(tracker, shard_size=PRIVATE_RUN_SHARD_SIZE)  # (RunAccess): it is never sharded

@@ -424,10 +424,18 @@ class _Engine(DecentralizedAverager):
                                                                    exclude=tuple(exclude), max_bytes=max_bytes)))
         return future.result(timeout=timeout) if wait else future
 
+    async def _announce(self, access: RunAccess) -> None:
+        try:
+            await asyncio.wait_for(access.announce(self.dht, self.peer_id), timeout=self.request_timeout)
+        except Exception as e:  # the donors may know us from our progress record anyway
+            logger.debug("Could not announce this peer's download: %r", e)
+
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
                                      donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (),
                                      max_bytes: int = 2**62) -> None:
         try:
+            if self.access is not None:  # a private run's donors serve only peers that wrote through its DHT
+                await self._announce(self.access)
             candidates = [PeerID(peer) for peer in donors if peer not in exclude] if donors else \
                 await self._listed_donors(exclude)
             chunk_timeout = self.next_chunk_timeout or self.request_timeout

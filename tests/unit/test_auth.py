@@ -55,3 +55,17 @@ def test_an_allowlist_names_persistent_identities(tmp_path):
     file.write_text(f"# lab machines\n{allowed[0]}  # gpu box\n\n{allowed[1]}\n")
     run = PrivateRun.from_files(allow_peers_file=str(file), identity_path=paths[0])
     assert run.allowed_peers == {ids[0].to_bytes(), ids[1].to_bytes()}
+
+
+def test_a_donor_reads_announced_downloaders_as_network_input():
+    """The downloaders key of a private run may hold anything a member wrote: only peer-id-sized bytes count."""
+    from hivemind.utils import ValueWithExpiration
+
+    from swarm_opt.auth import _announced
+
+    peer = PeerID.from_base58("QmNMP3fU2cE6G3CFUAHhgGi4Qmu2ZyUrEx8p8QAjchVpvj").to_bytes()
+    entries = {peer: ValueWithExpiration(True, 1.0), "text": ValueWithExpiration(True, 1.0),
+               b"": ValueWithExpiration(True, 1.0), b"x" * 65: ValueWithExpiration(True, 1.0)}
+    assert _announced(ValueWithExpiration(entries, 1.0)) == {peer}
+    for raw in (None, ValueWithExpiration(b"not a dict", 1.0), ValueWithExpiration([peer], 1.0), "garbage"):
+        assert _announced(raw) == frozenset()

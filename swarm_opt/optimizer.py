@@ -273,6 +273,11 @@ class Optimizer(torch.optim.Optimizer):
             self._catch_up(progress.epoch)
         elif progress.ready or self._reached_share(progress, batch_size):
             self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
+            ahead = self._tracker.progress.epoch
+            if not self._rounds.in_flight and ahead > self._epoch:
+                # the swarm completed the round without us: catching up now spares a step computed at parameters
+                # it has left (whose gradients the catch-up would drop), and lets a slow peer make the next round
+                self._catch_up(ahead)
         elif progress.num_peers > 1 and self._samples > 0 and \
                 progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             # only with something to contribute: a group waits for each of its members to send, and a peer that

@@ -54,11 +54,9 @@ def ambiguous_batches(results: list):
     the swarm moved on meanwhile)."""
     for r in results:
         for epoch, batches in r["discarded"].items():
-            versions = r.get("discarded_versions", {}).get(epoch, [epoch - 1] * len(batches))
+            versions = r["discarded_versions"][epoch]
             for version in sorted(set(versions)):
-                group = [b for b, v in zip(batches, versions) if v == version]
-                if group:
-                    yield version + 1, group
+                yield version + 1, [b for b, v in zip(batches, versions) if v == version]
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:

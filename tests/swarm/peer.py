@@ -245,9 +245,18 @@ def main(config_path: str) -> None:
 
     import hivemind
 
-    # SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages too (swarm_opt re-emits them at DEBUG)
-    logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages too (swarm_opt re-emits them at DEBUG);
+    # SWARM_TEST_DEBUG_LOG=1 writes them to OUT.debug.log instead, the peer's log staying as a user sees it
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"), format=fmt)
+    if os.environ.get("SWARM_TEST_DEBUG_LOG"):
+        root = logging.getLogger()
+        for handler in root.handlers:
+            handler.setLevel(root.level)
+        debug = logging.FileHandler(json.load(open(config_path))["out"] + ".debug.log")
+        debug.setFormatter(logging.Formatter(fmt))
+        root.addHandler(debug)
+        root.setLevel(logging.DEBUG)
 
     import swarm_opt
     from swarm_opt.aggregation import parse_aggregation

@@ -155,9 +155,14 @@ class _Engine(DecentralizedAverager):
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """hivemind's, refusing a known liar (``Audited``): its groups form without it."""
+        """hivemind's, refusing a known liar (``Audited``): its groups form without it; and a follower that looks for
+        a group of another round than ours (one of us has not seen the swarm's last commit yet): every member would
+        discard that group's result, so it looks on for a group of its own round."""
         if self._liars.suspended(context.remote_id, time.monotonic()):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if _rounds_differ(self.serializer, request.gather, self._matchmaking.step_control):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
         async for message in super().rpc_join_group(request, context):
             yield message
@@ -621,6 +626,17 @@ def _member_info(serializer: Any, data: bytes) -> dict:
     except Exception:
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def _rounds_differ(serializer: Any, gather: bytes, control: Any) -> bool:
+    """Whether a follower's gather names another round than this leader's step ``control`` (``None``: not looking).
+    Helpers are never refused (their round does not matter), nor members that name no round (the check after the
+    all-reduce decides)."""
+    if control is None:
+        return False
+    theirs, ours = _member_info(serializer, gather), _member_info(serializer, control.data_for_gather)
+    rounds = [info.get("round") for info in (theirs, ours)]
+    return not (theirs.get("aux") or ours.get("aux")) and all(type(r) is int for r in rounds) and rounds[0] != rounds[1]
 
 
 def _with_member_info(serializer: Any, data: bytes, key: str, value: Any) -> bytes:

@@ -106,3 +106,25 @@ async def _shared_encoding_with_a_cancelled_taker() -> torch.Tensor:
 
 def test_a_taker_that_leaves_does_not_cancel_the_encoding_for_the_others():
     assert torch.equal(asyncio.run(_shared_encoding_with_a_cancelled_taker()), torch.arange(4.0))
+
+
+def test_a_leader_refuses_followers_of_another_round_but_never_helpers():
+    """A follower whose gather names another round than the leader's step would only form a group whose result
+    every member discards: the leader refuses it at once. Helpers, and gathers without a round, are not refused."""
+    from types import SimpleNamespace
+
+    from hivemind.utils import MSGPackSerializer
+
+    from swarm_opt._hivemind.averager import _rounds_differ
+
+    def gather(info) -> bytes:
+        return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(info)])
+
+    leader = SimpleNamespace(data_for_gather=gather({"round": 4}))
+    assert _rounds_differ(MSGPackSerializer, gather({"round": 3}), leader)
+    assert _rounds_differ(MSGPackSerializer, gather({"round": 5}), leader)
+    assert not _rounds_differ(MSGPackSerializer, gather({"round": 4}), leader)
+    assert not _rounds_differ(MSGPackSerializer, gather({"round": 3, "aux": True}), leader)
+    assert not _rounds_differ(MSGPackSerializer, gather({"round": 3}), None)  # not looking: hivemind refuses
+    for junk in (gather({}), gather({"round": "3"}), gather({"round": True}), gather([3]), b"\x00garbage"):
+        assert not _rounds_differ(MSGPackSerializer, junk, leader)

@@ -141,8 +141,9 @@ class AllOrNothingRunner(AllReduceRunner):
     """
 
     def __init__(self, *args: Any, aggregation: Aggregation = Mean(), previous: Optional[torch.Tensor] = None,
-                 **kwargs: Any) -> None:
+                 start_timeout: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.start_timeout = start_timeout  # how long a sender may take to start (see _handle_missing_senders)
         reducer = self.tensor_part_reducer  # replaced before anything could use it
         self.tensor_part_reducer = AllOrNothingReducer(
             reducer.part_shapes, reducer.num_senders, aggregation=aggregation,
@@ -151,6 +152,17 @@ class AllOrNothingRunner(AllReduceRunner):
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]
         self._encoded_means: Dict[Tuple[int, int], List[Any]] = {}
+
+    async def _handle_missing_senders(self) -> None:
+        """hivemind's, waiting for the senders' first parts at least ``start_timeout``: a member starts sending at
+        its next step, which may come after hivemind's next-chunk timeout; banned then, it failed the round."""
+        try:
+            timeout = None if self.sender_timeout is None else max(self.sender_timeout, self.start_timeout)
+            await asyncio.wait_for(self.all_senders_started.wait(), timeout)
+        except asyncio.TimeoutError:
+            for peer_id in self.sender_peer_ids:
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    await self._ban_sender(peer_id)
 
     async def _encoded_mean(self, part_index: int, averaged_part: torch.Tensor, compression: int
                             ) -> runtime_pb2.Tensor:

@@ -20,7 +20,7 @@ import random
 import signal
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -204,7 +204,7 @@ class _Engine(DecentralizedAverager):
         """The round over the gloo lane: every member chose it from the same gather, so nobody takes hivemind's path.
         Members get as long to begin as ``_first_failure`` gives them on hivemind's path. The all-reduces of the
         round (PowerSGD runs two) go through ``_run_allreduce_inplace_`` as on hivemind's path, with ``lane=``."""
-        start_timeout = _START_TIMEOUT + 2 * max(_seconds(info.get("step_period")) for info in infos)
+        start_timeout = _start_allowance(info.get("step_period") for info in infos)
         async with self._tensors_now() as tensors:
             await self._run_allreduce_inplace_(tensors, group_info, lane=(addresses, start_timeout), **kwargs)
         with self._lane_rounds.get_lock():
@@ -278,6 +278,9 @@ class _Engine(DecentralizedAverager):
         audit = audit_order(group_info.peer_ids, kwargs["peer_fractions"]) \
             if isinstance(self.aggregation, Audited) else None
         orders = [group_info.peer_ids] + ([audit] if audit is not None else [])
+        # a member starts sending at its next step: hivemind's reducers would ban it after next_chunk_timeout
+        kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get("step_period")
+                                                   for data in group_info.gathered)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
                                     aggregation=self.aggregation,
@@ -513,7 +516,7 @@ class _Engine(DecentralizedAverager):
                 missing = _missing_senders(runner)
                 if missing:
                     waited = time.monotonic() - first_seen.setdefault(id(runner), time.monotonic())
-                    allowed = _START_TIMEOUT + 2 * max(_seconds(periods.get(peer)) for peer in missing)
+                    allowed = _start_allowance(periods.get(peer) for peer in missing)
                     if waited > allowed:
                         return (f"{len(missing)} member(s) did not start sending within {allowed:.1f} s: "
                                 f"{', '.join(sorted(map(str, missing)))}")
@@ -660,6 +663,12 @@ def _previous_key(value: Any) -> Optional[Tuple[int, bytes]]:
 
 def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
+
+
+def _start_allowance(step_periods: Iterable[Any]) -> float:
+    """How long members with these announced step periods may take to start sending to a round: they join an
+    all-reduce at their next step."""
+    return _START_TIMEOUT + 2 * max((_seconds(period) for period in step_periods), default=0.0)
 
 
 def _seconds(value: Any) -> float:

@@ -128,3 +128,32 @@ def test_a_leader_refuses_followers_of_another_round_but_never_helpers():
     assert not _rounds_differ(MSGPackSerializer, gather({"round": 3}), None)  # not looking: hivemind refuses
     for junk in (gather({}), gather({"round": "3"}), gather({"round": True}), gather([3]), b"\x00garbage"):
         assert not _rounds_differ(MSGPackSerializer, junk, leader)
+
+
+async def _sender_starting_late(start_timeout: float) -> set:
+    """A reducer's runner whose sender "late" starts 0.2 s into the round; hivemind's next-chunk timeout is 0.05 s.
+    Which senders does the runner ban?"""
+    runner = _bare_runner(["me", "late"])
+    runner.sender_timeout, runner.start_timeout = 0.05, start_timeout
+    runner.active_senders, runner.banned_senders = {"me"}, set()
+    runner.all_senders_started = asyncio.Event()
+
+    async def ban(peer: str) -> None:
+        runner.banned_senders.add(peer)
+
+    runner._ban_sender = ban
+
+    async def start_late() -> None:
+        await asyncio.sleep(0.2)
+        runner.active_senders.add("late")
+        runner.all_senders_started.set()
+
+    await asyncio.gather(runner._handle_missing_senders(), start_late())
+    return runner.banned_senders
+
+
+def test_a_sender_is_given_the_groups_start_allowance_not_the_next_chunk_timeout():
+    """A member joins the all-reduce at its next step, which may come later than hivemind's next-chunk timeout;
+    banned then, it failed a round that it would have completed (``_start_allowance``)."""
+    assert asyncio.run(_sender_starting_late(start_timeout=1.0)) == set()
+    assert asyncio.run(_sender_starting_late(start_timeout=0.0)) == {"late"}  # hivemind's own bound

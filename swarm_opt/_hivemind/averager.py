@@ -162,6 +162,9 @@ class _Engine(DecentralizedAverager):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         if _rounds_differ(self.serializer, request.gather, self._matchmaking.step_control):
+            logger.debug("Refused %s as a follower: it looks for a group of round %s, this peer of round %s",
+                         context.remote_id, _member_info(self.serializer, request.gather).get("round"),
+                         _member_info(self.serializer, self._matchmaking.step_control.data_for_gather).get("round"))
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
         async for message in super().rpc_join_group(request, context):
@@ -665,6 +668,16 @@ def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
 
 
+def cancel_step(control: StepControl) -> None:
+    """``control.cancel()``, with the step's own state set first. hivemind's sets it last, after waking the averager
+    process through the control's cancel future: an averager that wakes in between sees a step not cancelled, goes on
+    looking for a group for it until its deadline, and holds matchmaking meanwhile. This peer's next rounds then
+    queue behind that search, and as a leader it refuses every other round's followers: under load, a peer that
+    missed one round missed every round after it."""
+    MPFuture.cancel(control)  # in the process that created the step: the shared state, visible to the averager now
+    control.cancel()  # wakes the averager (its trigger and cancel futures)
+
+
 def _start_allowance(step_periods: Iterable[Any]) -> float:
     """How long members with these announced step periods may take to start sending to a round: they join an
     all-reduce at their next step."""
@@ -838,7 +851,7 @@ class TensorAverager:
             if self._scheduled is not None and not self._scheduled.done():
                 if self._scheduled_round == round_id:
                     return
-                self._scheduled.cancel()
+                cancel_step(self._scheduled)
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
             if self.auxiliary:
                 # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
@@ -901,7 +914,7 @@ class TensorAverager:
         except (Exception, asyncio.CancelledError) as e:  # matchmaking or all-reduce failed, or the round was
             # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
             logger.debug("Averaging round failed: %r", e)
-            control.cancel()
+            cancel_step(control)
             return self._failed(_reason(e) if not isinstance(e, asyncio.CancelledError) else "the round was cancelled")
         finally:
             with self._lock:
@@ -953,7 +966,7 @@ class TensorAverager:
         with self._lock:
             control, self._scheduled = self._scheduled, None
         if control is not None and not control.done():
-            control.cancel()
+            cancel_step(control)
 
     def load_state(self, timeout: float, *, donors: Sequence[bytes] = (), exclude: Sequence[bytes] = ()
                    ) -> Optional[Tuple[Any, List[torch.Tensor], bytes]]:
@@ -988,7 +1001,7 @@ class TensorAverager:
         with self._lock:
             running = self._running
         if running is not None and not running.done():
-            running.cancel()  # an all_reduce() in another thread returns None at once
+            cancel_step(running)  # an all_reduce() in another thread returns None at once
         self._engine.state_provider = None
         if self._engine.is_alive():
             self._engine.shutdown()

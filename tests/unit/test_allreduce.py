@@ -157,3 +157,26 @@ def test_a_sender_is_given_the_groups_start_allowance_not_the_next_chunk_timeout
     banned then, it failed a round that it would have completed (``_start_allowance``)."""
     assert asyncio.run(_sender_starting_late(start_timeout=1.0)) == set()
     assert asyncio.run(_sender_starting_late(start_timeout=0.0)) == {"late"}  # hivemind's own bound
+
+
+def test_a_cancelled_step_is_cancelled_before_the_averager_is_woken():
+    """The averager process checks ``step.cancelled()`` as soon as the control's cancel future wakes it: the step's
+    own state must already say so (hivemind's ``StepControl.cancel`` sets it last, and an averager that looked in
+    between went on looking for a group for a step nobody wanted, blocking the peer's next rounds)."""
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture
+
+    from swarm_opt._hivemind.averager import cancel_step
+
+    seen = []
+
+    class Wakeup(MPFuture):  # stands for the averager's cancel future: records what the woken averager would see
+        def set_result(self, result):
+            seen.append(control.cancelled())
+            super().set_result(result)
+
+    trigger = MPFuture()  # first: hivemind sets up its futures' backend only for a plain MPFuture
+    control = StepControl(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, Wakeup())
+    cancel_step(control)
+    assert seen == [True] and control.cancelled()

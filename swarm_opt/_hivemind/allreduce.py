@@ -140,18 +140,22 @@ class AllOrNothingRunner(AllReduceRunner):
     per sender).
     """
 
-    def __init__(self, *args: Any, aggregation: Aggregation = Mean(), previous: Optional[torch.Tensor] = None,
-                 start_timeout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, aggregation: Aggregation = Mean(), start_timeout: float = 0.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.start_timeout = start_timeout  # how long a sender may take to start (see _handle_missing_senders)
         reducer = self.tensor_part_reducer  # replaced before anything could use it
-        self.tensor_part_reducer = AllOrNothingReducer(
-            reducer.part_shapes, reducer.num_senders, aggregation=aggregation,
-            previous=None if previous is None else own_parts(self, previous))
+        self.tensor_part_reducer = AllOrNothingReducer(reducer.part_shapes, reducer.num_senders,
+                                                       aggregation=aggregation)
         self.tensor_part_container.return_deltas = False  # the outputs are the group's means: members copy them
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]
         self._encoded_means: Dict[Tuple[int, int], List[Any]] = {}
+
+    def start_from(self, previous: Optional[torch.Tensor]) -> None:
+        """Let this peer's reducer start from ``previous``, the previous round's result flattened
+        (``Aggregation.uses_previous``; None: as without it). Before the runner runs."""
+        self.tensor_part_reducer.previous = None if previous is None else own_parts(self, previous)
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's, waiting for the senders' first parts at least ``start_timeout``: a member starts sending at
@@ -273,11 +277,14 @@ class AllOrNothingRunner(AllReduceRunner):
 AUDIT_SUFFIX = b".audit"  # the second all-reduce of an audited round runs under the group id + this
 
 
-def audit_order(peer_ids: Sequence[PeerID], fractions: Sequence[float]) -> Optional[List[PeerID]]:
+def audit_order(peer_ids: Sequence[PeerID], parts: Sequence[int]) -> Optional[List[PeerID]]:
     """The peer order of an audited round's second all-reduce: the same shares (the fractions stay in place, so the
-    parts are cut the same), each reduced by the next member that reduces (fraction > 0), cyclically, so that two
-    different members reduce every part. None if fewer than two members reduce."""
-    reducers = [i for i, fraction in enumerate(fractions) if fraction > 0]
+    parts are cut the same), each reduced by the next member that reduces a part, cyclically, so that two different
+    members reduce every part. ``parts``: how many parts each share holds (the first runner's
+    ``num_parts_by_peer``): hivemind deals whole parts, so a member with a nonzero fraction of a small model may
+    reduce none, and a rotation through it would pair a liar with one partner only (never named). None if fewer
+    than two members reduce."""
+    reducers = [i for i, count in enumerate(parts) if count > 0]
     if len(reducers) < 2:
         return None
     order = list(peer_ids)

@@ -278,16 +278,16 @@ class _Engine(DecentralizedAverager):
         # the members' modes: hivemind computes them and forgets to pass them on (its PR #432), so its auxiliary
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
-        audit = audit_order(group_info.peer_ids, kwargs["peer_fractions"]) \
-            if isinstance(self.aggregation, Audited) else None
-        orders = [group_info.peer_ids] + ([audit] if audit is not None else [])
         # a member starts sending at its next step: hivemind's reducers would ban it after next_chunk_timeout
         kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get("step_period")
                                                    for data in group_info.gathered)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
-                                    aggregation=self.aggregation,
-                                    previous=self._previous_for(group_info, group_info.peer_ids, orders), **kwargs)
+                                    aggregation=self.aggregation, **kwargs)
+        audit = audit_order(group_info.peer_ids, runner.tensor_part_container.num_parts_by_peer) \
+            if isinstance(self.aggregation, Audited) else None
+        orders = [group_info.peer_ids] + ([audit] if audit is not None else [])
+        runner.start_from(self._previous_for(group_info, group_info.peer_ids, orders))
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
         self._count_from_previous(runner)
@@ -323,9 +323,8 @@ class _Engine(DecentralizedAverager):
         audit = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=copies,
                                    group_id=audit_id, ordered_peer_ids=order,
                                    modes=tuple(modes[group_info.peer_ids.index(peer)] for peer in order),
-                                   aggregation=self.aggregation,
-                                   previous=self._previous_for(group_info, order, [group_info.peer_ids, order]),
-                                   **kwargs)
+                                   aggregation=self.aggregation, **kwargs)
+        audit.start_from(self._previous_for(group_info, order, [group_info.peer_ids, order]))
         self._running_groups[audit_id].set_result(audit)
         self._count_from_previous(audit)
         owners = part_owners(runner)

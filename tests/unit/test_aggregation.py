@@ -382,3 +382,32 @@ def test_reducers_start_from_the_previous_result_only_where_all_of_a_parts_reduc
     assert _previous_key([6, b"g"]) == (6, b"g")
     data = _with_member_info(MSGPackSerializer, gather({"round": 3}), PREVIOUS_KEY, [2, b"g"])
     assert MSGPackSerializer.loads(MSGPackSerializer.loads(data)[2]) == {"round": 3, PREVIOUS_KEY: [2, b"g"]}
+
+
+@pytest.mark.parametrize("liar", ["a", "c", "d"])
+def test_a_lying_reducer_is_named_when_some_member_reduces_no_part(liar):
+    """hivemind deals whole parts to the shares: with 4 equal fractions of a small model (tensors of 512, 32, 128
+    and 4 values, parts of 256) member b reduces no part. The audit rotates among the members that reduce one, so
+    a liar in any of those places disagrees with two partners (a rotation through b named it in only half of them)."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from swarm_opt._hivemind.allreduce import audit_order, disagreeing_reducers, liars, part_owners
+
+    peers = ["a", "b", "c", "d"]
+    tensors = [torch.arange(float(n)) for n in (512, 32, 128, 4)]
+    container = TensorPartContainer(tensors, [0.25] * 4, part_size_bytes=1024)
+    assert container.num_parts_by_peer[1] == 0  # b reduces nothing
+    order = audit_order(peers, container.num_parts_by_peer)
+    owners = part_owners(SimpleNamespace(tensor_part_container=container))
+    honest = torch.cat(tensors)
+    first, second, offset = honest.clone(), honest.clone(), 0
+    for share, size in owners:  # every mean the liar returns is off by one, in both all-reduces
+        if peers[share] == liar:
+            first[offset:offset + size] += 1.0
+        if order[share] == liar:
+            second[offset:offset + size] += 1.0
+        offset += size
+    pairs = disagreeing_reducers(swarm_opt.Audited(), owners, [first], [second], peers, order)
+    assert liars(pairs) == {liar}, pairs

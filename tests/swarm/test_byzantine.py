@@ -113,7 +113,9 @@ def test_audited_reducers_catch_a_lying_reducer_and_train_on_without_it(swarm):
     """A member whose reducer adds 1.0 to every mean it returns (the same wrong values to everyone: no digest
     shows it). With ``Audited()`` each part is reduced twice, the honest members see the two results differ, fail
     the round, and name the liar (it disagreed with both of its audit partners); from then on they form groups
-    without it (3 of 4 is a majority) and learn. Without the audit the offset goes into every round (below)."""
+    without it (3 of 4 is a majority) and learn. Without the audit the offset goes into every round (below). A round
+    in which the liar reduces no part (hivemind deals whole parts: with this small model one member of four reduces
+    none) is honest and may commit with it; the drift shows whether any lie got in (one round of it would)."""
     epochs = 4
     results = run(swarm, epochs, None, aggregation="Audited", lie_in_reduce_rank=ATTACKER)
     liar = swarm.result(ATTACKER)["peer_id"]
@@ -121,9 +123,10 @@ def test_audited_reducers_catch_a_lying_reducer_and_train_on_without_it(swarm):
     namers = 0
     for rank, r in zip(HONEST, results):
         assert r["epoch"] == epochs, swarm.round_events()
-        assert all(report["group_size"] <= 3 for report in r["reports"]), r["reports"]  # no round with the liar
         assert loss_of(r["params"]) < initial - 0.1, (loss_of(r["params"]), initial)
-        assert abs(drift(r["params"])) < 0.05, drift(r["params"])  # without the audit: -0.28 (below)
+        # honest: |drift| <= 3.3e-5 (4 runs); one lie on the smallest share (4 values) moves it by >= 0.1 * 4 / 676
+        # = 6e-4 in its round and ~1.6e-3 with the momentum of the rounds after; without the audit: -0.28 (below)
+        assert abs(drift(r["params"])) < 1e-3, drift(r["params"])
         # a peer names the liar once, when an audited round it took part in caught it; under load a peer whose
         # early rounds failed for other reasons may only have met groups that its groupmates already kept it out of
         named = [line for line in swarm.log(rank).splitlines() if "it lies (or is broken)" in line]

@@ -245,6 +245,7 @@ def main(config_path: str) -> None:
 
     import hivemind
 
+    cfg = json.load(open(config_path))
     # SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages too (swarm_opt re-emits them at DEBUG);
     # SWARM_TEST_DEBUG_LOG=1 writes them to OUT.debug.log instead, the peer's log staying as a user sees it
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -253,7 +254,7 @@ def main(config_path: str) -> None:
         root = logging.getLogger()
         for handler in root.handlers:
             handler.setLevel(root.level)
-        debug = logging.FileHandler(json.load(open(config_path))["out"] + ".debug.log")
+        debug = logging.FileHandler(cfg["out"] + ".debug.log")
         debug.setFormatter(logging.Formatter(fmt))
         root.addHandler(debug)
         root.setLevel(logging.DEBUG)
@@ -261,7 +262,6 @@ def main(config_path: str) -> None:
     import swarm_opt
     from swarm_opt.aggregation import parse_aggregation
 
-    cfg = json.load(open(config_path))
     install_fault(cfg)
     private = {"authorizer": swarm_opt.PrivateRun(secret=cfg["secret"].encode()).authorizer()} \
         if cfg.get("secret") else {}

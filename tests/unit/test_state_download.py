@@ -39,27 +39,25 @@ def test_a_download_returns_what_the_donor_sent():
     assert _averager(state).load_state(timeout=1.0) is state
 
 
-class _CancelledControl:
-    """A scheduled round whose future raises what hivemind's raise when the round is cancelled under it."""
+def _cancelled_control():
+    """A scheduled round (hivemind's ``StepControl``) whose future raises what hivemind's raise when the round is
+    cancelled under it."""
+    import asyncio
 
-    stage = None
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture
 
-    def __init__(self):
-        self.weight, self.cancelled = None, False
+    class Cancelled(StepControl):
+        def allow_allreduce(self):
+            pass
 
-    def allow_allreduce(self):
-        pass
+        def result(self, timeout=None):
+            raise asyncio.CancelledError()
 
-    def result(self, timeout=None):
-        import asyncio
-
-        raise asyncio.CancelledError()
-
-    def cancel(self):
-        self.cancelled = True
-
-    def done(self):
-        return self.cancelled
+    trigger = MPFuture()  # first: hivemind sets up its futures' backend only for a plain MPFuture
+    control = Cancelled(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, MPFuture())
+    return control
 
 
 def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_training_loop():
@@ -71,9 +69,9 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
     from swarm_opt.config import Timeouts
 
     averager = TensorAverager.__new__(TensorAverager)
-    control = _CancelledControl()
+    control = _cancelled_control()
     averager._engine = type("E", (), {"get_tensors": lambda self: contextlib.nullcontext([torch.zeros(2)])})()
     averager._lock, averager._running, averager.timeouts = threading.Lock(), None, Timeouts()
     averager.schedule = lambda when, round_id: setattr(averager, "_scheduled", control)
     assert averager.all_reduce(lambda buffers: None, 1.0, round_id=3) is None
-    assert averager.last_failure == "the round was cancelled" and control.cancelled
+    assert averager.last_failure == "the round was cancelled" and control.cancelled()

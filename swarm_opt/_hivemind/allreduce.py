@@ -98,7 +98,10 @@ class AllOrNothingReducer(TensorPartReducer):
         self.num_parts_taken[sender_index] += 1
         if len(self._copies) == self.num_senders:
             self._combine_current_part()
-        return await future
+        # shielded: every sender awaits this one future, and asyncio cancels the future that a cancelled task awaits;
+        # a groupmate whose stream closes while it waits would cancel the part for everyone, this peer's own share
+        # included, and the round would wait for a part that never comes
+        return await asyncio.shield(future)
 
     def _combine_current_part(self) -> None:
         """Every sender's copy is in: combine them in the executor, and collect the next part meanwhile. The last
@@ -118,10 +121,11 @@ class AllOrNothingReducer(TensorPartReducer):
 
     def _combined(self, done: asyncio.Future, future: asyncio.Future, last: bool) -> None:
         if not future.done():
-            if done.cancelled():
-                future.cancel()
-            elif done.exception() is not None:  # no usable copy (every one non-finite): the round fails
-                future.set_exception(AllreduceException(f"the part could not be reduced: {done.exception()}"))
+            if done.cancelled() or done.exception() is not None:  # e.g. no usable copy: the round fails
+                self.abandoned = True  # seen at once by the round's watchdog (every sender gets the error too)
+                reason = "cancelled" if done.cancelled() else repr(done.exception())
+                logger.debug(f"Reducer: part {self.current_part_index} could not be reduced: {reason}")
+                future.set_exception(AllreduceException(f"the part could not be reduced: {reason}"))
             else:
                 future.set_result(done.result())
         if last:
@@ -216,17 +220,23 @@ class AllOrNothingRunner(AllReduceRunner):
             await self._exchange_with_reducer(peer_id)
             return
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
-        for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
-            averaged_part = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, tensor_part, weight=self.weight)
-            compression = self._part_codecs.get(part_index)  # known once any other sender's copy has arrived
-            if compression not in (None, _EXACT):  # (exact bytes decode to the very values: no round trip)
-                encoded = await self._encoded_mean(part_index, averaged_part, compression)
-                # decoded here, in the event loop's thread: the same message object is being copied into the
-                # senders' replies by this thread, and protobuf messages are not safe to read from two threads
-                # at once (decoding it in the executor crashed averager processes with heap corruption)
-                averaged_part = deserialize_torch_tensor(encoded)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+        try:
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight)
+                compression = self._part_codecs.get(part_index)  # known once any other sender's copy has arrived
+                if compression not in (None, _EXACT):  # (exact bytes decode to the very values: no round trip)
+                    encoded = await self._encoded_mean(part_index, averaged_part, compression)
+                    # decoded here, in the event loop's thread: the same message object is being copied into the
+                    # senders' replies by this thread, and protobuf messages are not safe to read from two threads
+                    # at once (decoding it in the executor crashed averager processes with heap corruption)
+                    averaged_part = deserialize_torch_tensor(encoded)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+        except BaseException as e:  # as for another member's share: the parts left are marked failed, so that
+            # the round fails at once instead of its outputs waiting for parts that will never come
+            logger.debug(f"This peer's own share failed: {e!r}")
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
 
     async def _exchange_with_reducer(self, peer_id: PeerID) -> None:
         """hivemind's exchange with another member's reducer: send it this peer's parts of its share, receive their

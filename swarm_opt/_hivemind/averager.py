@@ -61,6 +61,8 @@ _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a r
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
+_STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
+_CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 #: the gather's entry naming the previous round's result a member holds, [its round, its group id]
 #: (``Aggregation.uses_previous``): the reducers of a part start from it only if they all hold the same
@@ -198,9 +200,7 @@ class _Engine(DecentralizedAverager):
             self._say_goodbye(group_info)
             raise
         finally:
-            for task in (watchdog, aggregation):
-                task.cancel()
-            await asyncio.gather(watchdog, aggregation, return_exceptions=True)
+            await cancel_within(_CANCEL_GRACE, watchdog, aggregation)
 
     async def _lane_round(self, group_info: Any, addresses: List[Tuple[str, int]], infos: List[dict],
                           **kwargs: Any) -> dict:
@@ -502,6 +502,12 @@ class _Engine(DecentralizedAverager):
             if key.startswith(group_id) and future.done() and not future.cancelled() and not future.exception():
                 yield future.result()
 
+    def _runners_by_key(self, group_info: Any) -> Iterator[Tuple[bytes, Any]]:
+        for key, future in list(self._running_groups.items()):
+            if key.startswith(group_info.group_id):
+                yield key[len(group_info.group_id):], future.result() if future.done() and not future.cancelled() \
+                    and not future.exception() else future
+
     async def _first_failure(self, group_info: Any) -> str:
         """Why the round can no longer succeed, as soon as that is known: a part failed, or a member has not started
         sending to this peer's share long after it should have. A member starts sending when its training loop
@@ -510,7 +516,12 @@ class _Engine(DecentralizedAverager):
         periods = {peer: _member_info(self.serializer, data).get("step_period", 0.0)
                    for peer, data in zip(group_info.peer_ids, group_info.gathered)}
         first_seen: Dict[int, float] = {}
+        next_report = time.monotonic() + _STALL_REPORT_PERIOD
         while True:
+            if time.monotonic() > next_report and logger.isEnabledFor(logging.DEBUG):  # diagnostics only
+                next_report += _STALL_REPORT_PERIOD
+                states = "; ".join(_runner_state(key, runner) for key, runner in self._runners_by_key(group_info))
+                logger.debug("Round still running: %s. %s", states or "no all-reduce started", _where_tasks_wait())
             for runner in self._runners(group_info.group_id):
                 failure = _partial_failure(runner)
                 if failure:
@@ -622,6 +633,51 @@ def _partial_failure(runner: Any) -> str:
     if runner.tensor_part_reducer.abandoned or failed:
         return f"partial all-reduce: {banned} sender(s) failed, {failed} values not averaged"
     return ""
+
+
+async def cancel_within(grace: float, *tasks: asyncio.Future) -> bool:
+    """Cancel ``tasks`` and wait at most ``grace`` seconds for them to unwind (their errors retrieved, not raised).
+    Bounded: a round must end even if something inside hivemind ignores its cancellation; what is left behind is
+    logged at DEBUG with where it waits. Whether every task ended."""
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=grace)
+    for task in done:
+        if not task.cancelled():
+            task.exception()  # retrieved: asyncio would report it otherwise
+    if pending:
+        logger.debug("%d cancelled task(s) did not unwind within %.0f s; left behind. %s", len(pending), grace,
+                     _where_tasks_wait())
+    return not pending
+
+
+def _runner_state(suffix: bytes, runner: Any) -> str:
+    """One all-reduce's progress in a line, for DEBUG reports of a round that does not end."""
+    name = suffix.decode(errors="replace") or "main"
+    if not isinstance(runner, AllOrNothingRunner):
+        return f"{name}: {runner!r}"
+    reducer, container = runner.tensor_part_reducer, runner.tensor_part_container
+    return (f"{name}: parts by peer {container.num_parts_by_peer}, outputs registered "
+            f"{container._outputs_registered_by_peer}, failed {container.failed_size}, senders active "
+            f"{len(runner.active_senders)}/{len(runner.sender_peer_ids)} banned {len(runner.banned_senders)}, reducer "
+            f"part {reducer.current_part_index}/{reducer.num_parts} taken {reducer.num_parts_taken} abandoned "
+            f"{reducer.abandoned} finished {reducer.finished.is_set()}")
+
+
+def _where_tasks_wait(limit: int = 40) -> str:
+    """Where each pending task of the running event loop waits (its chain of awaits), for DEBUG reports."""
+    lines = []
+    for task in list(asyncio.all_tasks())[:limit]:
+        chain, awaited = [], task.get_coro()
+        while awaited is not None and len(chain) < 12:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is None:
+                chain.append(type(awaited).__name__)
+                break
+            chain.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+        lines.append(" > ".join(chain))
+    return "Tasks waiting: " + " | ".join(sorted(lines))
 
 
 def _member_info(serializer: Any, data: bytes) -> dict:

@@ -180,3 +180,84 @@ def test_a_cancelled_step_is_cancelled_before_the_averager_is_woken():
     control.attach(trigger, Wakeup())
     cancel_step(control)
     assert seen == [True] and control.cancelled()
+
+
+async def _stubborn_and_obedient() -> tuple:
+    """One task that ignores its cancellation (keeps waiting, as a stream close inside hivemind may), one that
+    obeys: ``cancel_within`` returns after its grace period anyway, the obedient task cancelled."""
+    from swarm_opt._hivemind.averager import cancel_within
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(60)
+
+    tasks = asyncio.ensure_future(stubborn()), asyncio.ensure_future(asyncio.sleep(60))
+    await asyncio.sleep(0)
+    started = asyncio.get_event_loop().time()
+    ended = await cancel_within(0.2, *tasks)
+    took = asyncio.get_event_loop().time() - started
+    stubborn_task, obedient = tasks
+    left_pending = not stubborn_task.done()
+    stubborn_task.cancel()  # the second cancellation ends it: nothing left behind by the test
+    await asyncio.gather(stubborn_task, return_exceptions=True)
+    return ended, took, left_pending, obedient.cancelled()
+
+
+def test_a_cancelled_aggregation_that_does_not_unwind_does_not_hold_the_round(caplog):
+    with caplog.at_level("DEBUG", logger="swarm_opt._hivemind.averager"):
+        ended, took, left_pending, obedient_cancelled = asyncio.run(_stubborn_and_obedient())
+    assert not ended and left_pending and obedient_cancelled
+    assert took < 5.0, took
+    # the DEBUG report says where the task left behind waits
+    assert any("stubborn:" in record.getMessage() for record in caplog.records), caplog.text
+
+
+async def _own_share_whose_part_fails() -> tuple:
+    """This peer ("me") reduces the only part; both copies arrive with weight 0, so the part cannot be reduced.
+    Does the round's output still end (with the part marked failed) and does the watchdog see the failure?"""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from swarm_opt._hivemind.averager import _partial_failure
+
+    container = TensorPartContainer([torch.ones(3)], peer_fractions=(1.0, 0.0), return_deltas=False)
+    runner = _bare_runner(["me", "b"])
+    runner.ordered_peer_ids, runner.weight, runner._part_codecs = ["me", "b"], 0.0, {}
+    runner.tensor_part_container = container
+    runner.tensor_part_reducer = AllOrNothingReducer([torch.Size([3])], num_senders=2)
+    runner.banned_senders = set()
+    runner.parts_for_local_averaging = container.get_raw_input_parts(0)
+    other = asyncio.ensure_future(runner.tensor_part_reducer.accumulate_part(1, 0, torch.ones(3), weight=0.0))
+    own = asyncio.ensure_future(runner._communicate_with_peer("me"))
+    outputs = [t async for t in container.iterate_output_tensors()]  # hangs if the own share's parts never come
+    results = await asyncio.gather(own, other, return_exceptions=True)
+    return outputs, results, container.failed_size, _partial_failure(runner)
+
+
+def test_an_own_share_that_cannot_be_reduced_fails_the_round_at_once():
+    outputs, results, failed_size, failure = asyncio.run(asyncio.wait_for(_own_share_whose_part_fails(), 10))
+    assert all(isinstance(r, AllreduceException) for r in results), results  # both senders told
+    assert len(outputs) == 1 and failed_size == 3  # the output ended, its part marked failed
+    assert failure.startswith("partial all-reduce"), failure  # what the round's watchdog reports
+
+
+async def _a_waiting_sender_leaves() -> list:
+    """Three senders of one part: two have sent theirs and wait; one of them leaves (its stream handler is
+    cancelled, as when the groupmate closes its stream); then the third sends. What do the two others get?"""
+    reducer = AllOrNothingReducer([torch.Size([3])], num_senders=3)
+    staying = asyncio.ensure_future(reducer.accumulate_part(0, 0, torch.ones(3)))
+    leaving = asyncio.ensure_future(reducer.accumulate_part(1, 0, torch.ones(3)))
+    await asyncio.sleep(0.01)
+    leaving.cancel()
+    await asyncio.sleep(0.01)
+    last = asyncio.ensure_future(reducer.accumulate_part(2, 0, torch.ones(3)))
+    return await asyncio.wait_for(asyncio.gather(staying, last, return_exceptions=True), 5)
+
+
+def test_a_sender_that_leaves_while_waiting_does_not_cancel_the_part_for_the_others():
+    """Every sender awaits the same future of the part: cancelling one waiter must not cancel that future (asyncio
+    cancels the future a cancelled task awaits), or the others' own share dies with it and their round waits for it
+    until its timeout."""
+    results = asyncio.run(_a_waiting_sender_leaves())
+    assert all(isinstance(r, torch.Tensor) and torch.equal(r, torch.ones(3)) for r in results), results

@@ -260,7 +260,8 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             if self._offload is not None:
                 self._offload.pull()
-            if self.strategy.local_step(batch_size):
+            stepped = self.strategy.local_step(batch_size)
+            if stepped:
                 self._samples += batch_size
             else:
                 logger.debug("Skipped a step with non-finite gradients; it is not averaged into the swarm")
@@ -271,6 +272,7 @@ class Optimizer(torch.optim.Optimizer):
             self._rounds.poll()
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
+            self._look_ahead(self._tracker.progress, contributes=stepped)
         elif progress.ready or self._reached_share(progress, batch_size):
             self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
             ahead = self._tracker.progress.epoch
@@ -278,11 +280,9 @@ class Optimizer(torch.optim.Optimizer):
                 # the swarm completed the round without us: catching up now spares a step computed at parameters
                 # it has left (whose gradients the catch-up would drop), and lets a slow peer make the next round
                 self._catch_up(ahead)
-        elif progress.num_peers > 1 and self._samples > 0 and \
-                progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
-            # only with something to contribute: a group waits for each of its members to send, and a peer that
-            # has no samples (all its steps skipped, e.g. non-finite gradients) would never start
-            self._averager.schedule(progress.eta, self._epoch + 1)
+                self._look_ahead(self._tracker.progress, contributes=stepped)
+        else:
+            self._look_ahead(progress, contributes=self._samples > 0)
         if self._resync_donors:
             self._resync()
         self._push_offloaded()
@@ -334,6 +334,18 @@ class Optimizer(torch.optim.Optimizer):
                                       helpers=len(result.helpers))
         self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
         self._check_agreement(result)
+
+    def _look_ahead(self, progress: SwarmProgress, *, contributes: bool) -> None:
+        """Start looking for the next round's group if the swarm is due to reach its target within
+        ``matchmaking_time``: this peer is then in the group when it forms, and sends at its next step (its groupmates
+        wait for it, knowing its step period). Only for a peer that will contribute (``contributes``): a group waits
+        for each of its members to send, and one that has nothing (all its steps skipped, e.g. non-finite gradients)
+        would never start. Right after a catch-up too: a peer whose steps are slower than the swarm's rounds that
+        waited for its next step would always arrive after the next round had formed, and catch up again."""
+        if self._rounds.in_flight or progress.epoch > self._epoch or not contributes or progress.num_peers <= 1:
+            return
+        if progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
+            self._averager.schedule(progress.eta, self._epoch + 1)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when

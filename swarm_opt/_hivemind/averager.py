@@ -144,6 +144,7 @@ class _Engine(DecentralizedAverager):
         if self._previous is not None and self.aggregation.uses_previous:  # tell the groupmates which one it holds
             step._data_for_gather = _with_member_info(self.serializer, step.data_for_gather,
                                                       PREVIOUS_KEY, list(self._previous[0]))
+        _renew_finished_search(self._matchmaking)
         await super()._step(step=step, future_for_init=future_for_init)
 
     def _avoid_liars_as_leaders(self, matchmaking: Any) -> None:
@@ -721,6 +722,16 @@ def _previous_key(value: Any) -> Optional[Tuple[int, bytes]]:
 
 def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
+
+
+def _renew_finished_search(matchmaking: Any) -> None:
+    """Give hivemind's matchmaking a fresh group future if a search that ended left its own behind. Each search ends
+    by replacing the future it waited on; a cancelled search whose cleanup was cut short left it cancelled, and the
+    next search, waiting on it, failed at once ("the round was cancelled"), which lost a slow peer its next round."""
+    if not matchmaking.is_looking_for_group and matchmaking.assembled_group.done():
+        logger.debug("Matchmaking kept a finished group future from an earlier search; renewed")
+        matchmaking.assembled_group = asyncio.Future()
+        matchmaking.was_accepted_to_group.clear()
 
 
 def cancel_step(control: StepControl) -> None:

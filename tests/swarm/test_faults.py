@@ -204,6 +204,30 @@ def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
     assert sum(rep["group_size"] == 3 for rep in slow) >= 2, results[2]["reports"]  # averaged with the others
 
 
+def test_a_slow_peer_that_joins_late_gets_back_into_rounds_after_catching_up(swarm):
+    """A peer whose steps (4 s) are slower than the swarm's rounds (~3 s) joins a swarm already training: it catches
+    up by download, and must then get into the next round's group at once. If it only looked for a group at its
+    next step, that round would always have formed (and completed) before, and it would catch up again forever,
+    never contributing."""
+    epochs = 6
+    common = dict(batch_size=16, target_batch_size=3000, inner="sgd", epochs=epochs, matchmaking_time=5.0,
+                  averaging_timeout=AVERAGING_TIMEOUT)
+    for rank in range(2):
+        swarm.start(rank, step_sleep=0.03, expect_peers=2, **common)
+    deadline = time.monotonic() + 120
+    while "epoch 1:" not in swarm.log(0) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    swarm.start(2, step_sleep=4.0, expect_peers=3, **common)
+    swarm.wait(timeout=240)
+    results = [swarm.result(r) for r in range(3)]
+    assert "Loaded the swarm's state" in swarm.log(2)  # it did join late
+    for r in results:
+        assert r["epoch"] == epochs
+        assert_quiet(swarm.log(r["rank"]))
+    joined = [rep for rep in results[2]["reports"] if not rep["caught_up"] and rep["group_size"] == 3]
+    assert len(joined) >= 2, (results[2]["reports"], swarm.log(2))
+
+
 def test_a_peer_that_leaves_after_the_last_round_lets_its_groupmates_finish_it(swarm):
     """A peer ends a round as soon as its own parts are averaged, while the means it reduced may still be on their
     way to its groupmates. The first peer to finish the run's last round leaves at once (no lingering): its

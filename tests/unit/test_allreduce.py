@@ -261,3 +261,26 @@ def test_a_sender_that_leaves_while_waiting_does_not_cancel_the_part_for_the_oth
     until its timeout."""
     results = asyncio.run(_a_waiting_sender_leaves())
     assert all(isinstance(r, torch.Tensor) and torch.equal(r, torch.ones(3)) for r in results), results
+
+
+def test_a_search_that_left_its_group_future_finished_is_renewed_before_the_next():
+    """hivemind's matchmaking waits on ``assembled_group``; a cancelled search whose cleanup was cut short left it
+    cancelled, and the next search failed at once. A finished future is renewed, but never during a search."""
+    from types import SimpleNamespace
+
+    from swarm_opt._hivemind.averager import _renew_finished_search
+
+    async def run() -> tuple:
+        left = asyncio.get_event_loop().create_future()
+        left.cancel()
+        idle = SimpleNamespace(is_looking_for_group=False, assembled_group=left, was_accepted_to_group=asyncio.Event())
+        idle.was_accepted_to_group.set()
+        _renew_finished_search(idle)
+        searching = SimpleNamespace(is_looking_for_group=True, assembled_group=left,
+                                    was_accepted_to_group=asyncio.Event())
+        _renew_finished_search(searching)
+        return idle, searching, left
+
+    idle, searching, left = asyncio.run(run())
+    assert not idle.assembled_group.done() and not idle.was_accepted_to_group.is_set()
+    assert searching.assembled_group is left  # a search in progress owns its future

@@ -112,19 +112,19 @@ class AllOrNothingReducer(TensorPartReducer):
         combining = asyncio.get_event_loop().run_in_executor(
             None, reduce_part, self.aggregation, [copies[s][0] for s in senders], [copies[s][1] for s in senders],
             previous)
-        last = self.current_part_index == self.num_parts - 1
-        combining.add_done_callback(lambda done: self._combined(done, future, last))
+        part, last = self.current_part_index, self.current_part_index == self.num_parts - 1
+        combining.add_done_callback(lambda done: self._combined(done, future, part, last))
         if not last:
             self.reset_accumulators()
         else:
             self._copies = {}
 
-    def _combined(self, done: asyncio.Future, future: asyncio.Future, last: bool) -> None:
+    def _combined(self, done: asyncio.Future, future: asyncio.Future, part: int, last: bool) -> None:
         if not future.done():
             if done.cancelled() or done.exception() is not None:  # e.g. no usable copy: the round fails
                 self.abandoned = True  # seen at once by the round's watchdog (every sender gets the error too)
                 reason = "cancelled" if done.cancelled() else repr(done.exception())
-                logger.debug(f"Reducer: part {self.current_part_index} could not be reduced: {reason}")
+                logger.debug(f"Reducer: part {part} could not be reduced: {reason}")
                 future.set_exception(AllreduceException(f"the part could not be reduced: {reason}"))
             else:
                 future.set_result(done.result())

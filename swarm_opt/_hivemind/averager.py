@@ -504,6 +504,7 @@ class _Engine(DecentralizedAverager):
                 yield future.result()
 
     def _runners_by_key(self, group_info: Any) -> Iterator[Tuple[bytes, Any]]:
+        """Each all-reduce of a group by its key's suffix: its runner, or its registration future before it runs."""
         for key, future in list(self._running_groups.items()):
             if key.startswith(group_info.group_id):
                 yield key[len(group_info.group_id):], future.result() if future.done() and not future.cancelled() \
@@ -726,8 +727,8 @@ def _valid_cell(cell: Any) -> bool:
 
 def _renew_finished_search(matchmaking: Any) -> None:
     """Give hivemind's matchmaking a fresh group future if a search that ended left its own behind. Each search ends
-    by replacing the future it waited on; a cancelled search whose cleanup was cut short left it cancelled, and the
-    next search, waiting on it, failed at once ("the round was cancelled"), which lost a slow peer its next round."""
+    by replacing the future it waited on; a cancelled search whose cleanup is cut short leaves it cancelled, and the
+    next search, waiting on it, would fail at once ("the round was cancelled")."""
     if not matchmaking.is_looking_for_group and matchmaking.assembled_group.done():
         logger.debug("Matchmaking kept a finished group future from an earlier search; renewed")
         matchmaking.assembled_group = asyncio.Future()

@@ -499,16 +499,16 @@ class _Engine(DecentralizedAverager):
 
     def _runners(self, group_id: bytes) -> Iterator[Any]:
         """The all-reduce runners of a group started so far (several for engines that run phases, see powersgd)."""
-        for key, future in list(self._running_groups.items()):
-            if key.startswith(group_id) and future.done() and not future.cancelled() and not future.exception():
-                yield future.result()
+        for _, runner in self._all_reduces(group_id):
+            if not isinstance(runner, asyncio.Future):  # started
+                yield runner
 
-    def _runners_by_key(self, group_info: Any) -> Iterator[Tuple[bytes, Any]]:
+    def _all_reduces(self, group_id: bytes) -> Iterator[Tuple[bytes, Any]]:
         """Each all-reduce of a group by its key's suffix: its runner, or its registration future before it runs."""
         for key, future in list(self._running_groups.items()):
-            if key.startswith(group_info.group_id):
-                yield key[len(group_info.group_id):], future.result() if future.done() and not future.cancelled() \
-                    and not future.exception() else future
+            if key.startswith(group_id):
+                started = future.done() and not future.cancelled() and not future.exception()
+                yield key[len(group_id):], future.result() if started else future
 
     async def _first_failure(self, group_info: Any) -> str:
         """Why the round can no longer succeed, as soon as that is known: a part failed, or a member has not started
@@ -522,7 +522,7 @@ class _Engine(DecentralizedAverager):
         while True:
             if time.monotonic() > next_report and logger.isEnabledFor(logging.DEBUG):  # diagnostics only
                 next_report += _STALL_REPORT_PERIOD
-                states = "; ".join(_runner_state(key, runner) for key, runner in self._runners_by_key(group_info))
+                states = "; ".join(_runner_state(key, runner) for key, runner in self._all_reduces(group_info.group_id))
                 logger.debug("Round still running: %s. %s", states or "no all-reduce started", _where_tasks_wait())
             for runner in self._runners(group_info.group_id):
                 failure = _partial_failure(runner)

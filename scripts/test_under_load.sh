@@ -14,7 +14,7 @@ trap 'kill "${busy[@]}" 2>/dev/null' EXIT
 for run in $(seq 1 "$RUNS"); do
   start=$(date +%s)
   OMP_NUM_THREADS=1 timeout 3000 .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp="$OUT/run$run" \
-    -m "not extended" tests/swarm > "$OUT/run$run.out" 2>&1
+    -m "not extended" --durations=25 tests/swarm > "$OUT/run$run.out" 2>&1
   rc=$?
   echo "run $run rc=$rc $(( $(date +%s) - start ))s load=$(cut -d' ' -f1-3 /proc/loadavg) $(tail -1 "$OUT/run$run.out")" \
     >> "$OUT/summary.txt"

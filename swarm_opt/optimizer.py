@@ -68,6 +68,7 @@ OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 _STATE_FORMAT = 1
 _CATCH_UP_BACKOFF = 5.0  # seconds between automatic catch-up attempts that found no usable donor
+_RECORDS_READ_TIMEOUT = 5.0  # seconds a state download waits for fresh progress records to check the state against
 _NEWCOMER_PATIENCE = 15.0  # seconds a newcomer tries to download from the peers ahead before its own epoch counts
 
 
@@ -536,7 +537,7 @@ class Optimizer(torch.optim.Optimizer):
         params = state["params"]
         _check_tensors_fit(params, self._params)
         digest = parameter_digest(params) if self.strategy.shares_parameters else None
-        expected = self._tracker.majority_params_digest(epoch, self._digest_tolerance)
+        expected = self._expected_digest(epoch, donor) if digest is not None else None
         if digest is not None and expected is not None \
                 and not digests_agree(digest, expected, self._digest_tolerance):
             self._bad_donors.add(donor)
@@ -575,6 +576,15 @@ class Optimizer(torch.optim.Optimizer):
         """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave
         this peer (``Strategy.personal_parameters``)."""
         return personal_indices(self._params, self.strategy)
+
+    def _expected_digest(self, epoch: int, donor: bytes) -> Optional[Tuple[float, ...]]:
+        """What a state downloaded at ``epoch`` must match (``ProgressTracker.expected_params_digest``); the records
+        read last may predate the epoch (the donor reached it a moment ago), so read them again before trusting a
+        state unchecked."""
+        expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
+        if expected is None and self._tracker.read_again(timeout=_RECORDS_READ_TIMEOUT):
+            expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
+        return expected  # still None: the first round compares the parameters anyway
 
     def _params_digest(self) -> Optional[List[float]]:
         """What a newcomer compares a downloaded state with (None where peers at an epoch hold different parameters):

@@ -384,6 +384,8 @@ class ProgressTracker:
         self._last_publish = -math.inf
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._reads = threading.Condition()  # counts the background thread's reads: see ``read_again``
+        self._reads_started = self._reads_done = 0
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
@@ -424,14 +426,29 @@ class ProgressTracker:
         with self._lock:
             return self._joined
 
-    def majority_params_digest(self, epoch: int, tolerance: float) -> Optional[Tuple[float, ...]]:
-        """The parameters' digest that a strict majority (and at least two) of the other peers at ``epoch`` publish,
-        if any: what a state downloaded at that epoch must match."""
+    def read_again(self, timeout: float) -> bool:
+        """Have the background thread read the records at once, and wait (up to ``timeout``) until a read that
+        started after this call ended: for a decision that records read a moment ago could get wrong. Only that
+        thread reads, so reads never race."""
+        with self._reads:
+            wanted = self._reads_started + 1
+            self._wake.set()
+            return self._reads.wait_for(lambda: self._reads_done >= wanted, timeout)
+
+    def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float) -> Optional[Tuple[float, ...]]:
+        """The parameters' digest that a state downloaded at ``epoch`` from ``donor`` must match: the one a strict
+        majority (and at least two) of the other peers at that epoch publish; failing that, the one the donor itself
+        published for that epoch (a peer's parameters change only with its epoch, so it serves what it published);
+        None when neither is known."""
         with self._lock:
-            digests = {(r.peer_id, r.instance): valid_digest(r.params_digest) for r in self._others if r.epoch == epoch}
-        digests = {peer: digest for peer, digest in digests.items() if digest is not None}
+            records = [r for r in self._others if r.epoch == epoch]
+        digests = {(r.peer_id, r.instance): digest for r in records
+                   if (digest := valid_digest(r.params_digest)) is not None}
         agreeing = majority(digests, tolerance)
-        return digests[agreeing[0]] if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests) else None
+        if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests):
+            return digests[agreeing[0]]
+        own = [digest for (peer, _), digest in digests.items() if peer == donor]
+        return own[0] if len(own) == 1 else None
 
     @property
     def samples_per_second(self) -> float:
@@ -471,7 +488,15 @@ class ProgressTracker:
         while not self._stop.is_set():
             try:
                 self._publish(force=False, timeout=self.config.record_ttl)
-                self._fetch(timeout=self.config.record_ttl)
+                with self._reads:
+                    self._reads_started += 1
+                    started = self._reads_started
+                try:
+                    self._fetch(timeout=self.config.record_ttl)
+                finally:
+                    with self._reads:
+                        self._reads_done = started
+                        self._reads.notify_all()
             except Exception as e:  # a failed read or write is retried at the next tick; it must not kill the thread
                 logger.debug("Progress tracker tick failed: %r", e)
             self._wake.wait(self._next_interval())

@@ -11,7 +11,15 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt import ConfigError, ConfigTypeError, ProgressTracker, StateDownloadError, Timeouts
+from swarm_opt import (
+    ConfigError,
+    ConfigTypeError,
+    IncompatibleStateError,
+    ProgressTracker,
+    StateDownloadError,
+    Timeouts,
+)
+from swarm_opt.digest import parameter_digest
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
@@ -34,13 +42,14 @@ def test_timeouts_are_given_as_keywords_or_as_one_timeouts_object_not_both(dht):
         make(dht, "timeouts_bad", timeouts={"averaging_timeout": 7.0})
 
 
-def _a_peer_ahead(opt, epoch: int) -> ProgressTracker:
-    """A peer of ``opt``'s run and model that reports ``epoch`` but serves no state (as one whose averager died)."""
+def _a_peer_ahead(opt, epoch: int, params_digest=None) -> ProgressTracker:
+    """A peer of ``opt``'s run and model that reports ``epoch`` (and ``params_digest``) but serves no state (as one
+    whose averager died)."""
     ahead = ProgressTracker(opt._tracker.dht, opt.config.run_id, opt.config.target_batch_size,
                             model_schema=opt.model_schema)
     ahead.mark_joined()  # it holds a state of the run: its epoch is evidence of the swarm's
+    ahead.report(epoch, 0, params_digest=params_digest)
     ahead.start()
-    ahead.report(epoch, 0)
     deadline = time.monotonic() + 20
     while opt._tracker.progress.epoch < epoch:
         assert time.monotonic() < deadline, "the optimizer never saw the peer ahead"
@@ -94,3 +103,26 @@ def test_a_failed_download_says_why(dht, monkeypatch):
         monkeypatch.setattr(opt._averager._engine, "load_state_from_peers", broken)
         with pytest.raises(StateDownloadError, match="ConnectionResetError: the averager's connection .* was reset"):
             opt.load_state_from_peers(timeout=1.0)
+
+
+def test_a_donor_must_serve_the_parameters_it_published_when_no_majority_vouches(dht):
+    """A single other peer at the donor's epoch is no majority; the donor's own record still says which parameters
+    it holds at that epoch (they change only with it): a state that matches it is taken, one that differs from it
+    (a bit flip after the round, a bug) is refused, and its donor skipped from then on."""
+    with make(dht, "donor_digest") as opt:
+        served = [p.detach().clone() for p in opt._params]  # what the donor serves: opt's own parameters
+        peer = opt._tracker.dht.peer_id.to_bytes()  # the donor's tracker shares opt's DHT, so its peer id
+        for epoch, published in ((3, served), (5, [served[0] + 0.05] + served[1:])):
+            metadata, tensors = opt._shareable_state()
+            metadata["epoch"] = epoch
+            donor = _a_peer_ahead(opt, epoch, params_digest=parameter_digest(published))
+            try:
+                if published is served:
+                    opt._apply_downloaded_state(metadata, tensors, peer, min_epoch=0)
+                    assert opt.local_epoch == epoch
+                else:
+                    with pytest.raises(IncompatibleStateError, match="differ from the majority's"):
+                        opt._apply_downloaded_state(metadata, tensors, peer, min_epoch=0)
+                    assert opt.local_epoch == 3 and peer in opt._bad_donors
+            finally:
+                donor.shutdown()

@@ -43,6 +43,15 @@ class Hosts:
             self._in(name, "ip", "link", "set", "lo", "up")
             self._in(name, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
                      "latency", "400ms")
+        # names for the hosts' addresses (also as IPv4-mapped IPv6, as a dual-stack listener sees them), as a LAN's
+        # DNS gives them: no DNS server is reachable from a namespace, and torch's c10d warns at each connection
+        # whose address it cannot name (``ip netns exec`` mounts this file over /etc/hosts)
+        names = "".join(f"{self.address(i)} {name}\n::ffff:{self.address(i)} {name}\n"
+                        for i, name in enumerate(self.names))
+        for name in self.names:
+            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+            with open(f"/etc/netns/{name}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n::1 localhost\n" + names)
 
     def address(self, i: int) -> str:
         return SUBNET.format(self.third_octet, i + 1)
@@ -80,6 +89,7 @@ class Hosts:
                 except (ProcessLookupError, ValueError):
                     pass
             _sh("ip", "netns", "del", name, check=False)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
 
 
 def burst_for(rate: str) -> str:

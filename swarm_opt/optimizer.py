@@ -539,11 +539,11 @@ class Optimizer(torch.optim.Optimizer):
         digest = parameter_digest(params) if self.strategy.shares_parameters else None
         expected = self._expected_digest(epoch, donor) if digest is not None else None
         if digest is not None and expected is not None \
-                and not digests_agree(digest, expected, self._digest_tolerance):
+                and not digests_agree(digest, expected[0], self._digest_tolerance):
             self._bad_donors.add(donor)
             logger.warning(f"Skipping donor {PeerID(donor)} from now on: its parameters at epoch {epoch} differ from "
-                           f"those the majority of peers at that epoch hold")
-            raise IncompatibleStateError("the donor's parameters differ from the majority's")
+                           f"those {expected[1]}")
+            raise IncompatibleStateError(f"the donor's parameters differ from those {expected[1]}")
         with torch.no_grad(), self._state_lock:
             backup = [p.detach().clone() for p in self._params]
             try:
@@ -577,7 +577,7 @@ class Optimizer(torch.optim.Optimizer):
         this peer (``Strategy.personal_parameters``)."""
         return personal_indices(self._params, self.strategy)
 
-    def _expected_digest(self, epoch: int, donor: bytes) -> Optional[Tuple[float, ...]]:
+    def _expected_digest(self, epoch: int, donor: bytes) -> Optional[Tuple[Tuple[float, ...], str]]:
         """What a state downloaded at ``epoch`` must match (``ProgressTracker.expected_params_digest``); the records
         read last may predate the epoch (the donor reached it a moment ago), so read them again before trusting a
         state unchecked."""

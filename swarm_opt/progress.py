@@ -435,20 +435,21 @@ class ProgressTracker:
             self._wake.set()
             return self._reads.wait_for(lambda: self._reads_done >= wanted, timeout)
 
-    def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float) -> Optional[Tuple[float, ...]]:
-        """The parameters' digest that a state downloaded at ``epoch`` from ``donor`` must match: the one a strict
-        majority (and at least two) of the other peers at that epoch publish; failing that, the one the donor itself
-        published for that epoch (a peer's parameters change only with its epoch, so it serves what it published);
-        None when neither is known."""
+    def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float
+                               ) -> Optional[Tuple[Tuple[float, ...], str]]:
+        """The parameters' digest that a state downloaded at ``epoch`` from ``donor`` must match, and whose it is: the
+        one a strict majority (and at least two) of the other peers at that epoch publish; failing that, the one the
+        donor itself published for that epoch (a peer's parameters change only with its epoch, so it serves what it
+        published); None when neither is known."""
         with self._lock:
             records = [r for r in self._others if r.epoch == epoch]
         digests = {(r.peer_id, r.instance): digest for r in records
                    if (digest := valid_digest(r.params_digest)) is not None}
         agreeing = majority(digests, tolerance)
         if len(agreeing) >= 2 and 2 * len(agreeing) > len(digests):
-            return digests[agreeing[0]]
+            return digests[agreeing[0]], "the majority of peers at that epoch hold"
         own = [digest for (peer, _), digest in digests.items() if peer == donor]
-        return own[0] if len(own) == 1 else None
+        return (own[0], "it published for that epoch") if len(own) == 1 else None
 
     @property
     def samples_per_second(self) -> float:

@@ -121,7 +121,7 @@ def test_a_donor_must_serve_the_parameters_it_published_when_no_majority_vouches
                     opt._apply_downloaded_state(metadata, tensors, peer, min_epoch=0)
                     assert opt.local_epoch == epoch
                 else:
-                    with pytest.raises(IncompatibleStateError, match="differ from the majority's"):
+                    with pytest.raises(IncompatibleStateError, match="differ from those it published for that"):
                         opt._apply_downloaded_state(metadata, tensors, peer, min_epoch=0)
                     assert opt.local_epoch == 3 and peer in opt._bad_donors
             finally:

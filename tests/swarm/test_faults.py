@@ -179,6 +179,7 @@ def test_newcomers_spread_their_state_downloads_over_several_donors(swarm):
         assert swarm.result(rank)["epoch"] == 2
 
 
+@pytest.mark.extended  # CI budget; a 4 s peer's groupmates also wait for it in the late-joiner test below
 def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
     """A peer whose steps take 4 s joins an all-reduce only at its next step, seconds after its group formed (it
     starts matchmaking early enough: matchmaking_time 5 s). Its groupmates must wait for it (it announces its step

@@ -538,8 +538,7 @@ class Optimizer(torch.optim.Optimizer):
         _check_tensors_fit(params, self._params)
         digest = parameter_digest(params) if self.strategy.shares_parameters else None
         expected = self._expected_digest(epoch, donor) if digest is not None else None
-        if digest is not None and expected is not None \
-                and not digests_agree(digest, expected[0], self._digest_tolerance):
+        if expected is not None and not digests_agree(digest, expected[0], self._digest_tolerance):
             self._bad_donors.add(donor)
             logger.warning(f"Skipping donor {PeerID(donor)} from now on: its parameters at epoch {epoch} differ from "
                            f"those {expected[1]}")

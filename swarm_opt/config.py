@@ -73,7 +73,8 @@ class TrustConfig:
         Raise it for swarms whose peers differ a lot in speed (a fast peer's extra samples then still count).
     :param burst_seconds: slack, in seconds of a peer's plausible throughput, for samples carried over from the
         previous epoch and for records read a little late.
-    :param ahead_grace: seconds a peer may claim an epoch that no majority confirms before it is ignored.
+    :param ahead_grace: seconds a peer may claim an epoch two or more ahead of the one a majority confirms before it
+        is ignored (one ahead is where an honest peer stands after a round the others missed: never held against it).
     :param ignore_seconds: how long a peer that failed the checks is ignored the first time (doubles each time).
     """
 

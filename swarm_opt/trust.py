@@ -5,7 +5,9 @@ moves the swarm only as far as its owner plausibly could:
 
 * **Epochs** ahead of ours count only once at least half of the live peers are there. A round commits only in a
   majority group, so an honest swarm always confirms its newest epoch; a single peer claiming epoch +1000 is not
-  believed, so nobody waits on it or tries to download its state. Only peers that hold a state of the run vote:
+  believed, so nobody waits on it or tries to download its state. One epoch ahead is where an honest peer stands
+  after a round the others missed (a founder that trained alone while the others started; a group they did not
+  join): it is neither counted nor believed, nor held against the peer. Only peers that hold a state of the run vote:
   a newcomer still deciding whether to download publishes no record and does not count its own epoch (else
   newcomers arriving together would outvote the founder they join, who trained alone); one that finds that no
   peer ahead serves a state (``Optimizer``) joins, so a lone liar in a run's first seconds delays it, no more.
@@ -13,7 +15,7 @@ moves the swarm only as far as its owner plausibly could:
   throughput (a lower median, so that one liar among two peers cannot raise it), from when this peer saw the epoch
   begin (or from its first sight of the claimant, whose samples it then takes as they are, up to one global batch).
 * A peer whose claims fail these checks grossly (samples above twice the bound and twice the global batch) or for
-  long (an epoch ahead that nobody confirms) is **ignored** for ``ignore_seconds``, doubling at each repeat: its
+  long (two or more epochs ahead, unconfirmed) is **ignored** for ``ignore_seconds``, doubling at each repeat: its
   record counts for nothing, not even as a live peer. One WARNING line says so.
 
 What this cannot stop: many identities that each claim plausible progress (a Sybil attack). A private run
@@ -153,12 +155,14 @@ class ClaimChecker:
         counted = []
         for record in live:
             key = _key(record)
-            if record.epoch > epoch:
+            if record.epoch > epoch + 1:
                 since = self._ahead_since.setdefault(key, now)
                 if now - since >= self.config.ahead_grace:
                     self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}")
                 continue
             self._ahead_since.pop(key, None)
+            if record.epoch > epoch:  # one ahead: plausible (see the module docstring), not counted in ours
+                continue
             counted.append(record)
 
         # peers without a measured speed count as 0: a speed is believed once at least half of the peers have one,

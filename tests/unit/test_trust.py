@@ -48,6 +48,29 @@ def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(capl
     assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
 
 
+def test_a_peer_one_epoch_ahead_is_not_counted_nor_believed_nor_ignored(caplog):
+    """Peers that start together at load do not all see each other at once: some commit a round alone and stand one
+    epoch ahead of the majority until it catches up. Honest, so never ignored (nor warned about); not believed
+    either (no download from it), and its samples of the next epoch do not count in ours."""
+    checker = ClaimChecker(TrustConfig(ahead_grace=5.0))
+    seen_epoch_begin(checker, 5, 99.0)
+    local = rec("me", 5, 10, 10.0, 100.0)
+    honest = [rec("a", 5, 20, 10.0, 100.0), rec("b", 5, 30, 10.0, 100.0)]
+    ahead = rec("ahead", 6, 200, 10.0, 100.0)
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        for now in (100.0, 110.0, 200.0, 400.0):
+            counted = checker.check(honest + [ahead], local, now, TARGET, local_epoch_started=99.0)
+            assert {r.instance for r in counted} == {"a", "b"}
+            assert aggregate_progress(counted, local, TARGET, now).epoch == 5
+    assert "Ignoring peer" not in caplog.text
+    # two epochs ahead is no longer a round the others missed: ignored after the grace, as far ahead as epoch 1005
+    two_ahead = rec("ahead", 7, 0, 10.0, 400.0)
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        checker.check(honest + [two_ahead], local, 400.0, TARGET, local_epoch_started=99.0)
+        checker.check(honest + [two_ahead], local, 406.0, TARGET, local_epoch_started=99.0)
+    assert "claims epoch 7 while the swarm is at 5" in caplog.text
+
+
 def seen_epoch_begin(checker: ClaimChecker, epoch: int, at: float) -> None:
     """The checker saw the swarm at ``epoch - 1``, then our round moved us to ``epoch`` at ``at``."""
     checker.check([rec("a", epoch - 1, 90, 10.0, at - 1)], rec("me", epoch - 1, 90, 10.0, at - 1), at - 1, TARGET)

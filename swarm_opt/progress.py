@@ -237,6 +237,24 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float,
 
 #: seconds between two reads while this peer computes and no peer's speed is measured yet (a run's first steps)
 _UNMEASURED_PERIOD = 0.2
+#: seconds between two reads once the swarm reached the target: the round is being formed, and a read only tells
+#: whether the swarm moved on without this peer (a new epoch wakes the thread at once)
+_READY_PERIOD = 0.5
+
+
+def read_interval(progress: SwarmProgress, local_samples: int, sampled: bool, config: TrackerConfig) -> float:
+    """Seconds until the tracker's next read: often near the end of an epoch, where the trigger's accuracy depends
+    on fresh records, and seldom once the target is reached (each read is a DHT request that the nodes storing the
+    key serve to every peer)."""
+    if sampled:  # a sample's estimate is extrapolated between reads: no rush near the end
+        return config.sampled_period
+    if progress.samples_per_second == 0 and local_samples > 0:
+        # a run's first steps: no speed is measured yet, so there is no ETA to pace reads by, and the peers learn
+        # that the swarm reached the target only from each other's samples
+        return min(config.refresh_period, _UNMEASURED_PERIOD)
+    if progress.ready:
+        return min(config.refresh_period, _READY_PERIOD)
+    return min(config.refresh_period, max(0.05, progress.eta_seconds / 3))
 
 
 class _Throughput:
@@ -504,15 +522,7 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
-        if self._records.sample.level > 0:  # a sample's estimate is extrapolated between reads: no rush near the end
-            return self.config.sampled_period
-        progress = self.progress
-        if progress.samples_per_second == 0 and self._samples > 0:
-            # a run's first steps: no speed is measured yet, so there is no ETA to pace reads by, and the peers
-            # learn that the swarm reached the target only from each other's samples
-            return min(self.config.refresh_period, _UNMEASURED_PERIOD)
-        until_target = progress.eta_seconds
-        return min(self.config.refresh_period, max(0.05, until_target / 3))
+        return read_interval(self.progress, self._samples, self._records.sample.level > 0, self.config)
 
     def _local_record(self) -> ProgressRecord:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks

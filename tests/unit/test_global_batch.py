@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from swarm_opt import TrackerConfig
 from swarm_opt.optimizer import contributed_share
-from swarm_opt.progress import _Throughput
+from swarm_opt.progress import SwarmProgress, _Throughput, read_interval
 
 
 @pytest.mark.parametrize("samples, expected", [(4, False), (8, False), (12, True), (16, True)])
@@ -50,3 +51,22 @@ def test_throughput_is_compute_speed_not_diluted_by_waiting():
     throughput.update(0)
     time.sleep(0.05)
     assert throughput.update(10) > 80
+
+
+def test_reads_come_often_near_the_target_and_seldom_once_it_is_reached():
+    """Near the end of an epoch a read every third of the ETA (the trigger's accuracy depends on fresh records);
+    once the swarm reached the target, twice a second: while the round forms every peer would otherwise read 20
+    times a second, and the DHT nodes storing the key serve all of them."""
+    config = TrackerConfig()
+
+    def snapshot(samples: int, eta_seconds: float, speed: float = 100.0) -> SwarmProgress:
+        return SwarmProgress(epoch=3, samples_accumulated=samples, target_batch_size=256, num_peers=4, num_clients=0,
+                             samples_per_second=speed, eta=100.0 + eta_seconds, time=100.0)
+
+    assert read_interval(snapshot(0, 30.0), 0, False, config) == config.refresh_period
+    assert read_interval(snapshot(200, 0.6), 16, False, config) == pytest.approx(0.2)
+    assert read_interval(snapshot(250, 0.01), 16, False, config) == 0.05
+    assert read_interval(snapshot(256, 0.0), 16, False, config) == 0.5  # reached: the round is forming
+    assert read_interval(snapshot(300, 0.0), 16, False, TrackerConfig(refresh_period=0.3)) == 0.3
+    assert read_interval(snapshot(8, 3600.0, speed=0.0), 8, False, config) == 0.2  # first steps: no speed yet
+    assert read_interval(snapshot(256, 0.0), 16, True, config) == config.sampled_period

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
         elapsed = time.monotonic() - started
         survivors = [r for r in swarm.procs]
         results = {r: swarm.result(r) for r in survivors}
-        logs = {r: (workdir / f"peer{r}.log").read_text() for r in range(args.peers + len(victims))}
+        logs = {r: (workdir / f"peer{r}.log").read_text() for r in range(args.peers + len(killed))}
     finally:
         swarm.kill_all()
     committed = [set(re.findall(r"epoch (\d+): averaged", log)) for log in logs.values()]
@@ -96,13 +97,18 @@ def main() -> None:
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=20.0)
     parser.add_argument("--max-seconds", type=float, default=400.0)
+    parser.add_argument("--keep", action="store_true", help="keep each run's folder of peer logs (printed)")
     args = parser.parse_args()
     runs = []
     for size in (None, args.size):
-        with tempfile.TemporaryDirectory(prefix="many_peers_") as tmp:
-            print(f"running {args.peers} peers, groups={size} ...", flush=True)
+        tmp = tempfile.mkdtemp(prefix="many_peers_")
+        print(f"running {args.peers} peers, groups={size} in {tmp} ...", flush=True)
+        try:
             runs.append(run(args, size, Path(tmp)))
-            print(runs[-1], flush=True)
+        finally:
+            if not args.keep:
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(runs[-1], flush=True)
     rows = [["one group" if r["size"] is None else f"Groups({r['size']})", r["peers"], len(r["killed"]),
              f"{r['success_rate']:.0%} ({r['commits']}/{r['commits'] + r['failures']})",
              ", ".join(f"{k}: {v}" for k, v in r["group_sizes"].items()),

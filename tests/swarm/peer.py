@@ -297,7 +297,8 @@ def main(config_path: str) -> None:
         dht=dht, run_id=cfg.get("run_id", "test_run"), target_batch_size=cfg["target_batch_size"],
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
         strategy=make_strategy(cfg.get("strategy", "grad"), model),
-        tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)),
+        tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0),
+                                        **cfg.get("tracker", {})),  # e.g. {"shard_size": 2}: sharded records
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
@@ -402,7 +403,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round
-            reports.append(dict(last_report.__dict__, time=time.time()))
+            reports.append(dict(last_report.__dict__, time=time.time(),
+                                tracker_level=opt._tracker._records.sample.level))  # > 0: records sharded
             if not last_report.caught_up:
                 # the round's batches come first: later ones were computed while it averaged in the background
                 used = last_report.samples // bs

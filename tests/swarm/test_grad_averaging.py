@@ -98,6 +98,37 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
 
 
+def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
+    """Five peers with ``shard_size=2`` keep their progress records under several DHT keys (level 1 or 2) and each
+    reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of hundreds),
+    rounds still gather the peers, every epoch averages about one global batch, and the result is still exactly one
+    process on the union of each epoch's batches."""
+    n, epochs, target = 5, 7, 320
+    for rank in range(n):
+        swarm.start(rank, batch_size=8, target_batch_size=target, inner="sgd", epochs=epochs, expect_peers=n,
+                    step_sleep=0.05, tracker={"shard_size": 2, "sampled_period": 0.5})
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(n)]
+    per_epoch = {}
+    for r in results:
+        assert r["epoch"] == epochs
+        assert max(rep["tracker_level"] for rep in r["reports"]) >= 1, r["reports"]  # the sampled path ran
+        assert_quiet(swarm.log(r["rank"]))
+        for rep in r["reports"]:
+            if not rep["caught_up"]:
+                per_epoch.setdefault(rep["epoch"], {})[r["rank"]] = rep["samples"]
+    # the samples of the rounds every peer took part in: each peer stops at its share of the target to the nearest
+    # step (up to one step short); a trigger that misread the sampled records would fire at a multiple or a
+    # fraction of the target (a shard held for the whole swarm, or not extrapolated)
+    totals = [sum(by_rank.values()) for by_rank in per_epoch.values() if len(by_rank) == n]
+    assert len(totals) >= 3 and all(target - n * 8 <= t <= 1.5 * target for t in totals), per_epoch
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)
+    references = list(possible_references(results, "sgd", epochs))
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+
+
 def test_late_joiner_downloads_state_and_follows_the_global_lr_schedule(swarm):
     common = dict(batch_size=16, target_batch_size=240, inner="sgd", epochs=7, step_sleep=0.03, scheduler=True)
     swarm.start(0, expect_peers=2, **common)

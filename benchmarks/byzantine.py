@@ -11,9 +11,7 @@ each of the 8 peers computes its gradient at the shared parameters; the attacker
 reducer maths combine them exactly as a swarm's reducers do: the flattened values are cut into the parts a
 ``TensorAverager`` would use (a part never spans two tensors, about 1/16 of the model), and each part goes through
 ``swarm_opt.aggregation.reduce_part``. Every peer applies the same result (what the all-reduce guarantees), so one
-model stands for all. ``CenteredClip(start='previous')`` columns: each part's reduction also gets the part's result
-in the last committed round (every member of that round holds it, and a real reducer uses its own copy), as
-``AllOrNothingReducer`` passes it.
+model stands for all.
 
 In-process, not 8 real peers: the maths per part are the reducer's own, and the swarm tests (tests/swarm/
 test_byzantine.py) show the same code inside real all-reduces; 8 peer processes per run x 100 runs would not fit the
@@ -95,10 +93,6 @@ SETTINGS: Dict[str, Setting] = {
     "CenteredClip(tau=1) + momentum": Setting(swarm_opt.CenteredClip(tau=1.0), swarm_opt.WorkerMomentum(0.9)),
     "Audited(CenteredClip()) + momentum": Setting(swarm_opt.Audited(swarm_opt.CenteredClip()),
                                                   swarm_opt.WorkerMomentum(0.9)),
-    "CenteredClip(tau=1, start='previous') + momentum": Setting(swarm_opt.CenteredClip(tau=1.0, start="previous"),
-                                                                 swarm_opt.WorkerMomentum(0.9)),
-    "Audited(CenteredClip(tau=1, start='previous')) + momentum": Setting(
-        swarm_opt.Audited(swarm_opt.CenteredClip(tau=1.0, start="previous")), swarm_opt.WorkerMomentum(0.9)),
 }
 AGGREGATIONS: Dict[str, swarm_opt.Aggregation] = {  # the reducer's compute per part
     "plain mean": swarm_opt.Mean(max_norm_ratio=None), "Mean() (norm-bounded)": swarm_opt.Mean(),
@@ -148,24 +142,20 @@ def part_bounds(model: torch.nn.Module) -> List[tuple]:
     return bounds
 
 
-def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequence[tuple],
-           previous: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Every part through ``reduce_part``, as its reducer combines it; ``previous``: the last committed round's result
-    (every member of it holds it; None before the first)."""
-    return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), [32.0] * len(grads),
-                                  None if previous is None else previous[a:b]) for a, b in bounds])
+def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequence[tuple]) -> torch.Tensor:
+    """Every part through ``reduce_part``, as its reducer combines it."""
+    return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), [32.0] * len(grads)) for a, b in bounds])
 
 
 def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bounds: Sequence[tuple],
-                   members: List[int], attackers: int, g: torch.Generator, lie: float,
-                   previous: Optional[torch.Tensor] = None) -> tuple:
+                   members: List[int], attackers: int, g: torch.Generator, lie: float) -> tuple:
     """One round of ``members`` (peer ranks; ranks below ``attackers`` lie as reducers) in a random order, as
     hivemind shuffles a group: part ``j`` is reduced by the ``j % n``-th member of the order, and a liar adds
     ``lie`` to every mean it returns. ``Audited``: each part is reduced again by the next member of the order
     (``audit_order``), the round fails if any part's two results differ, and ``liars`` names who disagreed with two
     partners. Returns (the result or None for a failed round, the ranks named liars)."""
     order = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
-    honest = reduce(aggregation, sent[members], bounds, previous)
+    honest = reduce(aggregation, sent[members], bounds)
     results = [honest.clone() for _ in range(2)]
     audited = isinstance(aggregation, swarm_opt.Audited)
     second = audit_order(order, [1.0] * len(order)) if audited else order
@@ -195,7 +185,6 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
     reduce_s: List[float] = []
     momentum: Optional[List[torch.Tensor]] = None  # every peer's, one row each
     members, failed = list(range(PEERS)), 0
-    previous: Optional[torch.Tensor] = None  # the last committed round's result
     orders = torch.Generator().manual_seed(seed)  # the groups' orders, apart from the batches
     for _ in range(steps):
         grads = []
@@ -217,16 +206,14 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
                 sent[rank] = ATTACKS[attack](sent[rank], honest)
         t0 = time.perf_counter()
         if attack == REDUCER_ATTACK:
-            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders,
-                                          lie, previous)
+            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders, lie)
             members = [m for m in members if m not in named]  # left out of every later group
         else:
-            mean = reduce(setting.aggregation, sent, bounds, previous)
+            mean = reduce(setting.aggregation, sent, bounds)
         reduce_s.append(time.perf_counter() - t0)
         if mean is None:  # an audited round that failed: nothing is applied, nothing advances
             failed += 1
             continue
-        previous = mean
         if setting.momentum is not None:  # a committed round: every peer's own momentum advances
             momentum = setting.momentum.advance(momentum, list(stacked))
         offset = 0

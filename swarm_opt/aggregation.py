@@ -57,19 +57,10 @@ class Aggregation(ABC):
     #: how many members reduce each part (``Audited``: two, and every member compares their results)
     reducers_per_part: int = 1
 
-    @property
-    def uses_previous(self) -> bool:
-        """Whether ``combine`` starts from the previous round's result of the part (``CenteredClip(start=
-        "previous")``): the averager then keeps a copy of each round's result for the next one."""
-        return False
-
     @abstractmethod
-    def combine(self, parts: torch.Tensor, weights: torch.Tensor, previous: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``parts``: (n, d) finite copies, ``weights``: (n,) each > 0, both float32 (float64 where float32
-        overflowed); ``previous``: (d,) the part's result in the previous round, finite, in their dtype, or None
-        where the reducer has none (only passed to an aggregation that ``uses_previous``); returns (d,) in their
-        dtype."""
+        overflowed); returns (d,) in their dtype."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +87,7 @@ class Mean(Aggregation):
                 raise ConfigError(f"Mean(max_norm_ratio={self.max_norm_ratio!r}) must be a number > 1 (e.g. 10), or "
                                   f"None for the plain weighted mean")
 
-    def combine(self, parts: torch.Tensor, weights: torch.Tensor, previous: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.max_norm_ratio is not None and len(parts) > 1:
             norms = parts.norm(dim=1)
             bound = self.max_norm_ratio * norms.median()
@@ -126,8 +116,7 @@ class TrimmedMean(Aggregation):
             raise ConfigError(f"TrimmedMean(fraction={self.fraction!r}) must be in [0, 0.5), the share of members "
                               f"assumed hostile (e.g. 0.25): at 0.5 nothing would be left")
 
-    def combine(self, parts: torch.Tensor, weights: torch.Tensor, previous: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n = len(parts)
         drop = min(math.ceil(self.fraction * n), (n - 1) // 2)
         weights = _capped(weights)
@@ -140,14 +129,11 @@ class TrimmedMean(Aggregation):
         return (values[drop:n - drop] * kept_weights).sum(dim=0) / kept_weights.sum(dim=0)
 
 
-_STARTS = ("median", "previous")
-
-
 @dataclass(frozen=True)
 class CenteredClip(Aggregation):
     """CenteredClip (Karimireddy, He and Jaggi 2021; the BTARD all-reduce of Gorbunov et al. 2022): from ``v`` at the
     coordinate-wise median, ``iterations`` times ``v ← v + Σ w_i clip(x_i − v, τ·r) / Σ w_i``, where ``clip(z, c)``
-    scales ``z`` down to norm ``c`` and ``r`` is the median distance of the copies to the starting point.
+    scales ``z`` down to norm ``c`` and ``r`` is the median distance of the copies to the median.
 
     ``tau`` is relative to ``r`` so that one value fits parts of any scale (gradients, parameters): honest copies lie
     at about the same distance from the median, so with ``tau`` ≥ 2 they are not clipped and, without outliers, the
@@ -155,21 +141,12 @@ class CenteredClip(Aggregation):
     result by at most ``tau·r·w_i/Σw`` per iteration. Costs O(n·d·(iterations + log n)) per part (a sort for the
     median, then one pass over the copies per iteration).
 
-    ``start="previous"`` starts from the part's result in the previous round instead, as the paper does with
-    momentum (the aggregate moves little from round to round, and no attacker pulls that start, as it can the
-    median). In a swarm every member of the previous round holds that result; the reducers of a part use it only
-    where they all hold the same one (an audited part's two reducers must start alike), else the median:
-    ``TensorAverager`` keeps a copy of each round's result (one more buffer) and the round and group it came from.
-    ``r`` is then measured from that start, so a start far from every copy (a stale one) is left at the first step.
-
     :param tau: clipping radius in units of ``r``, > 0; default 2.
-    :param iterations: steps from the start, 1 to 100; default 3.
-    :param start: ``"median"`` (default) or ``"previous"``.
+    :param iterations: steps from the median, 1 to 100; default 3.
     """
 
     tau: float = 2.0
     iterations: int = 3
-    start: str = "median"
 
     def __post_init__(self) -> None:
         _check_number("CenteredClip(tau=...)", self.tau, "2.0")
@@ -180,20 +157,11 @@ class CenteredClip(Aggregation):
             raise ConfigTypeError(f"CenteredClip(iterations=...) must be an int, e.g. 3; got {self.iterations!r}")
         if not 1 <= self.iterations <= 100:
             raise ConfigError(f"CenteredClip(iterations={self.iterations}) must be 1 to 100 (e.g. 3)")
-        if self.start not in _STARTS:
-            raise ConfigError(f"CenteredClip(start={self.start!r}) must be one of {', '.join(map(repr, _STARTS))}: "
-                              f"'median' (the copies' coordinate-wise median) or 'previous' (the part's result in the "
-                              f"previous round, where its reducers hold it)")
 
-    @property
-    def uses_previous(self) -> bool:
-        return self.start == "previous"
-
-    def combine(self, parts: torch.Tensor, weights: torch.Tensor, previous: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         weights = _capped(weights)
         weights = weights / weights.sum()
-        center = _median(parts) if previous is None or self.start != "previous" else previous.to(parts.dtype)
+        center = _median(parts)
         radius = self.tau * (parts - center).norm(dim=1).median()
         if radius == 0:  # most copies equal the start: it is the answer
             return center
@@ -242,13 +210,8 @@ class Audited(Aggregation):
             raise ConfigError(f"Audited(tolerance={self.tolerance!r}) must be in (0, 0.1] (e.g. 1e-3): how far two "
                               f"reducers' results of a part may differ, relative to their norm")
 
-    @property
-    def uses_previous(self) -> bool:
-        return self.aggregation.uses_previous
-
-    def combine(self, parts: torch.Tensor, weights: torch.Tensor, previous: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
-        return self.aggregation.combine(parts, weights, previous)
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.aggregation.combine(parts, weights)
 
     def disagree(self, first: torch.Tensor, second: torch.Tensor) -> bool:
         """Whether two reducers' results of the same values differ beyond ``tolerance`` (or either is not finite)."""
@@ -265,7 +228,7 @@ AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip, 
 AGGREGATION_NAMES: Dict[str, Type[Aggregation]] = {"mean": Mean, "trimmed-mean": TrimmedMean,
                                                    "centered-clip": CenteredClip}
 AGGREGATION_FORMS = ("mean, mean:none (the plain mean), mean:20, trimmed-mean, trimmed-mean:0.25, centered-clip, "
-                     "centered-clip:tau=1,iterations=3,start=previous, and any of them after audited: "
+                     "centered-clip:tau=1,iterations=3, and any of them after audited: "
                      "(audited:centered-clip)")
 
 
@@ -332,12 +295,9 @@ def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) 
     return Mean() if aggregation is None else aggregation
 
 
-def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float],
-                previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """What a reducer sends back for one part: ``aggregation`` over the usable copies (see the module docstring),
-    in float32 like hivemind's reducer. Raises ValueError when no copy is usable. ``previous``: the part's result in
-    the previous round, passed on to an aggregation that ``uses_previous`` (dropped otherwise, and when it is not
-    finite or not of the part's size: this reducer's own copy, but it must not break a round).
+    in float32 like hivemind's reducer. Raises ValueError when no copy is usable.
 
     The arithmetic runs in float32 (one pass over the copies per step, as hivemind's sum), and again in float64 in
     the rare case where float32 overflowed (norms of copies beyond about 1e19) and the result is not finite."""
@@ -352,14 +312,9 @@ def reduce_part(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights
     if not bool(keep.all()):
         stacked, w = stacked[keep], w[keep]
     w = w / w.max()  # a weight of 1e300 is finite in float64, not in float32
-    if previous is not None:
-        previous = previous.reshape(-1).float() if aggregation.uses_previous and previous.numel() == \
-            stacked.shape[1] else None
-        if previous is not None and not _finite(previous):
-            previous = None
-    result = aggregation.combine(stacked, w.float(), previous)
+    result = aggregation.combine(stacked, w.float())
     if not bool(torch.isfinite(result.sum())):
-        result = aggregation.combine(stacked.double(), w, None if previous is None else previous.double()).float()
+        result = aggregation.combine(stacked.double(), w).float()
     return result.reshape(shape)
 
 

@@ -45,10 +45,8 @@ class AllOrNothingReducer(TensorPartReducer):
     and the loop keeps moving the other parts meanwhile."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *,
-                 aggregation: Aggregation = Mean(), previous: Optional[Sequence[torch.Tensor]] = None) -> None:
+                 aggregation: Aggregation = Mean()) -> None:
         self.aggregation = aggregation
-        #: each part's result in the previous round (``Aggregation.uses_previous``), or None
-        self.previous = previous
         self._copies: Dict[int, Tuple[torch.Tensor, float]] = {}  # sender index -> its copy of the current part
         super().__init__(part_shapes, num_senders)
         self.num_parts_taken = [0] * num_senders  # copies in the reduction, per sender (not just arrived)
@@ -108,10 +106,8 @@ class AllOrNothingReducer(TensorPartReducer):
         part finishes the reduction only once combined (an auxiliary peer's runner ends when it is finished)."""
         copies, future = self._copies, self.current_part_future
         senders = sorted(copies)  # a fixed order: the result does not depend on who sent first
-        previous = None if self.previous is None else self.previous[self.current_part_index]
         combining = asyncio.get_event_loop().run_in_executor(
-            None, reduce_part, self.aggregation, [copies[s][0] for s in senders], [copies[s][1] for s in senders],
-            previous)
+            None, reduce_part, self.aggregation, [copies[s][0] for s in senders], [copies[s][1] for s in senders])
         part, last = self.current_part_index, self.current_part_index == self.num_parts - 1
         combining.add_done_callback(lambda done: self._combined(done, future, part, last))
         if not last:
@@ -155,11 +151,6 @@ class AllOrNothingRunner(AllReduceRunner):
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]
         self._encoded_means: Dict[Tuple[int, int], List[Any]] = {}
-
-    def start_from(self, previous: Optional[torch.Tensor]) -> None:
-        """Let this peer's reducer start from ``previous``, the previous round's result flattened
-        (``Aggregation.uses_previous``; None: as without it). Before the runner runs."""
-        self.tensor_part_reducer.previous = None if previous is None else own_parts(self, previous)
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's, waiting for the senders' first parts at least ``start_timeout``: a member starts sending at
@@ -308,18 +299,6 @@ def part_owners(runner: AllReduceRunner) -> List[Tuple[int, int]]:
     (hivemind cuts the tensors into parts in order and deals them to the shares in order). Read before it runs."""
     parts = runner.tensor_part_container._input_parts_by_peer  # hivemind's, not consumed before the round runs
     return [(share, part.numel()) for share, queue in enumerate(parts) for part, _ in queue]
-
-
-def own_parts(runner: AllReduceRunner, flat: torch.Tensor) -> List[torch.Tensor]:
-    """The slices of ``flat`` (values laid out as ``runner``'s tensors, flattened and concatenated) that match the
-    parts ``runner``'s peer reduces: its share, in order."""
-    share = runner.ordered_peer_ids.index(runner.peer_id)
-    slices, offset = [], 0
-    for owner, size in part_owners(runner):
-        if owner == share:
-            slices.append(flat[offset:offset + size])
-        offset += size
-    return slices
 
 
 def disagreeing_reducers(audited: Audited, owners: Sequence[Tuple[int, int]], first: Sequence[torch.Tensor],

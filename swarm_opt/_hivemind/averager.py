@@ -64,9 +64,6 @@ _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last rep
 _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
-#: the gather's entry naming the previous round's result a member holds, [its round, its group id]
-#: (``Aggregation.uses_previous``): the reducers of a part start from it only if they all hold the same
-PREVIOUS_KEY = "previous"
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
 #: that many newcomers joining together spread over the donors (and come back, with backoff, if all are busy)
@@ -116,10 +113,6 @@ class _Engine(DecentralizedAverager):
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
         #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
-        #: ((round, group id), the flattened result) of this peer's last complete round, for reducers that start
-        #: from it (``Aggregation.uses_previous``; averager process)
-        self._previous: Optional[Tuple[Tuple[int, bytes], torch.Tensor]] = None
-        self._values_from_previous = mp.Value("d", 0.0)  # values this peer reduced starting from it (shared)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -141,9 +134,6 @@ class _Engine(DecentralizedAverager):
             self._matchmaking.client_mode = True
         if self._liars.remembered() and not getattr(self._matchmaking, "_avoids_liars", False):
             self._avoid_liars_as_leaders(self._matchmaking)
-        if self._previous is not None and self.aggregation.uses_previous:  # tell the groupmates which one it holds
-            step._data_for_gather = _with_member_info(self.serializer, step.data_for_gather,
-                                                      PREVIOUS_KEY, list(self._previous[0]))
         _renew_finished_search(self._matchmaking)
         await super()._step(step=step, future_for_init=future_for_init)
 
@@ -195,7 +185,6 @@ class _Engine(DecentralizedAverager):
                 raise AllreduceException(watchdog.result())
             gathered = aggregation.result()
             self._check_complete(group_info.group_id)
-            await self._remember_result(group_info)
             return gathered
         except BaseException:
             self._say_goodbye(group_info)
@@ -287,11 +276,8 @@ class _Engine(DecentralizedAverager):
                                     aggregation=self.aggregation, **kwargs)
         audit = audit_order(group_info.peer_ids, runner.tensor_part_container.num_parts_by_peer) \
             if isinstance(self.aggregation, Audited) else None
-        orders = [group_info.peer_ids] + ([audit] if audit is not None else [])
-        runner.start_from(self._previous_for(group_info, group_info.peer_ids, orders))
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
-        self._count_from_previous(runner)
         if isinstance(self.aggregation, Audited):
             await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs)
         else:
@@ -325,9 +311,7 @@ class _Engine(DecentralizedAverager):
                                    group_id=audit_id, ordered_peer_ids=order,
                                    modes=tuple(modes[group_info.peer_ids.index(peer)] for peer in order),
                                    aggregation=self.aggregation, **kwargs)
-        audit.start_from(self._previous_for(group_info, order, [group_info.peer_ids, order]))
         self._running_groups[audit_id].set_result(audit)
-        self._count_from_previous(audit)
         owners = part_owners(runner)
         tasks = [asyncio.ensure_future(self._consume(runner, tensors)),
                  asyncio.ensure_future(self._consume(audit, copies))]
@@ -353,41 +337,6 @@ class _Engine(DecentralizedAverager):
             named = "; ".join(sorted(f"{a} and {b}" for a, b in pairs))
             raise AllreduceException(f"Audited: reducers returned different means of the same values ({named}): "
                                      f"one of each pair lies")
-
-    async def _remember_result(self, group_info: Any) -> None:
-        """Keep the result of a complete round for the reducers of the next one (``Aggregation.uses_previous``): every
-        member of the group holds the same values (the runners return identical means), named by the round and the
-        group's id. A helper receives no result: it keeps none."""
-        if not self.aggregation.uses_previous or self.mode == AveragingMode.AUX:
-            return
-        own = _member_info(self.serializer, group_info.gathered[group_info.peer_ids.index(self.peer_id)])
-        round_id = own.get("round")
-        self._previous = None
-        if isinstance(round_id, int) and not isinstance(round_id, bool):
-            async with enter_asynchronously(self.get_tensors()) as tensors:
-                flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
-            self._previous = ((round_id, bytes(group_info.group_id)), flat)
-
-    def _previous_for(self, group_info: Any, order: Sequence[PeerID], orders: Sequence[Sequence[PeerID]]
-                      ) -> Optional[torch.Tensor]:
-        """This peer's copy of the previous round's result for the all-reduce of ``order``, if the reducers of its
-        share there (its reducer in each of ``orders``: one, or two when audited) all hold that same result and all
-        are in the round after it; else None (a reducer then starts as without it). Decided from the gathered
-        entries, which every member reads alike: two reducers of an audited part start from the same values."""
-        if self._previous is None or not self.aggregation.uses_previous or self.peer_id not in order:
-            return None
-        key, flat = self._previous
-        share = list(order).index(self.peer_id)
-        for reducers in orders:
-            info = _member_info(self.serializer, group_info.gathered[list(group_info.peer_ids).index(reducers[share])])
-            if _previous_key(info.get(PREVIOUS_KEY)) != key or info.get("round") != key[0] + 1:
-                return None
-        return flat
-
-    def _count_from_previous(self, runner: AllOrNothingRunner) -> None:
-        if runner.tensor_part_reducer.previous is not None:
-            with self._values_from_previous.get_lock():
-                self._values_from_previous.value += sum(p.numel() for p in runner.tensor_part_reducer.previous)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -702,25 +651,6 @@ def _rounds_differ(serializer: Any, gather: bytes, control: Any) -> bool:
     return not (theirs.get("aux") or ours.get("aux")) and all(type(r) is int for r in rounds) and rounds[0] != rounds[1]
 
 
-def _with_member_info(serializer: Any, data: bytes, key: str, value: Any) -> bytes:
-    """A step's gather (hivemind's ``[bandwidth, mode, user data]``) with ``key: value`` added to the user data."""
-    outer = serializer.loads(data)
-    info = serializer.loads(outer[2])
-    outer[2] = serializer.dumps({**(info if isinstance(info, dict) else {}), key: value})
-    return serializer.dumps(outer)
-
-
-def _previous_key(value: Any) -> Optional[Tuple[int, bytes]]:
-    """A member's ``PREVIOUS_KEY`` entry as (round, group id), or None if it is not one (network input)."""
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        return None
-    round_id, group_id = value
-    if isinstance(round_id, bool) or not isinstance(round_id, int) or not isinstance(group_id, bytes) \
-            or len(group_id) > 256:
-        return None
-    return round_id, group_id
-
-
 def _valid_cell(cell: Any) -> bool:
     return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
 
@@ -880,12 +810,6 @@ class TensorAverager:
     def lane_rounds(self) -> int:
         """How many of this peer's rounds averaged over the gloo lane."""
         return int(self._engine._lane_rounds.value)
-
-    @property
-    def values_from_previous(self) -> int:
-        """How many values this peer's reducer combined starting from the previous round's result
-        (``CenteredClip(start="previous")``), in all its rounds."""
-        return int(self._engine._values_from_previous.value)
 
     @property
     def uploads(self) -> Tuple[int, int]:

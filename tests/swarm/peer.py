@@ -437,7 +437,6 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
                    discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
-                   values_from_previous=opt._averager.values_from_previous,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
                    peer_id=str(opt._averager.peer_id)))
 

@@ -220,46 +220,6 @@ def test_a_reducer_that_lies_in_both_of_its_roles_is_named_and_one_disagreement_
     assert liars({("a", "b"), ("b", "a")}) == set()  # two reducers in all: either could be lying
 
 
-# --- CenteredClip(start="previous"): the previous round's result as the starting point ------------------------------
-
-@pytest.mark.parametrize("attack", ["huge", "sign", "far"])
-def test_centered_clip_from_the_previous_result_bounds_an_outlier_as_from_the_median(attack):
-    parts = honest(8)
-    truth = parts[:7].mean(0)
-    spread = float((parts[:7] - truth).norm(dim=1).median())
-    previous = truth + 0.01 * torch.randn(len(truth), generator=torch.Generator().manual_seed(1))
-    parts[7] = {"huge": parts[7] * 1e6, "sign": -parts[7] * 100, "far": parts[7] + 1e3}[attack]
-    result = reduce_part(swarm_opt.CenteredClip(start="previous"), list(parts), [1.0] * 8, previous)
-    assert float((result - truth).norm()) < spread
-
-
-def test_the_previous_result_is_used_only_by_an_aggregation_that_starts_there_and_only_if_usable():
-    parts = honest(5)
-    previous = parts.mean(0) + 0.3
-    start = swarm_opt.CenteredClip(start="previous")
-    # without outliers both starts end at the mean (honest copies are not clipped)
-    assert torch.allclose(reduce_part(start, list(parts), [1.0] * 5, previous), parts.mean(0), atol=1e-4)
-    for aggregation in (swarm_opt.Mean(), swarm_opt.TrimmedMean(0.2), swarm_opt.CenteredClip()):
-        assert not aggregation.uses_previous
-        assert torch.equal(reduce_part(aggregation, list(parts), [1.0] * 5, previous),
-                           reduce_part(aggregation, list(parts), [1.0] * 5))
-    assert start.uses_previous and swarm_opt.Audited(start).uses_previous
-    # a previous result that is not finite, or of another size, is no starting point: the median is
-    plain = reduce_part(start, list(parts), [1.0] * 5)
-    for unusable in (torch.full_like(previous, float("nan")), previous[:10]):
-        assert torch.equal(reduce_part(start, list(parts), [1.0] * 5, unusable), plain)
-
-
-def test_a_far_previous_result_moves_the_result_a_bounded_distance():
-    """A start far from every copy (a stale or corrupted previous result) still ends within the copies' reach:
-    the radius is measured from the start, so the honest copies are not clipped and the first step reaches their
-    mean."""
-    parts = honest(8)
-    for offset in (1e3, 1e6):
-        result = reduce_part(swarm_opt.CenteredClip(start="previous"), list(parts), [1.0] * 8, parts.mean(0) + offset)
-        assert float((result - parts.mean(0)).norm()) < 0.01 * float(parts.mean(0).norm()), offset
-
-
 # --- the command line's forms ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
@@ -270,8 +230,8 @@ def test_a_far_previous_result_moves_the_result_a_bounded_distance():
     ("trimmed-mean:0.1", swarm_opt.TrimmedMean(0.1)),
     ("centered-clip", swarm_opt.CenteredClip()),
     ("centered-clip:1,5", swarm_opt.CenteredClip(tau=1.0, iterations=5)),
-    ("centered-clip: tau=1, start=previous", swarm_opt.CenteredClip(tau=1.0, start="previous")),
-    ("audited:centered-clip:start=previous", swarm_opt.Audited(swarm_opt.CenteredClip(start="previous"))),
+    ("centered-clip: tau=1, iterations=5", swarm_opt.CenteredClip(tau=1.0, iterations=5)),
+    ("audited:centered-clip:tau=1", swarm_opt.Audited(swarm_opt.CenteredClip(tau=1.0))),
     ("audited:mean", swarm_opt.Audited(swarm_opt.Mean())),
 ])
 def test_parse_aggregation_reads_every_form(text, expected):
@@ -286,10 +246,10 @@ def test_parse_aggregation_reads_every_form(text, expected):
     ("mean:x", "expected a number, got 'x'"),
     ("centered-clip:tau=1,2", "value after key=value"),
     ("trimmed-mean:0.1,0.2", "too many values"),
-    ("centered-clip:rho=1", "centered-clip takes tau, iterations, start"),
+    ("centered-clip:rho=1", "centered-clip takes tau, iterations \\(each once\\)"),
     ("centered-clip:tau=1,tau=2", "each once"),
     ("trimmed-mean:0.5", r"\[0, 0.5\)"),
-    ("centered-clip:start=mean", "'median' .* or 'previous'"),
+    ("centered-clip:start=previous", "centered-clip takes tau, iterations"),
     ("centered-clip:iterations=1.5", "expected a number"),
 ])
 def test_parse_aggregation_names_the_valid_forms(text, match):
@@ -313,75 +273,6 @@ def test_the_cli_option_reads_flags_environment_and_config_files(tmp_path):
     assert from_file.aggregation == swarm_opt.Audited(swarm_opt.CenteredClip())
     with pytest.raises(ConfigError, match="SWARM_OPT_AGGREGATION: unknown aggregation"):
         resolve_options("train", argparse.Namespace(run_id="r"), {"SWARM_OPT_AGGREGATION": "krum"})
-
-
-# --- where a reducer's previous result comes from in the averager ---------------------------------------------------
-
-def test_a_reducer_takes_the_slices_of_the_previous_result_that_match_its_share():
-    """hivemind cuts the flattened tensors into parts in order and deals them to the shares in order: the previous
-    result's slices that ``own_parts`` hands a reducer are its parts, wherever the shares' borders fall."""
-    from types import SimpleNamespace
-
-    from hivemind.averaging.partition import TensorPartContainer
-
-    from swarm_opt._hivemind.allreduce import own_parts
-
-    tensors = [torch.randn(700), torch.randn(30, 10), torch.randn(5)]
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    peers = ["a", "b", "c"]
-    for fractions in ([1 / 3] * 3, [0.5, 0.0, 0.5], [0.1, 0.6, 0.3]):
-        container = TensorPartContainer(tensors, fractions, part_size_bytes=4 * 128)
-        for share, peer in enumerate(peers):
-            runner = SimpleNamespace(ordered_peer_ids=peers, peer_id=peer, tensor_part_container=container)
-            parts = [part for part, _ in container._input_parts_by_peer[share]]
-            slices = own_parts(runner, flat)
-            assert len(slices) == len(parts) and all(torch.equal(s, p) for s, p in zip(slices, parts))
-
-
-def test_reducers_start_from_the_previous_result_only_where_all_of_a_parts_reducers_hold_the_same():
-    from types import SimpleNamespace
-
-    from hivemind.utils import MSGPackSerializer
-
-    from swarm_opt._hivemind.averager import PREVIOUS_KEY, _Engine, _previous_key, _with_member_info
-
-    def gather(info: dict) -> bytes:
-        return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(info)])
-
-    held = (6, b"group-of-round-6")
-    flat = torch.arange(8.0)
-    peers = ["a", "b", "c", "d"]
-    infos = {"a": {"round": 7, PREVIOUS_KEY: list(held)}, "b": {"round": 7, PREVIOUS_KEY: list(held)},
-             "c": {"round": 7},  # a newcomer: no previous result
-             "d": {"round": 7, PREVIOUS_KEY: [6, b"another-group"]}}
-    group = SimpleNamespace(peer_ids=peers, gathered=[gather(infos[p]) for p in peers])
-
-    def start(me: str, order: list, orders: list):
-        engine = SimpleNamespace(_previous=(held, flat), aggregation=swarm_opt.CenteredClip(start="previous"),
-                                 peer_id=me, serializer=MSGPackSerializer)
-        return _Engine._previous_for(engine, group, order, orders)
-
-    assert start("a", peers, [peers]) is flat  # unaudited: its own previous result, of the round before
-    audit = ["b", "c", "d", "a"]  # audited: share i is reduced by peers[i] and again by audit[i]
-    # share 0: reducers a and b, both hold round 6's result of the same group: both start from it
-    assert start("a", peers, [peers, audit]) is flat and start("b", audit, [peers, audit]) is flat
-    # share 1: reducers b and c, and c holds none: both start from the median
-    assert start("b", peers, [peers, audit]) is None and start("c", audit, [peers, audit]) is None
-    # share 3: reducers d and a, and d holds another group's result
-    assert start("a", audit, [peers, audit]) is None
-    # another group's result, or one not of the round before, is no common start
-    assert start("d", peers, [peers]) is None
-    group.gathered[0] = gather({"round": 8, PREVIOUS_KEY: list(held)})
-    assert start("a", peers, [peers]) is None
-    # aggregations that start from the median ignore it; entries from the network are checked
-    engine = SimpleNamespace(_previous=(held, flat), aggregation=swarm_opt.CenteredClip(), peer_id="b",
-                             serializer=MSGPackSerializer)
-    assert _Engine._previous_for(engine, group, peers, [peers]) is None
-    for hostile in (None, 6, [6], [True, b"x"], ["6", b"x"], [6, "text"], [6, b"x" * 1000], [6, b"x", 1]):
-        assert _previous_key(hostile) is None, hostile
-    assert _previous_key([6, b"g"]) == (6, b"g")
-    data = _with_member_info(MSGPackSerializer, gather({"round": 3}), PREVIOUS_KEY, [2, b"g"])
-    assert MSGPackSerializer.loads(MSGPackSerializer.loads(data)[2]) == {"round": 3, PREVIOUS_KEY: [2, b"g"]}
 
 
 @pytest.mark.parametrize("liar", ["a", "c", "d"])

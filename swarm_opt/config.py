@@ -114,7 +114,9 @@ class TrackerConfig:
         the swarm from them; longer is more precise in a steady swarm, shorter follows churn sooner.
     :param sampled_period: in a sharded swarm, a peer reads one shard and re-publishes its record this often (its
         records then live ``record_ttl / heartbeat_period`` times as long); estimates are extrapolated in between.
-        The DHT bytes a peer spends on tracking are inversely proportional to it.
+        The DHT bytes a peer spends on tracking are inversely proportional to it. Keep it well below an epoch's
+        duration: a record many epochs old cannot tell when its owner stopped at its share, and rounds then hold
+        from a fraction to several times the target batch.
     """
 
     heartbeat_period: float = 1.0

@@ -163,7 +163,7 @@ class CenteredClip(Aggregation):
         weights = weights / weights.sum()
         center = _median(parts)
         radius = self.tau * (parts - center).norm(dim=1).median()
-        if radius == 0:  # most copies equal the start: it is the answer
+        if radius == 0:  # most copies equal the median: it is the answer
             return center
         for _ in range(self.iterations):
             offsets = parts - center

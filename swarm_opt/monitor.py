@@ -123,7 +123,7 @@ class RunMonitor:
             records = []
         now = get_dht_time()
         target = self.target_batch_size or _common_target(records)
-        records = self._checker.check(records, None, now, target or 1)
+        records = self._checker.check(records, None, now, target or 1).records
         scale = self._records.sample.scale
         snapshot = snapshot_from_records(self.run_id, records, now, self.target_batch_size,
                                          self._records.max_extrapolation, scale)

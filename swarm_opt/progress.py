@@ -130,7 +130,7 @@ class SwarmProgress:
 
 def aggregate_progress(
     records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
-    epoch_started: Optional[float] = None, max_extrapolation: float = 2.0, scale: float = 1.0,
+    epoch_started: Optional[float] = None, max_extrapolation: float = 2.0, scale: float = 1.0, ahead: int = 0,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
@@ -142,7 +142,8 @@ def aggregate_progress(
     peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further; nor past the
     peer's share of the target (its share of the swarm's speed), where it stops computing and waits for the round.
     Without ``local`` (an observer such as the monitor), only the records count. Each record stands for ``scale``
-    peers (a sample of a sharded swarm, ``swarm_opt.sharding``); ``local`` for one.
+    peers (a sample of a sharded swarm, ``swarm_opt.sharding``); ``local`` for one. ``ahead``: other live peers
+    whose records stand ahead of the swarm's epoch (``swarm_opt.trust``): in ``num_peers`` only.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
     if local is not None:
@@ -179,7 +180,7 @@ def aggregate_progress(
         epoch=epoch,
         samples_accumulated=int(samples),
         target_batch_size=target_batch_size,
-        num_peers=round(sum(weights)),
+        num_peers=round(sum(weights) + scale * ahead),
         num_clients=round(sum(w for w, r in zip(weights, peers) if r.client_mode)),
         samples_per_second=throughput,
         eta=eta,
@@ -396,6 +397,7 @@ class ProgressTracker:
         self._throughput = _Throughput()
         self._checker = ClaimChecker(config.trust)
         self._others: List[ProgressRecord] = []
+        self._ahead = 0  # live peers ahead of the swarm's epoch, not among ``_others``
         self._scale = 1.0  # how many peers each of ``_others`` stands for
         self._mismatch_reported = False
         self._published: Optional[tuple] = None
@@ -478,10 +480,10 @@ class ProgressTracker:
     @property
     def progress(self) -> SwarmProgress:
         with self._lock:
-            local, others, scale = self._local_record(), self._others, self._scale
+            local, others, ahead, scale = self._local_record(), self._others, self._ahead, self._scale
             started = self._epoch_started if self._epoch_started is not None else self._first_step
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
-                                  max_extrapolation=self._records.max_extrapolation, scale=scale)
+                                  max_extrapolation=self._records.max_extrapolation, scale=scale, ahead=ahead)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""
@@ -578,8 +580,8 @@ class ProgressTracker:
             )
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        others = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
+        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
         scale = self._records.sample.scale
         with self._lock:
-            self._others, self._scale = others, scale
-        self._records.sample.observe(1 + scale * len(others))
+            self._others, self._ahead, self._scale = checked.records, checked.ahead, scale
+        self._records.sample.observe(1 + scale * (len(checked.records) + checked.ahead))

@@ -7,10 +7,12 @@ moves the swarm only as far as its owner plausibly could:
   majority group, so an honest swarm always confirms its newest epoch; a single peer claiming epoch +1000 is not
   believed, so nobody waits on it or tries to download its state. One epoch ahead is where an honest peer stands
   after a round the others missed (a founder that trained alone while the others started; a group they did not
-  join): it is neither counted nor believed, nor held against the peer. Only peers that hold a state of the run vote:
-  a newcomer still deciding whether to download publishes no record and does not count its own epoch (else
-  newcomers arriving together would outvote the founder they join, who trained alone); one that finds that no
-  peer ahead serves a state (``Optimizer``) joins, so a lone liar in a run's first seconds delays it, no more.
+  join): it is neither believed nor counted toward our epoch, nor held against the peer, but it is a live peer: a
+  round's majority is measured against it too, or laggards that miss a majority's round could commit their own.
+  Only peers that hold a state of the run vote: a newcomer still deciding whether to download publishes no record
+  and does not count its own epoch (else newcomers arriving together would outvote the founder they join, who
+  trained alone); one that finds that no peer ahead serves a state (``Optimizer``) joins, so a lone liar in a run's
+  first seconds delays it, no more.
 * **Samples** grow no faster than a plausible throughput: at most ``max_rate_vs_median`` times the swarm's median
   throughput (a lower median, so that one liar among two peers cannot raise it), from when this peer saw the epoch
   begin (or from its first sight of the claimant, whose samples it then takes as they are, up to one global batch).
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Generic, Hashable, List, Optional, Tuple, TypeVar
+from typing import Dict, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -113,6 +115,15 @@ def lower_median(values: List[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+class Checked(NamedTuple):
+    """What ``ClaimChecker.check`` found: the ``records`` that count toward the swarm's epoch (samples and
+    throughput bounded), and how many other peers are live but stand ahead of that epoch (``ahead``; within the
+    grace): live peers all the same, so they count wherever the swarm's size matters."""
+
+    records: list
+    ahead: int
+
+
 @dataclass
 class _Credit:
     epoch: int
@@ -136,32 +147,35 @@ class ClaimChecker:
         self._reference_rate = 0.0
 
     def check(self, records: list, local, now: float, target_batch_size: int,
-              local_epoch_started: Optional[float] = None, *, local_votes: bool = True) -> list:
-        """Return the records that count, with samples and throughput bounded. ``local`` is our own record (None for
-        an observer); ``now`` and ``local_epoch_started`` are DHT times; ``local_votes``: whether our own epoch is
-        evidence of the swarm's (not while we are a newcomer deciding whether to download; unless nobody else
-        publishes one)."""
+              local_epoch_started: Optional[float] = None, *, local_votes: bool = True) -> Checked:
+        """Return the records that count, with samples and throughput bounded, and how many peers are ahead.
+        ``local`` is our own record (None for an observer); ``now`` and ``local_epoch_started`` are DHT times;
+        ``local_votes``: whether our own epoch is evidence of the swarm's (not while we are a newcomer deciding
+        whether to download; unless nobody else publishes one)."""
         with self._lock:
             return self._check(records, local, now, target_batch_size, local_epoch_started, local_votes)
 
     def _check(self, records: list, local, now: float, target_batch_size: int,
-               local_epoch_started: Optional[float], local_votes: bool) -> list:
+               local_epoch_started: Optional[float], local_votes: bool) -> Checked:
         live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
         votes = [r.epoch for r in live] + ([local_epoch] if local is not None and (local_votes or not live) else [])
         epoch = believed_epoch(votes, local_epoch)
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
 
-        counted = []
+        counted, ahead = [], 0
         for record in live:
             key = _key(record)
             if record.epoch > epoch + 1:
                 since = self._ahead_since.setdefault(key, now)
                 if now - since >= self.config.ahead_grace:
                     self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}")
+                else:
+                    ahead += 1
                 continue
             self._ahead_since.pop(key, None)
             if record.epoch > epoch:  # one ahead: plausible (see the module docstring), not counted in ours
+                ahead += 1
                 continue
             counted.append(record)
 
@@ -175,8 +189,8 @@ class ClaimChecker:
             self._reference_rate = median
         if self._reference_rate == 0:  # no speed to bound by yet (first steps): count reported samples only
             self._forget_absent({_key(r) for r in records}, now)
-            return [r.copy(update={"samples": min(r.samples, target_batch_size), "samples_per_second": 0.0})
-                    for r in counted]
+            return Checked([r.copy(update={"samples": min(r.samples, target_batch_size), "samples_per_second": 0.0})
+                            for r in counted], ahead)
         rate_cap = self.config.max_rate_vs_median * self._reference_rate
 
         bounded = []
@@ -203,7 +217,7 @@ class ClaimChecker:
             bounded.append(record.copy(update={"samples": int(min(record.samples, allowed)),
                                                "samples_per_second": min(record.samples_per_second, rate_cap)}))
         self._forget_absent({_key(r) for r in records}, now)
-        return bounded
+        return Checked(bounded, ahead)
 
     def _note_epoch(self, epoch: int, now: float, local_epoch: Optional[int], local_started: Optional[float]) -> None:
         """Remember when the swarm's epoch began, if we saw it begin: the epoch became the believed one after our

@@ -98,11 +98,6 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
 
 
-# extended: under load 1 of 3 runs failed the exact-reference check. Two late peers whose sampled estimate said 3
-# live peers (5 were) committed epoch 1 as a group of 2, "a majority of 3", beside the others' epoch 1; one then
-# downloaded epoch 2 and the swarm ended as one model, but not the one-process reference (a split epoch, healed).
-# The majority rule trusts an estimated peer count: a product gap to close before this runs by default.
-@pytest.mark.extended
 def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
     """Five peers with ``shard_size=2`` keep their progress records under several DHT keys (level 1 or 2) and each
     reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of hundreds),

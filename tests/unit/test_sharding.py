@@ -177,7 +177,7 @@ def test_a_liar_in_a_sampled_shard_moves_the_estimate_only_as_far_as_trust_bound
     checker = ClaimChecker()
     local = record(10**6, 0, int(10 * t), 10.0, t)
     honest = [r for r in sample.records(t) if r.peer_id != liar.peer_id]
-    bounded = checker.check(sample.records(t), local, now=t, target_batch_size=10**6, local_epoch_started=0.0)
+    bounded = checker.check(sample.records(t), local, now=t, target_batch_size=10**6, local_epoch_started=0.0).records
     with_liar = aggregate_progress(bounded, local, 10**9, now=t, max_extrapolation=0.0, scale=sample.scale)
     without = aggregate_progress(honest, local, 10**9, now=t, max_extrapolation=0.0, scale=sample.scale)
     assert liar.peer_id not in {r.peer_id for r in bounded} or \

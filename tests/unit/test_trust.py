@@ -35,7 +35,7 @@ def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(capl
     local = rec("me", 5, 10, 10.0, 100.0)
     honest = [rec("a", 5, 20, 10.0, 100.0), rec("b", 5, 30, 10.0, 100.0)]
     liar = rec("liar", 1005, 0, 10.0, 100.0)
-    counted = checker.check(honest + [liar], local, 100.0, TARGET, local_epoch_started=99.0)
+    counted = checker.check(honest + [liar], local, 100.0, TARGET, local_epoch_started=99.0).records
     assert {r.instance for r in counted} == {"a", "b"}
     progress = aggregate_progress(counted, local, TARGET, 100.0)
     assert progress.epoch == 5 and progress.num_peers == 3
@@ -45,13 +45,15 @@ def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(capl
     warnings = [r.getMessage() for r in caplog.records if "Ignoring peer" in r.getMessage()]
     assert len(warnings) == 1 and "claims epoch 1005 while the swarm is at 5" in warnings[0]
     # ignored: not even a live peer, until the time is up
-    assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
+    checked = checker.check(honest + [liar], local, 150.0, TARGET, 99.0)
+    assert {r.instance for r in checked.records} == {"a", "b"} and checked.ahead == 0
 
 
-def test_a_peer_one_epoch_ahead_is_not_counted_nor_believed_nor_ignored(caplog):
+def test_a_peer_one_epoch_ahead_is_live_but_not_believed_nor_counted_nor_ignored(caplog):
     """Peers that start together at load do not all see each other at once: some commit a round alone and stand one
     epoch ahead of the majority until it catches up. Honest, so never ignored (nor warned about); not believed
-    either (no download from it), and its samples of the next epoch do not count in ours."""
+    either (no download from it), and its samples of the next epoch do not count in ours; but it is a live peer,
+    so a round's majority is measured against it too."""
     checker = ClaimChecker(TrustConfig(ahead_grace=5.0))
     seen_epoch_begin(checker, 5, 99.0)
     local = rec("me", 5, 10, 10.0, 100.0)
@@ -59,9 +61,10 @@ def test_a_peer_one_epoch_ahead_is_not_counted_nor_believed_nor_ignored(caplog):
     ahead = rec("ahead", 6, 200, 10.0, 100.0)
     with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
         for now in (100.0, 110.0, 200.0, 400.0):
-            counted = checker.check(honest + [ahead], local, now, TARGET, local_epoch_started=99.0)
-            assert {r.instance for r in counted} == {"a", "b"}
-            assert aggregate_progress(counted, local, TARGET, now).epoch == 5
+            checked = checker.check(honest + [ahead], local, now, TARGET, local_epoch_started=99.0)
+            assert {r.instance for r in checked.records} == {"a", "b"} and checked.ahead == 1
+            progress = aggregate_progress(checked.records, local, TARGET, now, ahead=checked.ahead)
+            assert progress.epoch == 5 and progress.num_peers == 4
     assert "Ignoring peer" not in caplog.text
     # two epochs ahead is no longer a round the others missed: ignored after the grace, as far ahead as epoch 1005
     two_ahead = rec("ahead", 7, 0, 10.0, 400.0)
@@ -85,13 +88,13 @@ def test_samples_grow_no_faster_than_a_plausible_throughput():
     honest = [rec("a", 2, 50, 10.0, 105.0), rec("b", 2, 60, 12.0, 105.0)]
     # an honest peer 3x faster than the others counts in full; we saw epoch 2 begin at t=100
     fast = rec("fast", 2, 150, 30.0, 105.0)
-    counted = {r.instance: r for r in checker.check(honest + [fast], local, 105.0, TARGET, 100.0)}
+    counted = {r.instance: r for r in checker.check(honest + [fast], local, 105.0, TARGET, 100.0).records}
     assert counted["fast"].samples == 150 and counted["a"].samples == 50
     # one claiming 70 samples/s (7x the median) is bounded to 4x the median rate, not struck
     checker = ClaimChecker(config)
     seen_epoch_begin(checker, 2, 100.0)
     greedy = rec("greedy", 2, 350, 70.0, 105.0)
-    counted = {r.instance: r for r in checker.check(honest + [greedy], local, 105.0, TARGET, 100.0)}
+    counted = {r.instance: r for r in checker.check(honest + [greedy], local, 105.0, TARGET, 100.0).records}
     assert counted["greedy"].samples == pytest.approx(4 * 10.0 * (5 + 1), abs=1)
     assert counted["greedy"].samples_per_second == pytest.approx(40.0)
 
@@ -103,12 +106,12 @@ def test_a_peer_claiming_absurd_samples_is_ignored_and_cannot_fill_the_batch(cap
     honest = [rec("a", 3, 20, 10.0, 101.0), rec("b", 3, 20, 10.0, 101.0)]
     liar = rec("liar", 3, 10**9, 1e9, 101.0)
     with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
-        counted = checker.check(honest + [liar], local, 101.0, TARGET, local_epoch_started=99.0)
+        counted = checker.check(honest + [liar], local, 101.0, TARGET, local_epoch_started=99.0).records
     assert {r.instance for r in counted} == {"a", "b"}
     assert not aggregate_progress(counted, local, TARGET, 101.0).ready
     assert any("claims 1000000000 samples" in r.getMessage() for r in caplog.records)
     # it stays ignored for ignore_seconds, then gets one more chance and is ignored twice as long
-    assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0)} == {"a", "b"}
+    assert {r.instance for r in checker.check(honest + [liar], local, 150.0, TARGET, 99.0).records} == {"a", "b"}
     checker.check(honest + [liar], local, 162.0, TARGET, 99.0)
     assert any("for 120 s" in r.getMessage() for r in caplog.records)
 
@@ -121,26 +124,27 @@ def test_a_slow_peer_bounds_fast_peers_but_does_not_ignore_them(caplog):
     checker = ClaimChecker(TrustConfig())
     checker.check([rec("a", 0, 0, 0.0, 99.0), rec("b", 0, 0, 0.0, 99.0)], rec("me", 0, 0, 0.0, 99.0), 99.0, target)
     seen = checker.check([rec("a", 1, 0, 0.0, 100.0), rec("b", 1, 0, 0.0, 100.0)], rec("me", 1, 0, 4.0, 100.0),
-                         100.0, target, 100.0)
+                         100.0, target, 100.0).records
     assert len(seen) == 2
     with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
         for now in (101.0, 102.0, 103.0):  # one fast speed measured, then both
             others = [rec("a", 1, int(950 * (now - 100)), 950.0, now),
                       rec("b", 1, int(950 * (now - 100)), 950.0 if now > 101 else 0.0, now)]
-            counted = checker.check(others, rec("me", 1, 4, 4.0, now), now, target, 100.0)
+            counted = checker.check(others, rec("me", 1, 4, 4.0, now), now, target, 100.0).records
             assert len(counted) == 2
     assert "Ignoring peer" not in caplog.text
-    liar = checker.check([rec("liar", 1, 3 * target, 950.0, 104.0)], rec("me", 1, 4, 4.0, 104.0), 104.0, target, 100.0)
+    liar = checker.check([rec("liar", 1, 3 * target, 950.0, 104.0)], rec("me", 1, 4, 4.0, 104.0), 104.0, target,
+                         100.0).records
     assert liar == []
 
 
 def test_a_newcomer_takes_what_it_did_not_see_begin_at_face_value_up_to_one_batch():
     checker = ClaimChecker(TrustConfig())
     # an observer's first read: the epoch began before it looked, so 200 samples are plausible
-    counted = checker.check([rec("a", 9, 200, 10.0, 100.0), rec("b", 9, 180, 10.0, 100.0)], None, 100.0, TARGET)
+    counted = checker.check([rec("a", 9, 200, 10.0, 100.0), rec("b", 9, 180, 10.0, 100.0)], None, 100.0, TARGET).records
     assert sorted(r.samples for r in counted) == [180, 200]
     # ...and they keep growing at their rate afterwards without being struck
-    counted = checker.check([rec("a", 9, 230, 10.0, 103.0), rec("b", 9, 210, 10.0, 103.0)], None, 103.0, TARGET)
+    counted = checker.check([rec("a", 9, 230, 10.0, 103.0), rec("b", 9, 210, 10.0, 103.0)], None, 103.0, TARGET).records
     assert sorted(r.samples for r in counted) == [210, 230]
 
 
@@ -151,7 +155,8 @@ def test_a_peer_that_downloads_the_swarms_epoch_did_not_see_it_begin():
     others = [rec("a", 9, 300, 10.0, 100.0), rec("b", 9, 250, 10.0, 100.0)]
     checker.check(others, rec("me", 0, 0, 0.0, 100.0), 100.0, TARGET)
     checker.check(others[1:], rec("me", 9, 0, 0.0, 101.0), 101.0, TARGET, local_epoch_started=101.0)  # a's record
-    counted = checker.check(others, rec("me", 9, 0, 0.0, 101.5), 101.5, TARGET, 101.0)  # was missing from one read
+    # was missing from one read
+    counted = checker.check(others, rec("me", 9, 0, 0.0, 101.5), 101.5, TARGET, 101.0).records
     assert sorted(r.samples for r in counted) == [250, 300]
 
 
@@ -163,15 +168,15 @@ def test_newcomers_arriving_together_do_not_outvote_the_founder_they_join(caplog
     with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
         for now in (100.0, 110.0, 120.0):
             local = rec("a", 0, 0, 0.0, now)
-            counted = checker.check([founder], local, now, TARGET, local_votes=False)
+            counted = checker.check([founder], local, now, TARGET, local_votes=False).records
             assert aggregate_progress(counted, local, TARGET, now).epoch == 3
     assert "Ignoring peer" not in caplog.text
     # once they hold a state they vote: two founders at epoch 0 outvote a lone claim of epoch 3 (the liar case)
     checker = ClaimChecker(TrustConfig(ahead_grace=5.0))
-    counted = checker.check([founder, rec("b", 0, 0, 0.0, 100.0)], rec("a", 0, 0, 0.0, 100.0), 100.0, TARGET)
+    counted = checker.check([founder, rec("b", 0, 0, 0.0, 100.0)], rec("a", 0, 0, 0.0, 100.0), 100.0, TARGET).records
     assert {r.instance for r in counted} == {"b"}
     # a newcomer that sees nobody else is the run's founder: its own epoch counts
-    assert checker.check([], rec("c", 0, 0, 0.0, 100.0), 100.0, TARGET, local_votes=False) == []
+    assert checker.check([], rec("c", 0, 0, 0.0, 100.0), 100.0, TARGET, local_votes=False).records == []
     assert believed_epoch([0], 0) == 0
 
 
@@ -189,9 +194,11 @@ def test_peers_whose_speed_is_not_measured_yet_are_not_struck():
     seen_epoch_begin(checker, 1, 100.0)
     checker._reference_rate = 0.0  # the run's first epoch: no speed measured yet
     local = rec("me", 1, 8, 0.0, 101.0)
-    counted = checker.check([rec("a", 1, 16, 0.0, 101.0), rec("b", 1, 8, 0.0, 101.0)], local, 101.0, TARGET, 100.0)
+    counted = checker.check([rec("a", 1, 16, 0.0, 101.0), rec("b", 1, 8, 0.0, 101.0)], local, 101.0, TARGET,
+                            100.0).records
     assert sorted(r.samples for r in counted) == [8, 16]
-    counted = checker.check([rec("a", 1, 24, 10.0, 102.0), rec("b", 1, 16, 10.0, 102.0)], local, 102.0, TARGET, 100.0)
+    counted = checker.check([rec("a", 1, 24, 10.0, 102.0), rec("b", 1, 16, 10.0, 102.0)], local, 102.0, TARGET,
+                            100.0).records
     assert sorted(r.samples for r in counted) == [16, 24]
 
 
@@ -201,11 +208,11 @@ def test_a_liars_speed_is_not_believed_while_the_honest_peers_take_their_first_s
     checker = ClaimChecker()
     local = rec("me", 0, 8, 0.0, 100.0)
     others = [rec("a", 0, 8, 0.0, 100.0), rec("liar", 0, 200, 1e9, 100.0)]
-    counted = checker.check(others, local, 100.0, TARGET)
+    counted = checker.check(others, local, 100.0, TARGET).records
     assert all(r.samples_per_second == 0 for r in counted)
     assert aggregate_progress(counted, local, TARGET, 101.0).samples_per_second == 0
     speeds = [rec("a", 0, 40, 100.0, 102.0), rec("liar", 0, 200, 1e9, 102.0)]  # now the honest speeds are known
-    counted = checker.check(speeds, rec("me", 0, 40, 100.0, 102.0), 102.0, TARGET)
+    counted = checker.check(speeds, rec("me", 0, 40, 100.0, 102.0), 102.0, TARGET).records
     assert max(r.samples_per_second for r in counted) <= TrustConfig().max_rate_vs_median * 100.0
 
 

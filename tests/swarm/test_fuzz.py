@@ -54,9 +54,10 @@ def test_malformed_progress_records_are_dropped_and_never_break_the_view(raw, su
         local = ProgressRecord.construct(peer_id=b"me", instance="me", epoch=3, samples=10, samples_per_second=5.0,
                                          time=now, client_mode=False, model_schema="s", target_batch_size=64,
                                          params_digest=None)
-        counted = ClaimChecker().check(parsed, local, now, 64, now - 1)
-        progress = aggregate_progress(counted, local, 64, now)
+        checked = ClaimChecker().check(parsed, local, now, 64, now - 1)
+        progress = aggregate_progress(checked.records, local, 64, now, ahead=checked.ahead)
         assert progress.epoch >= 3 and 0 <= progress.samples_accumulated and math.isfinite(progress.eta)
+        assert 1 <= progress.num_peers <= 1 + len(parsed)
         assert math.isfinite(progress.samples_per_second)
 
 

@@ -61,12 +61,14 @@ def test_malformed_progress_records_are_dropped_and_never_break_the_view(raw, su
         assert math.isfinite(progress.samples_per_second)
 
 
-skeletons = st.recursive(
-    scalars | st.fixed_dictionaries({"__tensor__": st.integers(-3, 5) | values}),
-    lambda inner: st.lists(inner, max_size=3) | st.fixed_dictionaries({"__dict__": st.lists(
+def _containers(inner):  # a named function: hypothesis reads a lambda's source, which a multi-line one can defeat
+    return st.lists(inner, max_size=3) | st.fixed_dictionaries({"__dict__": st.lists(
         st.lists(inner, min_size=2, max_size=2) | inner, max_size=3)}) | st.fixed_dictionaries(
-        {"__tuple__": st.lists(inner, max_size=3) | inner}) | st.dictionaries(st.text(max_size=6), inner, max_size=2),
-    max_leaves=12)
+        {"__tuple__": st.lists(inner, max_size=3) | inner}) | st.dictionaries(st.text(max_size=6), inner, max_size=2)
+
+
+skeletons = st.recursive(scalars | st.fixed_dictionaries({"__tensor__": st.integers(-3, 5) | values}), _containers,
+                         max_leaves=12)
 
 
 @settings(max_examples=400, deadline=None)

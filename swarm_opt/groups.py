@@ -21,7 +21,7 @@ dimension, one line, the empty key: every peer in one group, as without groups.
 that at most one version of each epoch exists. With groups every line of the grid averages on its own, by design,
 so the swarm holds one version per *line* and epoch, and the rule becomes: a group commits if it holds a strict
 majority of the peers its line is expected to hold (``cell_peers``: the live peers divided by the lines of the
-grid). Two disjoint groups of one line can then not both commit while the line holds no more than its expected
+round's grid). Two disjoint groups of one line can then not both commit while the line holds no more than its expected
 share, and with one line (a small swarm) it is exactly the old rule. Every member computes the rule from the same
 count of live peers (``swarm_opt.round.swarm_size_seen_by``), so a group commits on all its members or on none.
 Only strategies whose rounds average the parameters themselves accept groups (``Strategy.use_groups``): peers of
@@ -58,12 +58,6 @@ def grid_shape(num_peers: int, size: Optional[int]) -> Tuple[int, int]:
     return dims, side
 
 
-def cell_peers(num_peers: int, size: Optional[int]) -> int:
-    """How many peers one line of the grid is expected to hold: the live peers over the number of lines."""
-    dims, side = grid_shape(num_peers, size)
-    return max(1, math.ceil(max(1, num_peers) / side ** (dims - 1)))
-
-
 @dataclass(frozen=True)
 class RoundPlan:
     """Where a peer averages in one round: along grid dimension ``dimension`` of ``dims``, in the line named by
@@ -78,6 +72,13 @@ class RoundPlan:
     def whole_swarm(self) -> bool:
         """The round averages in one line holding every live peer (a one-dimensional grid: no partial groups)."""
         return self.dims == 1
+
+
+def cell_peers(num_peers: int, plan: RoundPlan) -> int:
+    """How many peers the line of ``plan`` is expected to hold in a swarm of ``num_peers``: the live peers over the
+    grid's lines. On the plan's grid, not on one drawn again for ``num_peers``: a count above the plan's grows the
+    line (a finer grid would shorten it, and lower the majority a group needs)."""
+    return max(1, math.ceil(max(1, num_peers) / plan.side ** (plan.dims - 1)))
 
 
 #: the plan of a swarm averaged in one group (no grid)

@@ -323,7 +323,7 @@ class Optimizer(torch.optim.Optimizer):
         plan = self._grid.plan(round_id, progress.num_peers)
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
-        self._rounds.run(begun, round_id=round_id, num_peers=progress.num_peers, samples=self._samples,
+        self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
                          round_is_over=lambda: self._tracker.progress.epoch >= round_id,  # completed without us
                          plan=plan)
 
@@ -370,9 +370,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
-        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
-        peers it sees (``swarm_opt.round.swarm_size_seen_by``)."""
-        info: Dict[str, Any] = {"peers": self._tracker.progress.num_peers}
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and at most how
+        many live peers it sees (``SwarmProgress.max_peers``, ``swarm_opt.round.swarm_size_seen_by``)."""
+        info: Dict[str, Any] = {"peers": self._tracker.progress.max_peers}
         if self.strategy.shares_parameters:
             with self._state_lock:
                 info["digest"] = parameter_digest(self._params)

@@ -37,6 +37,7 @@ from swarm_opt.sharding import (
     ShardSample,
     all_shard_keys,
     owner_hash,
+    peers_upper_bound,
     progress_key,
     shard_key,
     shard_of,
@@ -107,7 +108,10 @@ def progress_validators(run_id: str) -> list:
 class SwarmProgress:
     """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch).
     ``epsilon``: the privacy this peer spent so far, ε at its ``OpacusPrivacy``'s δ (sample-level), or without
-    ``privacy=`` at its ``PeerDP``'s δ (peer-level; ``Optimizer.progress`` only; ``None`` when neither accounts)."""
+    ``privacy=`` at its ``PeerDP``'s δ (peer-level; ``Optimizer.progress`` only; ``None`` when neither accounts).
+    ``max_peers``: an upper bound on the live peers, what a round's majority is measured against: ``num_peers`` when
+    every record was read (a small swarm), above it by the sampling error when the view is a sample
+    (``swarm_opt.sharding.peers_upper_bound``)."""
 
     epoch: int
     samples_accumulated: int
@@ -118,6 +122,7 @@ class SwarmProgress:
     eta: float
     time: float
     epsilon: Optional[float] = None
+    max_peers: int = 0
 
     @property
     def eta_seconds(self) -> float:
@@ -185,6 +190,9 @@ def aggregate_progress(
         samples_per_second=throughput,
         eta=eta,
         time=now,
+        max_peers=max(round(sum(weights) + scale * ahead),
+                      math.ceil((local is not None) + peers_upper_bound(len(peers) - (local is not None) + ahead,
+                                                                        1.0 / scale))),
     )
 
 

@@ -87,7 +87,7 @@ class RoundInFlight:
 
     round: Round
     round_id: int
-    num_peers: int  # the live peers this peer saw when the round started (see swarm_size_seen_by)
+    num_peers: int  # at most how many live peers this peer saw when the round started (see swarm_size_seen_by)
     samples: int  # this peer's samples in the round
     started: float  # monotonic
     plan: RoundPlan = ONE_GROUP  # where on the averaging grid the round averages
@@ -167,7 +167,7 @@ class RoundRunner:
         self._flight = None
         result = flight.result
         num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
-        line = cell_peers(num_peers, self._grid.size)  # every live peer, without groups
+        line = cell_peers(num_peers, flight.plan)  # every live peer, without groups
         if flight.error is not None or result is None or not is_majority(result.group_size, line):
             if flight.error is None:
                 outcome = (f"failed: {self._averager.last_failure}" if result is None

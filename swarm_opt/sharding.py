@@ -23,6 +23,13 @@ spreads over K keys. The cost per peer is then a constant set by ``shard_size`` 
   the spread of per-peer samples (with the defaults at 1,000 peers: 10 shards of 64 held, n = 156, about 8 %), and
   no bias. Consecutive estimates share all but
   one shard, so the estimate moves smoothly and the epoch trigger does not fire early on a lucky draw.
+* **Majorities need a bound, not an estimate.** A round commits only in a group holding a strict majority of the
+  live peers (``swarm_opt.round``); measured against an estimate that came out low (a newcomer's first shard, a
+  sample that missed a busy shard), two disjoint groups could each look like a majority. A sampled view therefore
+  also gives an upper confidence bound (``peers_upper_bound``: the swarm size at which what it holds would lie two
+  standard deviations below the mean), and the commit rule measures against that: exact when every shard is held,
+  about 16 % above the estimate at 1,000 peers (under the live peers in a few % of draws, where the estimate is
+  in half), and far above it for a newcomer that holds one shard, which then commits only in large groups.
 * **Agreeing on the level.** Peers choose levels from their own estimates, with hysteresis (up above 1.25x a
   level's capacity, down below 1/1.25 of the level below), and **publish** at every level whose range, widened by
   1.6, holds their estimate: a reader whose estimate differs from the writer's by less than 1.6 / 1.25 = 1.28x still
@@ -86,6 +93,20 @@ def owner_hash(subkey: bytes) -> Optional[int]:
 
 def shard_of(owner: int, level: int) -> Shard:
     return level, owner % (2 ** level)
+
+
+def peers_upper_bound(held: float, coverage: float, z: float = 2.0) -> float:
+    """An upper confidence bound on how many peers a sample stands for: ``held`` records found in shards covering a
+    fraction ``coverage`` of the swarm. A peer's record lands in a held shard with probability ``coverage`` (shards
+    are hashes), so of ``N`` peers ``held ~ Binomial(N, coverage)``; the bound is the ``N`` at which ``held`` lies
+    ``z`` standard deviations below its mean. ``held`` itself when every shard is held."""
+    if coverage >= 1.0:
+        return float(held)
+    if coverage <= 0.0:
+        return math.inf
+    spread = z * math.sqrt(coverage * (1.0 - coverage))
+    root = (spread + math.sqrt(spread * spread + 4.0 * coverage * max(0.0, held))) / (2.0 * coverage)
+    return root * root
 
 
 def _overlap(a: Shard, b: Shard) -> bool:

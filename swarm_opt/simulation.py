@@ -67,9 +67,8 @@ def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num
         lines[(plan.dims, plan.dimension, plan.cell)].append(i)
     step = size or max(1, len(ids))
     groups = [line[start:start + step] for line in lines.values() for start in range(0, len(line), step)]
-    needed = cell_peers(num_peers, size)
-    committing = [g for g in groups if is_majority(len(g), needed)]
-    failing = [g for g in groups if not is_majority(len(g), needed)]
+    committing = [g for g in groups if is_majority(len(g), cell_peers(num_peers, plans[g[0]]))]
+    failing = [g for g in groups if not is_majority(len(g), cell_peers(num_peers, plans[g[0]]))]
     return plans, committing, failing
 
 

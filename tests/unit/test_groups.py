@@ -41,13 +41,26 @@ def test_a_small_swarm_is_one_group_with_the_old_majority_rule():
         assert (plan.dims, plan.cell, plan.whole_swarm) == (1, "", True)
     assert ONE_GROUP.whole_swarm and ONE_GROUP.cell == ""
     for n, g in itertools.product(range(1, 17), range(1, 17)):
-        assert is_majority(g, cell_peers(n, 16)) == is_majority(g, n) == is_majority(g, cell_peers(n, None))
+        plans = (Grid(16, "a").plan(7, n), Grid(None, "a").plan(7, n), ONE_GROUP)
+        assert {is_majority(g, cell_peers(n, plan)) for plan in plans} == {is_majority(g, n)}
 
 
 def test_commit_rule_is_a_majority_of_the_line():
-    assert cell_peers(1000, 16) == 10  # 10 x 10 x 10 grid: lines of 10
-    assert is_majority(6, cell_peers(1000, 16)) and not is_majority(5, cell_peers(1000, 16))
+    plan = Grid(16, "a").plan(1, 1000)
+    assert cell_peers(1000, plan) == 10  # 10 x 10 x 10 grid: lines of 10
+    assert is_majority(6, cell_peers(1000, plan)) and not is_majority(5, cell_peers(1000, plan))
     assert not is_majority(16, 1000)  # the old rule would never let a group of 16 commit in a swarm of 1,000
+
+
+def test_a_line_grows_with_the_count_it_is_measured_against():
+    """A group's members may count more live peers than the plan was drawn for (each sends its own count; the
+    largest counts): the line is measured on the plan's grid, so its expected size never shrinks as the count grows,
+    even past the count where a finer grid would be drawn (1,024 fills 32 x 32; 1,025 would draw 11 x 11 x 11)."""
+    plan = Grid(32, "a").plan(1, 1024)
+    assert (plan.dims, plan.side) == (2, 32) and cell_peers(1024, plan) == 32
+    lines = [cell_peers(n, plan) for n in range(1000, 1400)]
+    assert lines == sorted(lines) and cell_peers(1025, plan) == 33
+    assert cell_peers(1025, Grid(32, "a").plan(1, 1025)) == 9  # the finer grid a count of 1,025 draws
 
 
 def test_rounds_alternate_dimensions_and_lines_name_the_other_coordinates():

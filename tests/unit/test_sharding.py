@@ -10,7 +10,16 @@ from hivemind.utils import ValueWithExpiration
 
 from swarm_opt import ConfigError, TrackerConfig
 from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records
-from swarm_opt.sharding import MAX_LEVEL, ShardSample, all_shard_keys, owner_hash, progress_key, shard_key, shard_of
+from swarm_opt.sharding import (
+    MAX_LEVEL,
+    ShardSample,
+    all_shard_keys,
+    owner_hash,
+    peers_upper_bound,
+    progress_key,
+    shard_key,
+    shard_of,
+)
 from swarm_opt.trust import ClaimChecker
 
 
@@ -30,7 +39,7 @@ class Swarm:
     def __init__(self, n: int, seed: int = 0) -> None:
         rng = random.Random(seed)
         self.rates = [rng.uniform(5.0, 15.0) for _ in range(n)]
-        self.owners = [owner_hash(subkey(i)) for i in range(n)]
+        self.owners = [owner_hash(subkey(seed * n + i)) for i in range(n)]  # seeds draw different signing keys
 
     def shard(self, shard, t: float, epoch_start: float = 0.0) -> list:
         return [record(i, 0, int(rate * (t - epoch_start)), rate, t) for i, (rate, owner) in
@@ -159,6 +168,32 @@ def test_scaled_counts_estimate_the_swarm_size():
     progress = aggregate_progress(sample.records(1.0), record(10**6, 0, 0, 0.0, 1.0), 10**9, now=1.0,
                                   scale=sample.scale)
     assert 800 < progress.num_peers < 1200
+
+
+def sampled_progress(swarm: Swarm, level: int, shards_read: int, seed: int):
+    sample = ShardSample(shard_size=16, horizon=1e9, rng=random.Random(seed))
+    sample.level = level
+    for _ in range(shards_read):
+        shard = sample.next_read()
+        sample.add(shard, swarm.shard(shard, 1.0), now=1.0)
+    return aggregate_progress(sample.records(1.0), record(10**6, 0, 0, 0.0, 1.0), 10**9, now=1.0, scale=sample.scale)
+
+
+def test_majorities_are_measured_against_a_bound_that_a_sample_rarely_falls_under():
+    """A sampled view's ``max_peers`` (what a round's majority is measured against) is at least the live peers in
+    nearly every draw, where the estimate is under them in about half; a full view is exact. Swarms of 5 and 1,000
+    (11 live peers with the newcomer itself), read as a newcomer (one shard of 2 or of 64) and as a settled peer."""
+    assert peers_upper_bound(7, 1.0) == 7 and peers_upper_bound(0, 1.0) == 0
+    assert [round(peers_upper_bound(h, 0.5), 1) for h in (0, 1, 2)] == [4.0, 7.5, 10.5]  # monotone, above h / f
+    for n, level, reads in ((4, 1, 1), (1000, 6, 1), (1000, 6, 10)):
+        views = [sampled_progress(Swarm(n, seed=seed), level, reads, seed) for seed in range(300)]
+        live = n + 1
+        under_bound = sum(v.max_peers < live for v in views) / len(views)
+        under_estimate = sum(v.num_peers < live for v in views) / len(views)
+        assert under_bound <= 0.05 < 0.2 < under_estimate, (n, reads, under_bound, under_estimate)
+        assert all(v.max_peers >= v.num_peers for v in views)
+    full = sampled_progress(Swarm(40), 1, 2, 0)
+    assert full.max_peers == full.num_peers == 41
 
 
 def test_a_liar_in_a_sampled_shard_moves_the_estimate_only_as_far_as_trust_bounds_it():

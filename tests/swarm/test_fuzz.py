@@ -57,7 +57,7 @@ def test_malformed_progress_records_are_dropped_and_never_break_the_view(raw, su
         checked = ClaimChecker().check(parsed, local, now, 64, now - 1)
         progress = aggregate_progress(checked.records, local, 64, now, ahead=checked.ahead)
         assert progress.epoch >= 3 and 0 <= progress.samples_accumulated and math.isfinite(progress.eta)
-        assert 1 <= progress.num_peers <= 1 + len(parsed)
+        assert 1 <= progress.num_peers <= progress.max_peers <= 1 + len(parsed)
         assert math.isfinite(progress.samples_per_second)
 
 

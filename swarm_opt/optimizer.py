@@ -370,9 +370,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
-        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and at most how
-        many live peers it sees (``SwarmProgress.max_peers``, ``swarm_opt.round.swarm_size_seen_by``)."""
-        info: Dict[str, Any] = {"peers": self._tracker.progress.max_peers}
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
+        peers it sees, estimated and at most (``swarm_opt.round.swarm_size_seen_by``)."""
+        progress = self._tracker.progress
+        info: Dict[str, Any] = {"peers": progress.num_peers, "bound": progress.max_peers}
         if self.strategy.shares_parameters:
             with self._state_lock:
                 info["digest"] = parameter_digest(self._params)

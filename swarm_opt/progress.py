@@ -251,12 +251,15 @@ _UNMEASURED_PERIOD = 0.2
 _READY_PERIOD = 0.5
 
 
-def read_interval(progress: SwarmProgress, local_samples: int, sampled: bool, config: TrackerConfig) -> float:
+def read_interval(progress: SwarmProgress, local_samples: int, sampled: bool, config: TrackerConfig,
+                  filling: bool = False) -> float:
     """Seconds until the tracker's next read: often near the end of an epoch, where the trigger's accuracy depends
     on fresh records, and seldom once the target is reached (each read is a DHT request that the nodes storing the
-    key serve to every peer)."""
-    if sampled:  # a sample's estimate is extrapolated between reads: no rush near the end
-        return config.sampled_period
+    key serve to every peer). A sampled view is read every ``sampled_period`` (its estimate is extrapolated between
+    reads: no rush near the end), at the refresh pace while it is ``filling`` (``SampledRecords.filling``: a
+    newcomer's bound on the swarm's size, which its rounds' majority is measured against, narrows with each shard)."""
+    if sampled:
+        return min(config.refresh_period, config.sampled_period) if filling else config.sampled_period
     if progress.samples_per_second == 0 and local_samples > 0:
         # a run's first steps: no speed is measured yet, so there is no ETA to pace reads by, and the peers learn
         # that the swarm reached the target only from each other's samples
@@ -315,6 +318,14 @@ class SampledRecords:
     def max_extrapolation(self) -> float:
         """A sampled shard's records were re-timed when read (``_hold``): extrapolate them until read again."""
         return self.config.max_extrapolation + (self.config.sample_horizon if self.sample.level > 0 else 0.0)
+
+    @property
+    def filling(self) -> bool:
+        """Whether the sample covers less of the swarm than a horizon of reads does once settled (a newcomer's
+        first reads, or a sample whose oldest shards just expired): reading faster then costs no more reads on
+        average, each shard being kept for a horizon either way."""
+        settled = min(1.0, self.config.sample_horizon / self.config.sampled_period / 2 ** self.sample.level)
+        return self.sample.level > 0 and self.sample.coverage < settled
 
     def read(self, timeout: float) -> Tuple[List[ProgressRecord], int]:
         """Read the next shard; return every record held (other peers') and how many read came from another model.
@@ -532,7 +543,8 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
-        return read_interval(self.progress, self._samples, self._records.sample.level > 0, self.config)
+        return read_interval(self.progress, self._samples, self._records.sample.level > 0, self.config,
+                             self._records.filling)
 
     def _local_record(self) -> ProgressRecord:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks

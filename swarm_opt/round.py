@@ -68,17 +68,25 @@ def is_majority(group_size: int, num_peers: int) -> bool:
     return 2 * group_size > num_peers or group_size >= num_peers
 
 
-def swarm_size_seen_by(result: AveragingResult, own_view: int) -> int:
-    """How many live peers a round's majority is measured against: the largest count that its members saw (each
-    sends its own in the gather), and at least the group. Every member computes it from the same gather, so a group
-    commits on all its members or on none: measured against each member's own count, a member that had not seen a
-    newcomer yet committed a group of 2 as a majority of 3 while its groupmate, seeing 4, discarded it, and the two
-    then stood at different epochs for good. A member that exaggerates can only fail the round, which it could by
-    not sending. ``own_view`` serves only when no member sent a count (a group of helpers and peers too old)."""
-    views = [info.get("peers") for peer, info in result.gathered.items()
-             if peer in result.peers and isinstance(info, dict)]
-    views = [v for v in views if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= _MAX_SWARM_SIZE]
-    return max(views + [result.group_size]) if views else max(own_view, result.group_size)
+def swarm_size_seen_by(result: AveragingResult, own_bound: int) -> int:
+    """How many live peers a round's majority is measured against: the largest count that its members saw, the
+    tightest upper bound that any of them holds (``SwarmProgress.max_peers``: a sampled view's count may be low,
+    its bound rarely is; a member with a full view has an exact one, and a newcomer's wide one does not then hold
+    its group back), and at least the group. Each member sends both in the gather and every member computes this
+    from the same gather, so a group commits on all its members or on none: measured against each member's own
+    count, a member that had not seen a newcomer yet committed a group of 2 as a majority of 3 while its groupmate,
+    seeing 4, discarded it, and the two then stood at different epochs for good. A member that exaggerates can only
+    fail the round, which it could by not sending; one that understates its bound lowers the count no further than
+    the largest count sent. ``own_bound`` serves only when no member sent a count (helpers and peers too old)."""
+    infos = [info for peer, info in result.gathered.items() if peer in result.peers and isinstance(info, dict)]
+    counts, bounds = ([v for v in (info.get(key) for info in infos) if _valid_count(v)] for key in ("peers", "bound"))
+    if not counts and not bounds:
+        return max(own_bound, result.group_size)
+    return max(counts + [result.group_size] + ([min(bounds)] if bounds else []))
+
+
+def _valid_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= _MAX_SWARM_SIZE
 
 
 @dataclass
@@ -87,7 +95,7 @@ class RoundInFlight:
 
     round: Round
     round_id: int
-    num_peers: int  # at most how many live peers this peer saw when the round started (see swarm_size_seen_by)
+    num_peers: int  # at most how many live peers this peer saw when the round started (``SwarmProgress.max_peers``)
     samples: int  # this peer's samples in the round
     started: float  # monotonic
     plan: RoundPlan = ONE_GROUP  # where on the averaging grid the round averages

@@ -29,7 +29,8 @@ spreads over K keys. The cost per peer is then a constant set by ``shard_size`` 
   also gives an upper confidence bound (``peers_upper_bound``: the swarm size at which what it holds would lie two
   standard deviations below the mean), and the commit rule measures against that: exact when every shard is held,
   about 16 % above the estimate at 1,000 peers (under the live peers in a few % of draws, where the estimate is
-  in half), and far above it for a newcomer that holds one shard, which then commits only in large groups.
+  in half), and far above it for a newcomer that holds one shard (a group takes its members' tightest bound, so
+  this holds back only a group of newcomers).
 * **Agreeing on the level.** Peers choose levels from their own estimates, with hysteresis (up above 1.25x a
   level's capacity, down below 1/1.25 of the level below), and **publish** at every level whose range, widened by
   1.6, holds their estimate: a reader whose estimate differs from the writer's by less than 1.6 / 1.25 = 1.28x still

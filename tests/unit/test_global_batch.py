@@ -70,3 +70,4 @@ def test_reads_come_often_near_the_target_and_seldom_once_it_is_reached():
     assert read_interval(snapshot(300, 0.0), 16, False, TrackerConfig(refresh_period=0.3)) == 0.3
     assert read_interval(snapshot(8, 3600.0, speed=0.0), 8, False, config) == 0.2  # first steps: no speed yet
     assert read_interval(snapshot(256, 0.0), 16, True, config) == config.sampled_period
+    assert read_interval(snapshot(256, 0.0), 16, True, config, filling=True) == config.refresh_period

@@ -9,7 +9,7 @@ import pytest
 from hivemind.utils import ValueWithExpiration
 
 from swarm_opt import ConfigError, TrackerConfig
-from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records
+from swarm_opt.progress import ProgressRecord, SampledRecords, aggregate_progress, parse_records
 from swarm_opt.sharding import (
     MAX_LEVEL,
     ShardSample,
@@ -194,6 +194,21 @@ def test_majorities_are_measured_against_a_bound_that_a_sample_rarely_falls_unde
         assert all(v.max_peers >= v.num_peers for v in views)
     full = sampled_progress(Swarm(40), 1, 2, 0)
     assert full.max_peers == full.num_peers == 41
+
+
+def test_a_sample_is_filling_until_it_covers_what_a_horizon_of_reads_covers():
+    """A newcomer reads at the refresh pace until it holds what its steady reads keep (every shard of a small level,
+    ``sample_horizon / sampled_period`` of a large one), so that its wide bound narrows within seconds."""
+    records = SampledRecords(None, "run", model_schema=None, config=TrackerConfig(sample_horizon=30.0,
+                                                                                 sampled_period=3.0))
+    assert not records.filling  # level 0: one key, read whole
+    for level, settled in ((1, 2), (6, 10)):
+        records.sample = ShardSample(shard_size=16, horizon=30.0)
+        records.sample.level = level
+        for index in range(settled):
+            assert records.filling, (level, index)
+            records.sample.add((level, index), [], now=1.0)
+        assert not records.filling
 
 
 def test_a_liar_in_a_sampled_shard_moves_the_estimate_only_as_far_as_trust_bounds_it():

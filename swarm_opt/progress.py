@@ -174,6 +174,8 @@ def aggregate_progress(
         elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
             samples += scale * min(share, record.samples_per_second
                                    * min(max_extrapolation, max(0.0, now - epoch_started)))
+    num_peers = round(sum(weights) + scale * ahead)
+    others = len(peers) - (local is not None) + ahead
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
         eta = now
@@ -185,14 +187,12 @@ def aggregate_progress(
         epoch=epoch,
         samples_accumulated=int(samples),
         target_batch_size=target_batch_size,
-        num_peers=round(sum(weights) + scale * ahead),
+        num_peers=num_peers,
         num_clients=round(sum(w for w, r in zip(weights, peers) if r.client_mode)),
         samples_per_second=throughput,
         eta=eta,
         time=now,
-        max_peers=max(round(sum(weights) + scale * ahead),
-                      math.ceil((local is not None) + peers_upper_bound(len(peers) - (local is not None) + ahead,
-                                                                        1.0 / scale))),
+        max_peers=max(num_peers, math.ceil((local is not None) + peers_upper_bound(others, 1.0 / scale))),
     )
 
 

@@ -67,9 +67,8 @@ def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num
         lines[(plan.dims, plan.dimension, plan.cell)].append(i)
     step = size or max(1, len(ids))
     groups = [line[start:start + step] for line in lines.values() for start in range(0, len(line), step)]
-    committing = [g for g in groups if is_majority(len(g), cell_peers(num_peers, plans[g[0]]))]
-    failing = [g for g in groups if not is_majority(len(g), cell_peers(num_peers, plans[g[0]]))]
-    return plans, committing, failing
+    commits = [is_majority(len(g), cell_peers(num_peers, plans[g[0]])) for g in groups]
+    return plans, [g for g, c in zip(groups, commits) if c], [g for g, c in zip(groups, commits) if not c]
 
 
 def moshpit_round(strategies: Sequence[Strategy], grids: Sequence[Grid], ids: Sequence[Any], round_id: int

@@ -158,19 +158,10 @@ def test_a_sample_that_covers_every_shard_is_exact_and_a_partial_one_is_unbiased
     assert 0.02 < spread < 0.12  # ~sqrt((1 - f) / n) * sqrt(1 + CV^2) with f = 10/64, n ~ 156
 
 
-def test_scaled_counts_estimate_the_swarm_size():
-    swarm = Swarm(1000)
-    sample = ShardSample(shard_size=16, horizon=1e9, rng=random.Random(1))
-    sample.level = 6
-    for _ in range(16):
-        shard = sample.next_read()
-        sample.add(shard, swarm.shard(shard, 1.0), now=1.0)
-    progress = aggregate_progress(sample.records(1.0), record(10**6, 0, 0, 0.0, 1.0), 10**9, now=1.0,
-                                  scale=sample.scale)
-    assert 800 < progress.num_peers < 1200
 
 
 def sampled_progress(swarm: Swarm, level: int, shards_read: int, seed: int):
+    """What a peer sees after reading ``shards_read`` shards of ``swarm`` at ``level``, all at time 1."""
     sample = ShardSample(shard_size=16, horizon=1e9, rng=random.Random(seed))
     sample.level = level
     for _ in range(shards_read):
@@ -179,10 +170,15 @@ def sampled_progress(swarm: Swarm, level: int, shards_read: int, seed: int):
     return aggregate_progress(sample.records(1.0), record(10**6, 0, 0, 0.0, 1.0), 10**9, now=1.0, scale=sample.scale)
 
 
+def test_scaled_counts_estimate_the_swarm_size():
+    assert 800 < sampled_progress(Swarm(1000), level=6, shards_read=16, seed=1).num_peers < 1200
+
+
 def test_majorities_are_measured_against_a_bound_that_a_sample_rarely_falls_under():
     """A sampled view's ``max_peers`` (what a round's majority is measured against) is at least the live peers in
-    nearly every draw, where the estimate is under them in about half; a full view is exact. Swarms of 5 and 1,000
-    (11 live peers with the newcomer itself), read as a newcomer (one shard of 2 or of 64) and as a settled peer."""
+    nearly every draw, where the estimate is under them in about half; a full view is exact. Swarms of 4 and 1,000
+    other peers (5 and 1,001 live with the reader), read as a newcomer (one shard of 2 or of 64) and as a settled
+    peer (10 of 64)."""
     assert peers_upper_bound(7, 1.0) == 7 and peers_upper_bound(0, 1.0) == 0
     assert [round(peers_upper_bound(h, 0.5), 1) for h in (0, 1, 2)] == [4.0, 7.5, 10.5]  # monotone, above h / f
     for n, level, reads in ((4, 1, 1), (1000, 6, 1), (1000, 6, 10)):

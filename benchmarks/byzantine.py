@@ -1,6 +1,7 @@
 """Byzantine peers on MNIST-5k: how far 1 or 2 attackers among 8 peers move gradient averaging, with the plain mean,
 the default norm-bounded ``Mean()``, the robust aggregations (``swarm_opt.aggregation``), with peers sending their
-momentum (``GradientAveraging(momentum=WorkerMomentum(0.9))``), and with audited reducers (``Audited``).
+momentum (``GradientAveraging(momentum=WorkerMomentum(0.9))``), with audited reducers (``Audited``), and with reducers
+that remember senders across rounds (``Reputation``; see ``Judges``).
 
 Setup (kept small for a shared 2-core machine): MNIST-5k (``_common.load_mnist``: 4000 train / 1000 test), split IID
 into 8 equal shards; MLP 784-64-10; gradient averaging with a global batch of 8 × ``--batch`` (32), SGD lr 0.1
@@ -25,6 +26,7 @@ gradients or, with momentum, their momentum):
   nan       NaN everywhere (a broken peer; a real honest peer sits such rounds out, a hostile one sends them)
   alie      "a little is enough" (Baruch et al. 2019): every attacker sends mean - z·std of the honest values,
             coordinate-wise, z = 1
+  alie-signs  the same shift with a fixed random sign per value (one that ``Reputation``'s shift score cannot see)
   reducer   the attackers send honest values and lie as reducers: each round's members are put in a random order
             (hivemind shuffles a group), part j is reduced by the (j mod n)-th member, and a lying reducer adds
             ``--lie`` (0.01) to every mean it returns, the same to everyone. Without ``Audited`` nothing notices.
@@ -70,7 +72,7 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
 
 import swarm_opt
 from swarm_opt._hivemind.allreduce import audit_order, liars
-from swarm_opt.aggregation import reduce_part
+from swarm_opt.aggregation import Reputations, judge_part, left_out, reduce_part, reputation_of
 
 PEERS = 8
 
@@ -93,10 +95,15 @@ SETTINGS: Dict[str, Setting] = {
     "CenteredClip(tau=1) + momentum": Setting(swarm_opt.CenteredClip(tau=1.0), swarm_opt.WorkerMomentum(0.9)),
     "Audited(CenteredClip()) + momentum": Setting(swarm_opt.Audited(swarm_opt.CenteredClip()),
                                                   swarm_opt.WorkerMomentum(0.9)),
+    "Reputation(CenteredClip()) + momentum": Setting(swarm_opt.Reputation(swarm_opt.CenteredClip()),
+                                                     swarm_opt.WorkerMomentum(0.9)),
+    "Audited(Reputation(CenteredClip())) + momentum": Setting(
+        swarm_opt.Audited(swarm_opt.Reputation(swarm_opt.CenteredClip())), swarm_opt.WorkerMomentum(0.9)),
 }
 AGGREGATIONS: Dict[str, swarm_opt.Aggregation] = {  # the reducer's compute per part
     "plain mean": swarm_opt.Mean(max_norm_ratio=None), "Mean() (norm-bounded)": swarm_opt.Mean(),
-    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25), "CenteredClip()": swarm_opt.CenteredClip()}
+    "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25), "CenteredClip()": swarm_opt.CenteredClip(),
+    "Reputation(CenteredClip())": swarm_opt.Reputation(swarm_opt.CenteredClip())}
 
 
 def attack_sign(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
@@ -119,8 +126,15 @@ def attack_alie(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
     return honest.mean(0) - 1.0 * honest.std(0)
 
 
+def attack_alie_signs(g: torch.Tensor, honest: torch.Tensor) -> torch.Tensor:
+    """ALIE with a fixed random sign per value: evades ``Reputation``'s shift score (its mean shift is ~0)."""
+    signs = torch.randint(0, 2, (g.numel(),), generator=torch.Generator().manual_seed(7)).float() * 2 - 1
+    return honest.mean(0) - 1.0 * honest.std(0) * signs
+
+
 ATTACKS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "sign": attack_sign, "x100": attack_x100, "noise": attack_noise, "nan": attack_nan, "alie": attack_alie}
+    "sign": attack_sign, "x100": attack_x100, "noise": attack_noise, "nan": attack_nan, "alie": attack_alie,
+    "alie-signs": attack_alie_signs}
 REDUCER_ATTACK = "reducer"  # the attackers send honest values and lie as reducers (see lying_reducers)
 
 
@@ -142,20 +156,50 @@ def part_bounds(model: torch.nn.Module) -> List[tuple]:
     return bounds
 
 
-def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequence[tuple]) -> torch.Tensor:
-    """Every part through ``reduce_part``, as its reducer combines it."""
-    return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), [32.0] * len(grads)) for a, b in bounds])
+def reduce(aggregation: swarm_opt.Aggregation, grads: torch.Tensor, bounds: Sequence[tuple],
+           weights: Optional[List[float]] = None) -> torch.Tensor:
+    """Every part through ``reduce_part``, as its reducer combines it (``weights``: every sender's, default 32)."""
+    weights = [32.0] * len(grads) if weights is None else weights
+    return torch.cat([reduce_part(aggregation, list(grads[:, a:b]), weights) for a, b in bounds])
+
+
+class Judges:
+    """``Reputation`` as the averager runs it: every peer's reducer keeps its own memory (``Reputations``) of the
+    parts it reduces (each round part j goes to the (j mod n)-th member of a shuffled order), honest peers name in
+    the gather whom they distrust, the attackers all name the first honest peer, and a sender that more than half of
+    the members name counts with weight 0 (``left_out``)."""
+
+    def __init__(self, reputation: swarm_opt.Reputation, attackers: int, seed: int) -> None:
+        self.memories = [Reputations(reputation) for _ in range(PEERS)]
+        self.attackers, self.orders = attackers, torch.Generator().manual_seed(seed + 1000)
+
+    def weights(self, members: List[int]) -> List[float]:
+        votes = [[self.attackers] if m < self.attackers else self.memories[m].distrusted() for m in members]
+        out = left_out(members, votes)
+        return [0.0 if m in out else 32.0 for m in range(PEERS)]
+
+    def record(self, sent: torch.Tensor, result: torch.Tensor, bounds: Sequence[tuple], members: List[int]) -> None:
+        order = [members[i] for i in torch.randperm(len(members), generator=self.orders).tolist()]
+        totals: Dict[int, Dict[int, List[float]]] = {}
+        for j, (a, b) in enumerate(bounds):
+            reducer = totals.setdefault(order[j % len(order)], {})
+            for member, (cosine, shift) in zip(members, judge_part(list(sent[members, a:b]), result[a:b]).tolist()):
+                total = reducer.setdefault(member, [0.0, 0.0, 0])
+                total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + 1
+        for reducer, scores in totals.items():
+            self.memories[reducer].record({m: (c / k, t / k) for m, (c, t, k) in scores.items()})
 
 
 def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bounds: Sequence[tuple],
-                   members: List[int], attackers: int, g: torch.Generator, lie: float) -> tuple:
+                   members: List[int], attackers: int, g: torch.Generator, lie: float,
+                   weights: Optional[List[float]] = None) -> tuple:
     """One round of ``members`` (peer ranks; ranks below ``attackers`` lie as reducers) in a random order, as
     hivemind shuffles a group: part ``j`` is reduced by the ``j % n``-th member of the order, and a liar adds
     ``lie`` to every mean it returns. ``Audited``: each part is reduced again by the next member of the order
     (``audit_order``), the round fails if any part's two results differ, and ``liars`` names who disagreed with two
     partners. Returns (the result or None for a failed round, the ranks named liars)."""
     order = [members[i] for i in torch.randperm(len(members), generator=g).tolist()]
-    honest = reduce(aggregation, sent[members], bounds)
+    honest = reduce(aggregation, sent[members], bounds, None if weights is None else [weights[m] for m in members])
     results = [honest.clone() for _ in range(2)]
     audited = isinstance(aggregation, swarm_opt.Audited)
     second = audit_order(order, [1.0] * len(order)) if audited else order
@@ -185,7 +229,10 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
     reduce_s: List[float] = []
     momentum: Optional[List[torch.Tensor]] = None  # every peer's, one row each
     members, failed = list(range(PEERS)), 0
+    left = [0, 0]  # member-rounds left out by Reputation: honest, attackers
     orders = torch.Generator().manual_seed(seed)  # the groups' orders, apart from the batches
+    reputation = reputation_of(setting.aggregation)
+    judges = None if reputation is None else Judges(reputation, attackers if attack else 0, seed)
     for _ in range(steps):
         grads = []
         for rank in range(PEERS):
@@ -205,15 +252,23 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
             for rank in range(attackers):
                 sent[rank] = ATTACKS[attack](sent[rank], honest)
         t0 = time.perf_counter()
+        weights = None if judges is None else judges.weights(members)
+        if weights is not None:  # Reputation's verdicts: attackers are the ranks below `attackers`
+            for rank in members:
+                if weights[rank] == 0:
+                    left[rank < attackers and attack is not None] += 1
         if attack == REDUCER_ATTACK:
-            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders, lie)
+            mean, named = lying_reducers(setting.aggregation, sent, bounds, members, attackers, orders, lie, weights)
             members = [m for m in members if m not in named]  # left out of every later group
         else:
-            mean = reduce(setting.aggregation, sent, bounds)
+            mean = reduce(setting.aggregation, sent, bounds, weights)
         reduce_s.append(time.perf_counter() - t0)
         if mean is None:  # an audited round that failed: nothing is applied, nothing advances
             failed += 1
             continue
+        if judges is not None:  # each reducer judges against the result it computed (a liar's own lie aside)
+            judges.record(sent, mean if attack != REDUCER_ATTACK else reduce(setting.aggregation, sent, bounds,
+                                                                             weights), bounds, members)
         if setting.momentum is not None:  # a committed round: every peer's own momentum advances
             momentum = setting.momentum.advance(momentum, list(stacked))
         offset = 0
@@ -225,18 +280,22 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
         finite = all(bool(torch.isfinite(p).all()) for p in params)
         acc = float((model(xt).argmax(1) == yt).float().mean()) if finite else 0.0
     return {"accuracy": acc, "finite": finite, "steps": steps, "failed_rounds": failed,
+            "left_out_honest": left[0], "left_out_attackers": left[1],
             "reduce_s_per_round": statistics.median(reduce_s)}
 
 
 def part_cost(repeats: int = 5) -> Dict[str, float]:
-    """Seconds to reduce one 2 MiB part (524,288 fp32 values) from 8 senders, median of ``repeats``."""
+    """Seconds to reduce one 2 MiB part (524,288 fp32 values) from 8 senders, median of ``repeats`` (``Reputation``:
+    and to score the copies against the result)."""
     parts = list(torch.randn(PEERS, 2**19))
     out = {}
     for name, aggregation in AGGREGATIONS.items():
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            reduce_part(aggregation, parts, [1.0] * PEERS)
+            result = reduce_part(aggregation, parts, [1.0] * PEERS)
+            if reputation_of(aggregation) is not None:
+                judge_part(parts, result)
             times.append(time.perf_counter() - t0)
         out[name] = statistics.median(times)
     return out
@@ -393,6 +452,8 @@ def main() -> None:
                 "accuracy": statistics.fmean(r["accuracy"] for r in runs),
                 "per_seed": [r["accuracy"] for r in runs], "finite": all(r["finite"] for r in runs),
                 "failed_rounds": [r["failed_rounds"] for r in runs],
+                "left_out_honest": [r["left_out_honest"] for r in runs],
+                "left_out_attackers": [r["left_out_attackers"] for r in runs],
                 "reduce_s_per_round": statistics.fmean(r["reduce_s_per_round"] for r in runs),
             }
         print(f"  {label}: " + ", ".join(f"{n} {100 * v['accuracy']:.1f}" for n, v in results[label].items())
@@ -411,6 +472,11 @@ def main() -> None:
                  for n in args.settings}
     print("\nreducer compute: " + ", ".join(f"{n} {1e3 * per_round[n]:.1f} ms/round" for n in args.settings))
     print("per 2 MiB part of 8 senders: " + ", ".join(f"{n} {1e3 * c:.0f} ms" for n, c in costs.items()))
+    for name in args.settings:
+        if reputation_of(SETTINGS[name].aggregation) is not None:
+            print(f"{name}: member-rounds left out (honest / attackers, summed over seeds): " + ", ".join(
+                f"{label} {sum(v[name]['left_out_honest'])}/{sum(v[name]['left_out_attackers'])}"
+                for label, v in results.items()))
     worst = {n: min(results[label][n]["accuracy"] - honest[n] for label in results if label != "honest")
              for n in args.settings}
     print("worst drop against honest-only: " + ", ".join(f"{n} {100 * w:+.1f} pp" for n, w in worst.items()))

@@ -23,7 +23,7 @@ from swarm_opt.errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
-    from swarm_opt.aggregation import AGGREGATIONS, Aggregation, Audited, CenteredClip, Mean, TrimmedMean
+    from swarm_opt.aggregation import AGGREGATIONS, Aggregation, Audited, CenteredClip, Mean, Reputation, TrimmedMean
     from swarm_opt.auth import PrivateRun
     from swarm_opt.auxiliary import AuxiliaryPeer
     from swarm_opt.checkpoint import BestLoss, BestMetric, Checkpointer, Latest, ScoredCheckpointer, load_checkpoint
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
 __version__ = "0.1.0"
 
 _LAZY: Dict[str, str] = {
-    **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "TrimmedMean"),
+    **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "Reputation", "TrimmedMean"),
                     "swarm_opt.aggregation"),
     "PrivateRun": "swarm_opt.auth",
     "AuxiliaryPeer": "swarm_opt.auxiliary",
@@ -129,6 +129,7 @@ __all__ = [
     "Mean",
     "TrimmedMean",
     "CenteredClip",
+    "Reputation",
     "Audited",
     "SwarmConfig",
     "Groups",

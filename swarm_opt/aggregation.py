@@ -18,6 +18,9 @@ aggregation              what one part becomes (``n`` copies of ``d`` values)   
 
 ``Audited(a)`` reduces with ``a``, each part twice by two different members, compared by every member: it contains
 a reducer that lies (2× the bytes of a round; see its docstring and ``docs/security.md``).
+``Reputation(a)`` reduces with ``a`` the copies of the members that the group still trusts: each reducer remembers
+how every sender's copies sat against the results, across rounds, and a group leaves out a sender that more than
+half of its members distrust. It contains attackers that stay inside one round's honest spread (see its docstring).
 
 What every aggregation does first: a copy with NaN/inf values, or whose weight is not a finite number ≥ 0, counts
 with weight 0 (a hostile or broken member; honest members never send such values, see ``TensorAverager``), and a
@@ -44,7 +47,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, Optional, Sequence, Set, Tuple, Type
 
 import torch
 
@@ -220,27 +223,170 @@ class Audited(Aggregation):
         return not difference <= self.tolerance * max(float(first.norm()), float(second.norm()))
 
 
+@dataclass(frozen=True)
+class Reputation(Aggregation):
+    """``aggregation`` over the copies of the members that their group still trusts:
+    ``swarm_opt.Reputation(swarm_opt.CenteredClip())``. Each reducer remembers, across rounds, how every sender's
+    copies sat against the results, and a sender that more than half of a group's members distrust takes no part in
+    that group's rounds (weight 0: it still receives the results). Contains the attackers that no one round shows.
+
+    Why memory: a robust aggregation judges one round's copies, and an attacker that stays inside the honest spread
+    is never cut. Two of eight members that send the negation of their momentum lie about as far from the honest
+    copies as those from each other, and halve every step; two that shift every value by the honest spread ("a
+    little is enough") bias every step the same way. Round after round the first point against the results (their
+    cosine to the result is below 0 on average: an honest copy, part of the result, points with it) and the second
+    sit on one side of the others (the mean over a part's values of ``(copy − result) / spread`` is far from 0;
+    honest copies scatter around 0). Per round and sender, a reducer scores each copy it reduces both ways, averages
+    the scores over its parts, and keeps an exponential mean per sender (``memory`` per round). After ``rounds``
+    rounds with a sender it distrusts it while the mean cosine is ≤ 0 or the mean shift exceeds ``max_shift``.
+
+    Why a majority: reducers' memories differ (each reduces other parts, in other groups), and every reducer of a
+    group must leave out the same senders (``Audited`` compares two reducers' results). Members tell whom they
+    distrust in the group's gather, which every member receives alike; more than half of the group must name a
+    sender, so that attackers among a minority cannot silence an honest member.
+
+    What it does not contain: attackers that come with new identities every few rounds (use an allow-list:
+    ``docs/security.md``), or a majority of attackers in a group. An attacker whose shift changes sign from value
+    to value evades the shift score, and costs far less (``benchmarks/RESULTS.md``). Costs two more passes over the
+    copies per part, and a few numbers per sender in memory.
+
+    :param aggregation: how each reducer combines the trusted copies (default ``CenteredClip()``; not ``Audited``:
+        wrap this in it instead, ``Audited(Reputation(...))``).
+    :param memory: the weight of the past in each sender's mean scores, in [0, 1); default 0.8.
+    :param rounds: rounds with a sender before it can be distrusted, ≥ 1; default 3.
+    :param max_shift: the mean standardised shift above which a sender is distrusted, > 0; default 0.4.
+    """
+
+    aggregation: Aggregation = field(default_factory=CenteredClip)
+    memory: float = 0.8
+    rounds: int = 3
+    max_shift: float = 0.4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aggregation, Aggregation) or isinstance(self.aggregation, (Audited, Reputation)):
+            raise ConfigTypeError(f"Reputation(aggregation=...) must be swarm_opt.Mean(), TrimmedMean() or "
+                                  f"CenteredClip() (to audit it, write Audited(Reputation(...))); got "
+                                  f"{self.aggregation!r}")
+        _check_number("Reputation(memory=...)", self.memory, "0.8")
+        if not 0.0 <= self.memory < 1.0:
+            raise ConfigError(f"Reputation(memory={self.memory!r}) must be in [0, 1) (e.g. 0.8): the weight of the "
+                              f"past rounds in each sender's scores")
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ConfigError(f"Reputation(rounds={self.rounds!r}) must be an int ≥ 1 (e.g. 3): rounds with a "
+                              f"sender before it can be distrusted")
+        _check_number("Reputation(max_shift=...)", self.max_shift, "0.4")
+        if not 0.0 < self.max_shift < math.inf:
+            raise ConfigError(f"Reputation(max_shift={self.max_shift!r}) must be a number > 0 (e.g. 0.4)")
+
+    def combine(self, parts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.aggregation.combine(parts, weights)
+
+
+def judge_part(parts: Sequence[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
+    """(n, 2): each copy's cosine to ``result`` and its mean standardised shift, the mean over the values of
+    ``(copy − result) / spread`` with ``spread`` a robust standard deviation of each value over the finite copies
+    (1.4826 × the median distance to the result: attackers of another kind must not inflate it; values without
+    spread count 0), each value's term bounded to ±3, for ``Reputation``. A copy with non-finite values scores NaN
+    (it counted for nothing). A sort of each value's distances (as ``CenteredClip``'s median) and a few passes, in
+    float32 (float64 where float32 overflowed)."""
+    stacked = torch.stack([p.reshape(-1) for p in parts]).float()
+    finite = torch.tensor([_finite(row) for row in stacked], dtype=torch.bool)
+    scores = torch.full((len(stacked), 2), math.nan, dtype=torch.float64)
+    if bool(finite.any()):
+        scores[finite] = _scores(stacked[finite], result.reshape(-1).float())
+        if not bool(torch.isfinite(scores[finite]).all()):
+            scores[finite] = _scores(stacked[finite].double(), result.reshape(-1).double())
+    return scores
+
+
+_MOST_SHIFT = 3.0  # the largest standardised shift one value counts with in ``judge_part``
+
+
+def _scores(copies: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    cosine = copies @ result / (copies.norm(dim=1) * result.norm()).clamp(min=torch.finfo(copies.dtype).tiny)
+    spread = 1.4826 * _sort_columns((copies - result).abs())[(len(copies) - 1) // 2]
+    inverse = torch.where(spread > 0, 1 / spread, torch.zeros_like(spread))
+    # each value's shift bounded: where nearly every copy is 0 (an input feature few batches hold) the spread is
+    # tiny, and one honest copy's value there would otherwise outweigh all the others
+    shift = ((copies - result) * inverse).clamp_(-_MOST_SHIFT, _MOST_SHIFT).mean(dim=1)
+    return torch.stack([cosine, shift], dim=1).double()
+
+
+class Reputations:
+    """One peer's memory of senders (``Reputation``), kept by its reducer across rounds and groups: per sender the
+    exponential means of its scores and the rounds seen. Bounded: past ``capacity`` senders the one seen longest ago
+    is forgotten."""
+
+    def __init__(self, reputation: Reputation, capacity: int = 4096) -> None:
+        self.reputation, self.capacity = reputation, capacity
+        self._scores: Dict[Any, Tuple[float, float, int]] = {}  # sender -> (cosine, shift, rounds); insertion = age
+
+    def record(self, scores: Dict[Any, Tuple[float, float]]) -> None:
+        """One round's mean scores per sender (NaN: the sender sent nothing usable, and is not judged on it)."""
+        keep = self.reputation.memory
+        for sender, (cosine, shift) in scores.items():
+            if not (math.isfinite(cosine) and math.isfinite(shift)):
+                continue
+            old = self._scores.pop(sender, None)
+            if old is None:
+                self._scores[sender] = (cosine, shift, 1)
+            else:
+                self._scores[sender] = (keep * old[0] + (1 - keep) * cosine, keep * old[1] + (1 - keep) * shift,
+                                        old[2] + 1)
+        while len(self._scores) > self.capacity:
+            del self._scores[next(iter(self._scores))]
+
+    def distrusted(self) -> list:
+        """The senders seen in ``rounds`` rounds or more whose mean cosine is ≤ 0 or mean shift beyond ``max_shift``."""
+        return [sender for sender, (cosine, shift, seen) in self._scores.items()
+                if seen >= self.reputation.rounds and (cosine <= 0 or abs(shift) > self.reputation.max_shift)]
+
+
+def left_out(members: Sequence[Any], votes: Sequence[Any]) -> Set[Any]:
+    """The ``members`` that more than half of them name in ``votes`` (one entry per member: whom it distrusts,
+    network input: anything but a list counts as no one, and each voter names a member once). Never half of the
+    group or more: with a majority of honest members that many cannot be attackers, and the memories must be wrong
+    (leaving them out would stall every round)."""
+    counts: Dict[Any, int] = {}
+    known = set(members)
+    for vote in votes:
+        for name in set(vote) if isinstance(vote, (list, tuple)) else ():
+            if name in known:
+                counts[name] = counts.get(name, 0) + 1
+    out = {name for name, count in counts.items() if 2 * count > len(members)}
+    return out if 2 * len(out) < len(members) else set()
+
+
+def reputation_of(aggregation: Aggregation) -> Optional[Reputation]:
+    """The ``Reputation`` that ``aggregation`` is, or wraps (``Audited(Reputation(...))``), if any."""
+    inner = aggregation.aggregation if isinstance(aggregation, Audited) else aggregation
+    return inner if isinstance(inner, Reputation) else None
+
+
 #: every aggregation, once; the conformance tests iterate over it
-AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip, Audited)
+AGGREGATIONS: Tuple[Type[Aggregation], ...] = (Mean, TrimmedMean, CenteredClip, Reputation, Audited)
 
 
 #: the command line's names of the aggregations (``parse_aggregation``); ``Audited`` is the ``audited:`` prefix
 AGGREGATION_NAMES: Dict[str, Type[Aggregation]] = {"mean": Mean, "trimmed-mean": TrimmedMean,
                                                    "centered-clip": CenteredClip}
 AGGREGATION_FORMS = ("mean, mean:none (the plain mean), mean:20, trimmed-mean, trimmed-mean:0.25, centered-clip, "
-                     "centered-clip:tau=1,iterations=3, and any of them after audited: "
-                     "(audited:centered-clip)")
+                     "centered-clip:tau=1,iterations=3, any of them after reputation: (reputation:centered-clip), "
+                     "and any of those after audited: (audited:reputation:centered-clip)")
 
 
 def parse_aggregation(text: str) -> Aggregation:
     """An aggregation from its command-line form (``--aggregation``): ``NAME[:VALUE,...]``, with ``NAME`` one of
     ``AGGREGATION_NAMES`` and each value positional (in the order of the class's parameters) or ``key=value``;
-    ``none`` means None; ``audited:`` in front wraps it in ``Audited``. Raises ConfigError naming the valid
-    forms."""
+    ``none`` means None; ``reputation:`` in front wraps it in ``Reputation`` (its defaults), and ``audited:`` in
+    front of that in ``Audited``. Raises ConfigError naming the valid forms."""
     spec = str(text).strip()
     audited = spec.lower().startswith("audited:")
     if audited:
         spec = spec[len("audited:"):].strip()
+    remembered = spec.lower().startswith("reputation:")
+    if remembered:
+        spec = spec[len("reputation:"):].strip()
     name, _, values = spec.partition(":")
     kind = AGGREGATION_NAMES.get(name.strip().lower())
     if kind is None:
@@ -263,6 +409,7 @@ def parse_aggregation(text: str) -> Aggregation:
                               f"valid forms: {AGGREGATION_FORMS}")
         kwargs[key] = _parse_value(value.strip(), param.default, text)
     aggregation = kind(**kwargs)  # its own checks name the range of each value
+    aggregation = Reputation(aggregation) if remembered else aggregation
     return Audited(aggregation) if audited else aggregation
 
 

@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm_opt.aggregation import Aggregation, Audited, Mean, reduce_part
+from swarm_opt.aggregation import Aggregation, Audited, Mean, judge_part, reduce_part, reputation_of
 
 logger = logging.getLogger(__name__)
 _EXACT = runtime_pb2.CompressionType.NONE
@@ -45,8 +45,12 @@ class AllOrNothingReducer(TensorPartReducer):
     and the loop keeps moving the other parts meanwhile."""
 
     def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *,
-                 aggregation: Aggregation = Mean()) -> None:
+                 aggregation: Aggregation = Mean(), left_out: Sequence[int] = ()) -> None:
         self.aggregation = aggregation
+        self.left_out = frozenset(left_out)  # sender indices whose copies count with weight 0 (``Reputation``)
+        self._judges = reputation_of(aggregation) is not None
+        #: ``Reputation``: per sender index, the sums of its copies' scores times their parts' sizes, and the sizes
+        self.scores: Dict[int, List[float]] = {}
         self._copies: Dict[int, Tuple[torch.Tensor, float]] = {}  # sender index -> its copy of the current part
         super().__init__(part_shapes, num_senders)
         self.num_parts_taken = [0] * num_senders  # copies in the reduction, per sender (not just arrived)
@@ -107,15 +111,17 @@ class AllOrNothingReducer(TensorPartReducer):
         copies, future = self._copies, self.current_part_future
         senders = sorted(copies)  # a fixed order: the result does not depend on who sent first
         combining = asyncio.get_event_loop().run_in_executor(
-            None, reduce_part, self.aggregation, [copies[s][0] for s in senders], [copies[s][1] for s in senders])
+            None, _reduce_and_judge, self.aggregation, [copies[s][0] for s in senders],
+            [0.0 if s in self.left_out else copies[s][1] for s in senders], self._judges)
         part, last = self.current_part_index, self.current_part_index == self.num_parts - 1
-        combining.add_done_callback(lambda done: self._combined(done, future, part, last))
+        combining.add_done_callback(lambda done: self._combined(done, future, part, last, senders))
         if not last:
             self.reset_accumulators()
         else:
             self._copies = {}
 
-    def _combined(self, done: asyncio.Future, future: asyncio.Future, part: int, last: bool) -> None:
+    def _combined(self, done: asyncio.Future, future: asyncio.Future, part: int, last: bool,
+                  senders: Sequence[int]) -> None:
         if not future.done():
             if done.cancelled() or done.exception() is not None:  # e.g. no usable copy: the round fails
                 self.abandoned = True  # seen at once by the round's watchdog (every sender gets the error too)
@@ -123,9 +129,24 @@ class AllOrNothingReducer(TensorPartReducer):
                 logger.debug(f"Reducer: part {part} could not be reduced: {reason}")
                 future.set_exception(AllreduceException(f"the part could not be reduced: {reason}"))
             else:
-                future.set_result(done.result())
+                result, scores = done.result()
+                size = self.part_shapes[part].numel()  # a part's scores count by its size: a few values say little
+                for sender, row in zip(senders, scores if scores is not None else ()):
+                    if bool(torch.isfinite(row).all()):
+                        total = self.scores.setdefault(sender, [0.0, 0.0, 0])
+                        total[0] += float(row[0]) * size
+                        total[1] += float(row[1]) * size
+                        total[2] += size
+                future.set_result(result)
         if last:
             self.finalize()
+
+
+def _reduce_and_judge(aggregation: Aggregation, parts: Sequence[torch.Tensor], weights: Sequence[float],
+                      judge: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``reduce_part``, and with ``Reputation`` every copy's scores against the result (``judge_part``)."""
+    result = reduce_part(aggregation, parts, weights)
+    return result, (judge_part(parts, result) if judge else None)
 
 
 class AllOrNothingRunner(AllReduceRunner):
@@ -141,12 +162,13 @@ class AllOrNothingRunner(AllReduceRunner):
     """
 
     def __init__(self, *args: Any, aggregation: Aggregation = Mean(), start_timeout: float = 0.0,
-                 **kwargs: Any) -> None:
+                 left_out: Set[PeerID] = frozenset(), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.start_timeout = start_timeout  # how long a sender may take to start (see _handle_missing_senders)
         reducer = self.tensor_part_reducer  # replaced before anything could use it
-        self.tensor_part_reducer = AllOrNothingReducer(reducer.part_shapes, reducer.num_senders,
-                                                       aggregation=aggregation)
+        self.tensor_part_reducer = AllOrNothingReducer(
+            reducer.part_shapes, reducer.num_senders, aggregation=aggregation,
+            left_out=[i for i, peer in enumerate(self.sender_peer_ids) if peer in left_out])
         self.tensor_part_container.return_deltas = False  # the outputs are the group's means: members copy them
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]
@@ -271,6 +293,13 @@ class AllOrNothingRunner(AllReduceRunner):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+
+def sender_scores(runner: AllOrNothingRunner) -> Dict[PeerID, Tuple[float, float]]:
+    """``Reputation``: each sender's mean scores over the parts ``runner``'s reducer scored in its round (weighted
+    by the parts' sizes)."""
+    return {runner.sender_peer_ids[sender]: (cosine / count, shift / count)
+            for sender, (cosine, shift, count) in runner.tensor_part_reducer.scores.items()}
 
 
 # --- Audited: every part reduced twice ------------------------------------------------------------------------------

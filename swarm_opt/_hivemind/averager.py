@@ -41,9 +41,10 @@ from swarm_opt._hivemind.allreduce import (
     disagreeing_reducers,
     liars,
     part_owners,
+    sender_scores,
 )
 from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
-from swarm_opt.aggregation import Aggregation, Audited, Mean, as_aggregation
+from swarm_opt.aggregation import Aggregation, Audited, Mean, Reputations, as_aggregation, left_out, reputation_of
 from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
@@ -64,6 +65,8 @@ _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last rep
 _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
+DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
+_MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
 #: that many newcomers joining together spread over the donors (and come back, with backoff, if all are busy)
@@ -113,6 +116,8 @@ class _Engine(DecentralizedAverager):
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
         #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
+        self._reputations: Optional[Reputations] = None  # Reputation: this reducer's memory (averager process)
+        self._left_out_seen: set = set()  # senders whose leaving out was logged (averager process)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -135,7 +140,42 @@ class _Engine(DecentralizedAverager):
         if self._liars.remembered() and not getattr(self._matchmaking, "_avoids_liars", False):
             self._avoid_liars_as_leaders(self._matchmaking)
         _renew_finished_search(self._matchmaking)
+        self._tell_distrusted(step)
         await super()._step(step=step, future_for_init=future_for_init)
+
+    def _reputation_memory(self) -> Optional[Reputations]:
+        """This reducer's memory of senders, with ``Reputation`` (made in the averager process, where it reduces)."""
+        reputation = reputation_of(self.aggregation)
+        if reputation is not None and self._reputations is None:
+            self._reputations = Reputations(reputation)
+        return self._reputations
+
+    def _tell_distrusted(self, step: StepControl) -> None:
+        """``Reputation``: name in this round's gather the senders this reducer distrusts (``left_out``)."""
+        memory = self._reputation_memory()
+        if memory is None:
+            return
+        bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
+        info = self.serializer.loads(user)
+        info[DISTRUSTS_KEY] = [str(peer) for peer in memory.distrusted()[:_MOST_DISTRUSTED]]
+        step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(info)])
+
+    def _left_out(self, group_info: Any) -> set:
+        """``Reputation``: the members that more than half of the group name in the gather, the same on every
+        member (every member receives the same gather); one log line per sender, the first time."""
+        if reputation_of(self.aggregation) is None:
+            return set()
+        votes = []
+        for data in group_info.gathered:
+            named = _member_info(self.serializer, data).get(DISTRUSTS_KEY)
+            valid = isinstance(named, list) and len(named) <= _MOST_DISTRUSTED
+            votes.append([name for name in named if isinstance(name, str)] if valid else [])
+        names = left_out([str(peer) for peer in group_info.peer_ids], votes)
+        for name in names - self._left_out_seen:
+            logger.warning(f"Peer {name} is left out of this group's reduction: more than half of the group "
+                           f"distrusts its values (Reputation)")
+        self._left_out_seen |= names
+        return {peer for peer in group_info.peer_ids if str(peer) in names}
 
     def _avoid_liars_as_leaders(self, matchmaking: Any) -> None:
         """A follower does not ask a known liar (``Audited``) to lead its group: it goes on to the next leader."""
@@ -271,6 +311,7 @@ class _Engine(DecentralizedAverager):
         # a member starts sending at its next step: hivemind's reducers would ban it after next_chunk_timeout
         kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get("step_period")
                                                    for data in group_info.gathered)
+        kwargs["left_out"] = self._left_out(group_info)
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
                                     aggregation=self.aggregation, **kwargs)
@@ -278,10 +319,20 @@ class _Engine(DecentralizedAverager):
             if isinstance(self.aggregation, Audited) else None
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
+        runners = [runner]
         if isinstance(self.aggregation, Audited):
-            await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs)
+            runners.append(await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs))
         else:
             await self._consume(runner, tensors)
+        memory = self._reputation_memory()
+        if memory is not None:  # a completed round: what this reducer saw of each sender
+            scores: Dict[str, List[Tuple[float, float]]] = {}
+            for each in runners:
+                for peer, score in sender_scores(each).items():
+                    scores.setdefault(str(peer), []).append(score)
+            memory.record({peer: (sum(c for c, _ in both) / len(both), sum(s for _, s in both) / len(both))
+                           for peer, both in scores.items()})
+            logger.debug("Reputation: this round's scores %s; distrusted %s", scores, memory.distrusted())
         if self.mode == AveragingMode.AUX:
             with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
                 self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)
@@ -297,11 +348,11 @@ class _Engine(DecentralizedAverager):
 
     async def _audited_allreduce(self, runner: AllOrNothingRunner, tensors: Sequence[torch.Tensor], group_info: Any,
                                  modes: Sequence[AveragingMode], order: Optional[List[PeerID]], **kwargs: Any
-                                 ) -> None:
+                                 ) -> AllOrNothingRunner:
         """``runner``'s all-reduce and a second one of the same values with every share reduced by another member
         (``order``: ``swarm_opt._hivemind.allreduce.audit_order``), at the same time; the round fails if any part's
         two results differ (``Audited``). Every member computes the same order from the same group, so all of them
-        run both."""
+        run both. Returns the second runner."""
         audit_id = group_info.group_id + AUDIT_SUFFIX
         if order is None:
             self._running_groups[audit_id].cancel()
@@ -323,7 +374,7 @@ class _Engine(DecentralizedAverager):
             await asyncio.gather(*tasks, return_exceptions=True)
         self._check_complete(audit_id)
         if self.mode == AveragingMode.AUX:  # a helper receives no results: it has nothing to compare
-            return
+            return audit
         pairs = await asyncio.get_event_loop().run_in_executor(
             None, disagreeing_reducers, self.aggregation, owners, tensors, copies, group_info.peer_ids, order)
         if pairs:
@@ -337,6 +388,7 @@ class _Engine(DecentralizedAverager):
             named = "; ".join(sorted(f"{a} and {b}" for a, b in pairs))
             raise AllreduceException(f"Audited: reducers returned different means of the same values ({named}): "
                                      f"one of each pair lies")
+        return audit
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -270,8 +270,10 @@ OPTIONS: Dict[str, List[_Option]] = {
                 default=60.0),
         _Option("--aggregation", "how each averaged part is combined, the same on every peer of the run (default: "
                 "mean, each member's norm bounded): mean:none (the plain mean), trimmed-mean[:FRACTION], "
-                "centered-clip[:tau=T,iterations=N], and audited:... for two reducers per "
-                "part (contains a lying reducer, 2x the bytes)", type=aggregation, metavar="SPEC"),
+                "centered-clip[:tau=T,iterations=N]; reputation:... to leave out members whose values keep "
+                "pointing the wrong way, round after round; and audited:... for two reducers per part (contains a "
+                "lying reducer, 2x the bytes), e.g. audited:reputation:centered-clip", type=aggregation,
+                metavar="SPEC"),
         _Option("--gloo-lane", "average over torch.distributed's gloo, several times faster than hivemind's path, "
                 "in rounds whose every member offers the lane: this machine's IP address (and a rendezvous port, "
                 "default any) on a trusted network; gloo neither authenticates nor encrypts", type=lane_address,

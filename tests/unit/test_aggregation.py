@@ -123,6 +123,13 @@ def test_unusable_copies_count_with_weight_zero():
     (lambda: swarm_opt.Audited(swarm_opt.CenteredClip), ConfigTypeError, r"swarm_opt.CenteredClip\(\)"),
     (lambda: swarm_opt.Audited(swarm_opt.Audited()), ConfigTypeError, "must be one of"),
     (lambda: swarm_opt.Audited(tolerance=0.5), ConfigError, r"\(0, 0.1\]"),
+    (lambda: swarm_opt.Reputation(swarm_opt.Audited()), ConfigTypeError, r"Audited\(Reputation\(...\)\)"),
+    (lambda: swarm_opt.Reputation(swarm_opt.Reputation()), ConfigTypeError, "must be swarm_opt.Mean()"),
+    (lambda: swarm_opt.Reputation(memory=1.0), ConfigError, r"\[0, 1\)"),
+    (lambda: swarm_opt.Reputation(rounds=0), ConfigError, "≥ 1"),
+    (lambda: swarm_opt.Reputation(max_shift=0), ConfigError, "> 0"),
+    (lambda: as_aggregation(swarm_opt.Reputation(), swarm_opt.PowerSGD(rank=2)), ConfigError,
+     "Leave aggregation unset with PowerSGD"),
 ])
 def test_bad_arguments_name_the_fix(make, error, match):
     with pytest.raises(error, match=match):
@@ -233,6 +240,8 @@ def test_a_reducer_that_lies_in_both_of_its_roles_is_named_and_one_disagreement_
     ("centered-clip: tau=1, iterations=5", swarm_opt.CenteredClip(tau=1.0, iterations=5)),
     ("audited:centered-clip:tau=1", swarm_opt.Audited(swarm_opt.CenteredClip(tau=1.0))),
     ("audited:mean", swarm_opt.Audited(swarm_opt.Mean())),
+    ("reputation:centered-clip:tau=1", swarm_opt.Reputation(swarm_opt.CenteredClip(tau=1.0))),
+    ("audited:reputation:trimmed-mean", swarm_opt.Audited(swarm_opt.Reputation(swarm_opt.TrimmedMean()))),
 ])
 def test_parse_aggregation_reads_every_form(text, expected):
     from swarm_opt.aggregation import parse_aggregation
@@ -243,6 +252,7 @@ def test_parse_aggregation_reads_every_form(text, expected):
 @pytest.mark.parametrize("text, match", [
     ("median", "unknown aggregation 'median'; valid forms: mean"),
     ("audited:audited:mean", "unknown aggregation"),
+    ("reputation:audited:mean", "unknown aggregation"),
     ("mean:x", "expected a number, got 'x'"),
     ("centered-clip:tau=1,2", "value after key=value"),
     ("trimmed-mean:0.1,0.2", "too many values"),
@@ -302,3 +312,69 @@ def test_a_lying_reducer_is_named_when_some_member_reduces_no_part(liar):
         offset += size
     pairs = disagreeing_reducers(swarm_opt.Audited(), owners, [first], [second], peers, order)
     assert liars(pairs) == {liar}, pairs
+
+
+# --- Reputation: reducers that remember senders ---------------------------------------------------------------------
+
+def test_scores_tell_a_sign_flipper_and_a_shifter_from_honest_copies():
+    """Honest copies point with the result and scatter around it; a flipped copy points against it, and a copy
+    shifted by the spread ("a little is enough") sits on one side of it in every value."""
+    parts = honest(8, seed=5)
+    parts[0] = -parts[0]
+    parts[1] = parts[2:].mean(0) - parts[2:].std(0)
+    result = combine(swarm_opt.CenteredClip(), parts)
+    scores = swarm_opt.aggregation.judge_part(list(parts), result)
+    assert scores[0, 0] < 0 < scores[2:, 0].min()
+    # the default max_shift (0.4) lies between them; the flipper does not widen the spread the shifter hides in
+    assert scores[1, 1] < -0.6 and scores[2:, 1].abs().max() < 0.3, scores
+    parts[3, 0] = float("nan")
+    assert torch.isnan(swarm_opt.aggregation.judge_part(list(parts), result)[3]).all()
+
+
+def test_memory_distrusts_after_enough_rounds_and_forgets_the_oldest():
+    from swarm_opt.aggregation import Reputations
+
+    memory = Reputations(swarm_opt.Reputation(rounds=3, memory=0.5), capacity=3)
+    for _ in range(2):
+        memory.record({"flipper": (-0.4, 0.0), "shifter": (0.5, -0.9), "honest": (0.6, 0.05)})
+    assert memory.distrusted() == []  # two rounds are not enough to judge
+    memory.record({"flipper": (-0.4, 0.0), "shifter": (0.5, -0.9), "honest": (0.6, 0.05)})
+    assert sorted(memory.distrusted()) == ["flipper", "shifter"]
+    memory.record({"honest": (float("nan"), 0.0), "new": (-1.0, 0.0)})  # honest sent nothing usable: not judged
+    assert memory.distrusted() == ["shifter"]  # the capacity: the sender seen longest ago (flipper) went
+    for _ in range(3):  # a sender that turns honest is trusted again once its mean scores recover
+        memory.record({"shifter": (0.6, 0.0)})
+    assert "shifter" not in memory.distrusted()
+
+
+@pytest.mark.parametrize("votes, expected", [
+    ([["c"], ["c"], ["c"], []], {"c"}),  # three of four name c
+    ([["c"], ["c"], [], []], set()),  # two of four are no majority
+    ([["a"], ["a"], ["b", "b", "b"], "c"], set()),  # a voter counts once; anything but a list names no one
+    ([["a", "b"], ["a", "b"], ["a", "b"], []], set()),  # half of the group is never left out: the memories are wrong
+    ([["x"], ["x"], ["x"], ["x"]], set()),  # not a member
+])
+def test_a_group_leaves_out_whom_more_than_half_of_it_names(votes, expected):
+    assert swarm_opt.aggregation.left_out(["a", "b", "c", "d"], votes) == expected
+
+
+async def _judged(copies: torch.Tensor, left_out=()) -> tuple:
+    reducer = AllOrNothingReducer([torch.Size([copies.shape[2]])] * copies.shape[1], num_senders=len(copies),
+                                  aggregation=swarm_opt.Reputation(), left_out=left_out)
+
+    async def sender(index: int) -> list:
+        return [await reducer.accumulate_part(index, part, copies[index, part]) for part in range(copies.shape[1])]
+
+    results = await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(copies)))), timeout=10)
+    return results[0], reducer.scores
+
+
+def test_the_reducer_scores_every_sender_and_leaves_out_the_distrusted():
+    copies = torch.stack([honest(5, d=60, seed=s).reshape(5, 3, 20)[:, 0] for s in range(3)], dim=1)
+    copies[4] = -copies[4]
+    results, scores = asyncio.run(_judged(copies))
+    assert sorted(scores) == [0, 1, 2, 3, 4] and all(count == 60 for _, _, count in scores.values())
+    assert scores[4][0] < 0 < min(scores[i][0] for i in range(4))
+    kept, _ = asyncio.run(_judged(copies, left_out=[4]))
+    for part in range(3):  # the left-out sender's copies count with weight 0
+        assert torch.equal(kept[part], reduce_part(swarm_opt.CenteredClip(), list(copies[:4, part]), [1.0] * 4))

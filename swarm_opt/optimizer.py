@@ -94,8 +94,9 @@ class Optimizer(torch.optim.Optimizer):
         ``swarm_opt.compression.powersgd``).
     :param aggregation: how each averaged part is combined: ``Mean()`` (default: the weighted mean, each member's
         norm bounded), or a Byzantine-robust ``CenteredClip()`` or ``TrimmedMean()`` (``swarm_opt.aggregation``),
-        each optionally ``Audited(...)`` (every part reduced twice and compared: contains a lying reducer, at 2x
-        the bytes). Every peer of a run passes the same.
+        each optionally within ``Reputation(...)`` (members whose values keep pointing the wrong way, round after
+        round, left out) and ``Audited(...)`` (every part reduced twice and compared: contains a lying reducer, at
+        2x the bytes). Every peer of a run passes the same.
     :param tracker: how often progress is published and read (``TrackerConfig``).
     :param offload: ``Offload()`` keeps the inner optimizer and swarm_opt's buffers in host memory (accelerator
         users); needs an optimizer factory.
@@ -557,7 +558,7 @@ class Optimizer(torch.optim.Optimizer):
                     state["optimizer"]["state"] = {**{k: v for k, v in state["optimizer"]["state"].items()
                                                       if k not in personal},
                                                    **{k: v for k, v in own.items() if k in personal}}
-                self.load_state_dict(state["optimizer"])
+                self.load_state_dict(self._with_own_strategy_state(state["optimizer"]))
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
                     p.copy_(old)
@@ -571,6 +572,17 @@ class Optimizer(torch.optim.Optimizer):
         self._averager.offer_state(self._epoch)
         self._push_offloaded()
         return epoch
+
+    def _with_own_strategy_state(self, optimizer: Any) -> Any:
+        """A downloaded optimizer state with the strategy's own entries (``Strategy.own_state``) replaced by ours."""
+        keys = self.strategy.own_state()
+        extra = optimizer.get("swarm_opt") if isinstance(optimizer, dict) else None
+        if not keys or not isinstance(extra, dict) or not isinstance(extra.get("strategy"), dict):
+            return optimizer
+        ours = self.strategy.state_dict()
+        strategy = {k: v for k, v in extra["strategy"].items() if k not in keys}
+        strategy.update({k: ours[k] for k in keys if k in ours})
+        return {**optimizer, "swarm_opt": {**extra, "strategy": strategy}}
 
     def _personal_indices(self) -> set:
         """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave

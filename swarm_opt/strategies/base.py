@@ -18,7 +18,7 @@ when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +84,12 @@ class Strategy(ABC):
         their inner-optimizer state to peers downloading its state, and keeps its own when it downloads. Default:
         none."""
         return []
+
+    def own_state(self) -> Tuple[str, ...]:
+        """Entries of ``state_dict()`` that are this peer's own, not the swarm's (``WorkerMomentum``'s momentum):
+        no majority vouches for a donor's, so a peer that downloads the swarm's state keeps its own entries (or
+        none) instead of its donor's. Default: none."""
+        return ()
 
     def epsilon(self) -> Optional[float]:
         """The privacy this peer spent through the strategy's own mechanism so far (ε of peer-level DP,

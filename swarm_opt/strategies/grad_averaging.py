@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,8 +58,9 @@ class WorkerMomentum:
     exact when members' weights change from round to round (a mean of momenta weighted by this round's samples is
     not the momentum of the weighted means) or a member misses rounds (its momentum does not see their gradients);
     every member still applies the same update. Momentum is each peer's own: it is in the strategy's state
-    (checkpoints), and a peer that downloads the swarm's state takes its donor's. Peers with and without it, or with
-    another β, never average together. Costs one more fp32 buffer per parameter; the bytes of a round are the same.
+    (checkpoints); a peer that downloads the swarm's state keeps its own, or starts one, never its donor's. Peers
+    with and without it, or with another β, never average together. Costs one more fp32 buffer per parameter; the
+    bytes of a round are the same.
 
     :param beta: the momentum, in [0, 1) (0: each round's gradients, as without it); default 0.9.
     """
@@ -220,6 +221,9 @@ class GradientAveraging(Strategy):
         self._samples = 0
         if self._held is not None:
             self._release(self._held)
+
+    def own_state(self) -> Tuple[str, ...]:
+        return ("momentum",)  # each peer's own: a hostile donor's would make a newcomer send its attack
 
     def state_dict(self) -> Dict[str, Any]:
         # a round's partial accumulation is local and transient: a resumed or newly joined peer starts a fresh one

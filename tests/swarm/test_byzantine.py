@@ -139,11 +139,65 @@ def test_audited_reducers_catch_a_lying_reducer_and_train_on_without_it(swarm):
 
 @pytest.mark.extended
 def test_a_lying_reducer_goes_unnoticed_without_the_audit(swarm):
-    """The control: the same liar with the default ``Mean()``: every round commits with it, and its offset in the
-    honest peers' gradients drags all their parameters down."""
+    """The control: the same liar with the default ``Mean()``: rounds commit with it (under load a round may commit
+    among 3 of 4 when one peer misses matchmaking, with or without the liar), and its offset in the honest peers'
+    gradients drags all their parameters down."""
     epochs = 5
     results = run(swarm, epochs, None, lie_in_reduce_rank=ATTACKER)
     for r in results:
         assert r["epoch"] == epochs, swarm.round_events()
-        assert all(report["caught_up"] or report["group_size"] == 4 for report in r["reports"]), r["reports"]
+        assert sum(report["group_size"] == 4 for report in r["reports"]) >= 2, r["reports"]
         assert drift(r["params"]) < -0.1, drift(r["params"])
+
+
+def test_reputation_leaves_out_a_sign_flipper_that_no_one_round_shows(swarm):
+    """An attacker that sends its gradients sign-flipped at their honest size: CenteredClip keeps it (it lies as far
+    from the honest copies as they from each other) and it halves every step. With ``Reputation`` each reducer
+    remembers that its copies point against the results; after a few rounds the honest members name it in the
+    gather, and, more than half of the group naming it, every reducer leaves its copies out. Audited on top (the
+    command line's form): the reducers of a part must leave out the same members, or the audit would fail rounds."""
+    epochs = 16  # its first rounds' scores are not yet far below 0: it is left out after 5-10 of them
+    results = run(swarm, epochs, {"scale": -1.0}, aggregation="audited:reputation:centered-clip")
+    attacker = swarm.result(ATTACKER)["peer_id"]
+    initial = loss_of([p.detach() for p in make_model().parameters()])
+    namers = 0
+    for rank, r in zip(HONEST, results):
+        assert r["epoch"] == epochs, swarm.round_events()
+        assert loss_of(r["params"]) < initial - 0.2, (loss_of(r["params"]), initial)
+        lines = [line for line in swarm.log(rank).splitlines() if "left out of this group's reduction" in line]
+        assert len(lines) <= 1 and all(attacker in line for line in lines), swarm.log(rank)  # never an honest peer
+        assert not [line for line in swarm.log(rank).splitlines() if "it lies (or is broken)" in line]
+        namers += len(lines)
+    assert namers >= 2, [swarm.log(rank) for rank in HONEST]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+
+
+def test_a_newcomer_keeps_its_own_momentum_never_its_donors():
+    """``WorkerMomentum``'s momentum is each peer's own, vouched for by no majority: a hostile donor serving a huge
+    one would make the newcomer send its attack (seen: an honest peer that caught up from the attacker of the test
+    above became a second attacker). A download leaves ours as it was, or none."""
+    import hivemind
+
+    import swarm_opt
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    model = torch.nn.Linear(4, 3)
+    opt = swarm_opt.Optimizer(dht=dht, run_id="own-momentum", target_batch_size=64, params=model.parameters(),
+                              optimizer=lambda p: torch.optim.SGD(p, lr=1.0), matchmaking_time=1.0,
+                              averaging_timeout=5.0, batch_size_per_step=8,
+                              strategy=swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.9)))
+    try:
+        opt.strategy._momentum = [torch.full_like(p, -1e3) for p in model.parameters()]  # the donor's
+        meta, tensors = opt._shareable_state()
+        for ours in (None, [torch.full_like(p, 0.5) for p in model.parameters()]):
+            opt.strategy._momentum = ours
+            epoch = opt.local_epoch + 1
+            assert opt._apply_downloaded_state(dict(meta, epoch=epoch), tensors, b"donor", min_epoch=epoch) == epoch
+            if ours is None:
+                assert opt.strategy._momentum is None
+            else:
+                assert all(bool((m == 0.5).all()) for m in opt.strategy._momentum)
+    finally:
+        opt.shutdown()
+        dht.shutdown()

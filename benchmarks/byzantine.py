@@ -306,6 +306,8 @@ REAL_SETTINGS: Dict[str, Optional[swarm_opt.Aggregation]] = {
     "plain mean": swarm_opt.Mean(max_norm_ratio=None), "Mean() (default)": None,
     "TrimmedMean(0.25)": swarm_opt.TrimmedMean(0.25), "CenteredClip()": swarm_opt.CenteredClip(),
     "Audited(CenteredClip())": swarm_opt.Audited(swarm_opt.CenteredClip()),
+    "Reputation(CenteredClip())": swarm_opt.Reputation(swarm_opt.CenteredClip()),
+    "Audited(Reputation(CenteredClip()))": swarm_opt.Audited(swarm_opt.Reputation(swarm_opt.CenteredClip())),
 }
 
 

@@ -45,11 +45,13 @@ def run(swarm, epochs: int, attack: Optional[dict], lie_in_reduce_rank: Optional
 @pytest.mark.parametrize("aggregation, args, strategy", [("CenteredClip", {}, "grad"),
                                                          ("TrimmedMean", {"fraction": 0.25}, "grad"),
                                                          ("CenteredClip", {}, "local"),
-                                                         ("CenteredClip", {}, "grad_momentum")])
+                                                         ("CenteredClip", {}, "grad_momentum"),
+                                                         ("reputation:centered-clip", {}, "local")])
 def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation, args, strategy):
     """An attacker stepping on its gradients x(-1000) (every member receives the robust estimate, the attacker too):
     the honest peers learn as if it was not there, where the norm-bounded mean makes them climb the loss. With local
-    updates the attacker's parameters are what is absurd; with WorkerMomentum, its momentum."""
+    updates the attacker's parameters are what is absurd; with WorkerMomentum, its momentum. ``Reputation`` over
+    parameter averaging: the same, through its scores and vote."""
     epochs = 8
     results = run(swarm, epochs, {"scale": -1000.0}, aggregation=aggregation, aggregation_args=args,
                   strategy=strategy, **({"inner": "sgd_plain"} if strategy == "grad_momentum" else {}))

@@ -72,7 +72,7 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
 
 import swarm_opt
 from swarm_opt._hivemind.allreduce import audit_order, liars
-from swarm_opt.aggregation import Reputations, judge_part, left_out, reduce_part, reputation_of
+from swarm_opt.aggregation import Reputations, RoundScores, judge_part, left_out, reduce_part, reputation_of
 
 PEERS = 8
 
@@ -180,14 +180,12 @@ class Judges:
 
     def record(self, sent: torch.Tensor, result: torch.Tensor, bounds: Sequence[tuple], members: List[int]) -> None:
         order = [members[i] for i in torch.randperm(len(members), generator=self.orders).tolist()]
-        totals: Dict[int, Dict[int, List[float]]] = {}
+        totals: Dict[int, RoundScores] = {}
         for j, (a, b) in enumerate(bounds):
-            reducer = totals.setdefault(order[j % len(order)], {})
-            for member, (cosine, shift) in zip(members, judge_part(list(sent[members, a:b]), result[a:b]).tolist()):
-                total = reducer.setdefault(member, [0.0, 0.0, 0])
-                total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + 1
+            scores = judge_part(list(sent[members, a:b]), result[a:b])
+            totals.setdefault(order[j % len(order)], RoundScores()).add(members, scores, b - a)
         for reducer, scores in totals.items():
-            self.memories[reducer].record({m: (c / k, t / k) for m, (c, t, k) in scores.items()})
+            self.memories[reducer].record(scores.means())
 
 
 def lying_reducers(aggregation: swarm_opt.Aggregation, sent: torch.Tensor, bounds: Sequence[tuple],

@@ -314,6 +314,31 @@ def _scores(copies: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     return torch.stack([cosine, shift], dim=1).double()
 
 
+class RoundScores:
+    """One reducer's scores of one round (``judge_part``), per sender: sums over the parts it reduced, each part
+    counting by its size (a part of a few values says little)."""
+
+    def __init__(self) -> None:
+        self._sums: Dict[Any, list] = {}  # sender -> [Σ cosine·size, Σ shift·size, Σ size]
+
+    def add(self, senders: Sequence[Any], scores: torch.Tensor, size: int) -> None:
+        """``scores`` (``judge_part``'s, one row per sender) of a part of ``size`` values; NaN rows are skipped."""
+        for sender, (cosine, shift) in zip(senders, scores.tolist()):
+            if math.isfinite(cosine) and math.isfinite(shift):
+                total = self._sums.setdefault(sender, [0.0, 0.0, 0])
+                total[0], total[1], total[2] = total[0] + cosine * size, total[1] + shift * size, total[2] + size
+
+    def add_all(self, other: RoundScores, names: Sequence[Any]) -> None:
+        """Add ``other``'s sums, its senders (indices) named by ``names``."""
+        for sender, (cosine, shift, size) in other._sums.items():
+            total = self._sums.setdefault(names[sender], [0.0, 0.0, 0])
+            total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + size
+
+    def means(self) -> Dict[Any, Tuple[float, float]]:
+        """Each sender's mean cosine and shift, what ``Reputations.record`` takes."""
+        return {sender: (cosine / size, shift / size) for sender, (cosine, shift, size) in self._sums.items()}
+
+
 class Reputations:
     """One peer's memory of senders (``Reputation``), kept by its reducer across rounds and groups: per sender the
     exponential means of its scores and the rounds seen. Bounded: past ``capacity`` senders the one seen longest ago

@@ -32,7 +32,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from swarm_opt.aggregation import Aggregation, Audited, Mean, judge_part, reduce_part, reputation_of
+from swarm_opt.aggregation import Aggregation, Audited, Mean, RoundScores, judge_part, reduce_part, reputation_of
 
 logger = logging.getLogger(__name__)
 _EXACT = runtime_pb2.CompressionType.NONE
@@ -49,8 +49,7 @@ class AllOrNothingReducer(TensorPartReducer):
         self.aggregation = aggregation
         self.left_out = frozenset(left_out)  # sender indices whose copies count with weight 0 (``Reputation``)
         self._judges = reputation_of(aggregation) is not None
-        #: ``Reputation``: per sender index, the sums of its copies' scores times their parts' sizes, and the sizes
-        self.scores: Dict[int, List[float]] = {}
+        self.scores = RoundScores()  # ``Reputation``: its scores of the senders (by index) this round
         self._copies: Dict[int, Tuple[torch.Tensor, float]] = {}  # sender index -> its copy of the current part
         super().__init__(part_shapes, num_senders)
         self.num_parts_taken = [0] * num_senders  # copies in the reduction, per sender (not just arrived)
@@ -130,13 +129,8 @@ class AllOrNothingReducer(TensorPartReducer):
                 future.set_exception(AllreduceException(f"the part could not be reduced: {reason}"))
             else:
                 result, scores = done.result()
-                size = self.part_shapes[part].numel()  # a part's scores count by its size: a few values say little
-                for sender, row in zip(senders, scores if scores is not None else ()):
-                    if bool(torch.isfinite(row).all()):
-                        total = self.scores.setdefault(sender, [0.0, 0.0, 0])
-                        total[0] += float(row[0]) * size
-                        total[1] += float(row[1]) * size
-                        total[2] += size
+                if scores is not None:
+                    self.scores.add(senders, scores, self.part_shapes[part].numel())
                 future.set_result(result)
         if last:
             self.finalize()
@@ -293,13 +287,6 @@ class AllOrNothingRunner(AllReduceRunner):
                 logger.debug(f"Caught {e!r} when communicating to {peer_id}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
-
-
-def sender_scores(runner: AllOrNothingRunner) -> Dict[PeerID, Tuple[float, float]]:
-    """``Reputation``: each sender's mean scores over the parts ``runner``'s reducer scored in its round (weighted
-    by the parts' sizes)."""
-    return {runner.sender_peer_ids[sender]: (cosine / count, shift / count)
-            for sender, (cosine, shift, count) in runner.tensor_part_reducer.scores.items()}
 
 
 # --- Audited: every part reduced twice ------------------------------------------------------------------------------

@@ -41,10 +41,18 @@ from swarm_opt._hivemind.allreduce import (
     disagreeing_reducers,
     liars,
     part_owners,
-    sender_scores,
 )
 from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
-from swarm_opt.aggregation import Aggregation, Audited, Mean, Reputations, as_aggregation, left_out, reputation_of
+from swarm_opt.aggregation import (
+    Aggregation,
+    Audited,
+    Mean,
+    Reputations,
+    RoundScores,
+    as_aggregation,
+    left_out,
+    reputation_of,
+)
 from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
@@ -326,13 +334,11 @@ class _Engine(DecentralizedAverager):
             await self._consume(runner, tensors)
         memory = self._reputation_memory()
         if memory is not None:  # a completed round: what this reducer saw of each sender
-            scores: Dict[str, List[Tuple[float, float]]] = {}
+            scores = RoundScores()
             for each in runners:
-                for peer, score in sender_scores(each).items():
-                    scores.setdefault(str(peer), []).append(score)
-            memory.record({peer: (sum(c for c, _ in both) / len(both), sum(s for _, s in both) / len(both))
-                           for peer, both in scores.items()})
-            logger.debug("Reputation: this round's scores %s; distrusted %s", scores, memory.distrusted())
+                scores.add_all(each.tensor_part_reducer.scores, [str(peer) for peer in each.sender_peer_ids])
+            memory.record(scores.means())
+            logger.debug("Reputation: this round's scores %s; distrusted %s", scores.means(), memory.distrusted())
         if self.mode == AveragingMode.AUX:
             with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
                 self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)

@@ -366,15 +366,28 @@ async def _judged(copies: torch.Tensor, left_out=()) -> tuple:
         return [await reducer.accumulate_part(index, part, copies[index, part]) for part in range(copies.shape[1])]
 
     results = await asyncio.wait_for(asyncio.gather(*(sender(i) for i in range(len(copies)))), timeout=10)
-    return results[0], reducer.scores
+    return results[0], reducer.scores.means()
 
 
 def test_the_reducer_scores_every_sender_and_leaves_out_the_distrusted():
     copies = torch.stack([honest(5, d=60, seed=s).reshape(5, 3, 20)[:, 0] for s in range(3)], dim=1)
     copies[4] = -copies[4]
     results, scores = asyncio.run(_judged(copies))
-    assert sorted(scores) == [0, 1, 2, 3, 4] and all(count == 60 for _, _, count in scores.values())
+    assert sorted(scores) == [0, 1, 2, 3, 4]
     assert scores[4][0] < 0 < min(scores[i][0] for i in range(4))
     kept, _ = asyncio.run(_judged(copies, left_out=[4]))
     for part in range(3):  # the left-out sender's copies count with weight 0
         assert torch.equal(kept[part], reduce_part(swarm_opt.CenteredClip(), list(copies[:4, part]), [1.0] * 4))
+
+
+def test_round_scores_count_each_part_by_its_size_and_merge_under_names():
+    from swarm_opt.aggregation import RoundScores
+
+    one = RoundScores()
+    one.add([0, 1], torch.tensor([[1.0, 0.0], [-1.0, 0.5]]), size=3)
+    one.add([0, 1], torch.tensor([[0.0, 0.0], [float("nan"), 0.0]]), size=1)  # NaN: sender 1 not judged on it
+    assert one.means() == {0: (0.75, 0.0), 1: (-1.0, 0.5)}
+    both = RoundScores()
+    both.add_all(one, ["a", "b"])
+    both.add_all(one, ["b", "a"])
+    assert both.means() == {"a": ((3.0 - 3.0) / 7, 0.5 * 3 / 7), "b": ((3.0 - 3.0) / 7, 0.5 * 3 / 7)}

@@ -325,14 +325,16 @@ class RoundScores:
         """``scores`` (``judge_part``'s, one row per sender) of a part of ``size`` values; NaN rows are skipped."""
         for sender, (cosine, shift) in zip(senders, scores.tolist()):
             if math.isfinite(cosine) and math.isfinite(shift):
-                total = self._sums.setdefault(sender, [0.0, 0.0, 0])
-                total[0], total[1], total[2] = total[0] + cosine * size, total[1] + shift * size, total[2] + size
+                self._add(sender, cosine * size, shift * size, size)
 
     def add_all(self, other: RoundScores, names: Sequence[Any]) -> None:
         """Add ``other``'s sums, its senders (indices) named by ``names``."""
-        for sender, (cosine, shift, size) in other._sums.items():
-            total = self._sums.setdefault(names[sender], [0.0, 0.0, 0])
-            total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + size
+        for sender, sums in other._sums.items():
+            self._add(names[sender], *sums)
+
+    def _add(self, sender: Any, cosine: float, shift: float, size: int) -> None:
+        total = self._sums.setdefault(sender, [0.0, 0.0, 0])
+        total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + size
 
     def means(self) -> Dict[Any, Tuple[float, float]]:
         """Each sender's mean cosine and shift, what ``Reputations.record`` takes."""

@@ -3,9 +3,9 @@
 Setting ``hivemind``: hivemind's own optimizer test run with 4 swarm_opt peers (batches 4-7, steps of 0.3-0.9 s,
 ``matchmaking_time=1.0``). Setting ``fast``: the demo's shape (4 peers, batches of 32, steps of a few ms, target
 256). Peers are ``tests/swarm/peer.py`` processes; an epoch's samples are summed over the peers that committed it.
-``--shard-size 2`` runs each setting a second time with ``TrackerConfig(shard_size=2)``: the 4 peers' records are
-then sharded over 2 DHT keys and each peer reads one key every ``sampled_period`` (3 s), the path a swarm of
-hundreds takes (``swarm_opt.sharding``), against the exact one in the same run.
+``--shard-size 2`` runs each setting a second time with ``TrackerConfig(shard_size=2, exact_up_to=2)``: the 4 peers'
+records are then sharded over 2 DHT keys and each peer reads one key every ``sampled_period`` (3 s), the path a swarm
+of hundreds takes (``swarm_opt.sharding``), against the exact one in the same run.
 
     python benchmarks/global_batch.py                       # both settings
     python benchmarks/global_batch.py --shard-size 2        # and both again with sharded records
@@ -42,7 +42,8 @@ def run(setting: str, target: int, epochs: int, matchmaking_time: float, shard_s
                 swarm.start(rank, batch_size=batch, step_sleep=sleep, target_batch_size=target, inner="sgd",
                             epochs=epochs, expect_peers=len(SETTINGS[setting]), matchmaking_time=matchmaking_time,
                             max_seconds=60 + epochs * 10, linger=5.0,
-                            tracker={} if shard_size is None else {"shard_size": shard_size})
+                            tracker={} if shard_size is None else {"shard_size": shard_size,
+                                                                   "exact_up_to": shard_size})
             swarm.wait(timeout=120 + epochs * 15)
             results = [swarm.result(r) for r in range(len(SETTINGS[setting]))]
         finally:

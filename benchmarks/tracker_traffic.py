@@ -15,7 +15,7 @@ Bytes are what each DHT node's RPCs move: the serialized protobuf request plus r
 makes (stores, finds, pings, cache refreshes), counted at the caller, so that the sum over nodes is the swarm's DHT
 payload once (libp2p framing and encryption are not counted). Per peer = sum / N.
 
-"baseline" is today's design, selected by ``TrackerConfig(shard_size=2**40)`` (every record under one key, read
+"baseline" is today's design, selected by ``TrackerConfig(exact_up_to=2**40)`` (every record under one key, read
 whole at every refresh); "sharded" is the default ``TrackerConfig()``. The accuracy of the epoch trigger is the
 exact number of samples the swarm had accumulated when each peer's tracker first said ``ready``, over the target.
 
@@ -47,7 +47,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm_opt import TrackerConfig
 from swarm_opt.progress import _SHARD_READ_BEAM, ProgressTracker
 
-DESIGNS = {"baseline": TrackerConfig(shard_size=2 ** 40), "sharded": TrackerConfig()}
+DESIGNS = {"baseline": TrackerConfig(exact_up_to=2 ** 40), "sharded": TrackerConfig()}
 SAMPLES_PER_SECOND = 10.0  # a peer's mean throughput; each peer draws its own in [0.5, 1.5] x this
 
 
@@ -274,7 +274,8 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
     out: Dict[str, Dict[int, float]] = {"baseline": {}, **{design: {} for design in writes}}
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000):
         out["baseline"][n] = (cost("read", n) + cost("write", n)) / config.refresh_period
-        sample = ShardSample(shard_size=config.shard_size, horizon=config.sample_horizon)
+        sample = ShardSample(exact_up_to=config.exact_up_to, shard_size=config.shard_size,
+                             horizon=config.sample_horizon)
         sample.observe(n)
         for design, write in writes.items():
             if sample.level == 0:
@@ -287,6 +288,12 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
                                   + sum(cost("write", n) if level == 0 else write(n / 2 ** level)
                                         for level in levels)) / config.sampled_period
     return out
+
+
+def sharded_config(shard_size: int) -> TrackerConfig:
+    """The sharded design with ``shard_size`` records per shard; a size below the default ``exact_up_to`` also shards
+    swarms from that size on, so that a few real peers take the sampled path."""
+    return TrackerConfig(shard_size=shard_size, exact_up_to=min(shard_size, TrackerConfig().exact_up_to))
 
 
 def fit(points: List[Dict], design: str) -> Dict:
@@ -316,7 +323,8 @@ def main() -> None:
     parser.add_argument("--operations", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the per-operation costs and the model (~4 min)")
     parser.add_argument("--shard-size", type=int, default=TrackerConfig().shard_size,
-                        help="the sharded design's shard_size (small values shard a small real swarm)")
+                        help="the sharded design's shard_size; below the default exact_up_to, also the swarm size "
+                        "from which it shards (small values shard a small real swarm)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -336,7 +344,7 @@ def main() -> None:
     results: Dict[str, List[Dict]] = {design: [] for design in args.designs}
     for n in args.peers:
         for design in args.designs:
-            config = DESIGNS[design] if design == "baseline" else TrackerConfig(shard_size=args.shard_size)
+            config = DESIGNS[design] if design == "baseline" else sharded_config(args.shard_size)
             result = run_swarm(n, config, args.seconds, args.warmup, args.epoch_seconds, args.seed)
             results[design].append(result)
             print(f"{design:8s} N={n:3d}: {result['bytes_per_peer_per_second'] / 1e3:8.2f} KB/s per peer "

@@ -106,10 +106,12 @@ class TrackerConfig:
         then never start before every counted sample was reported, a little later on average) and turns off the other
         estimate from speeds, each peer's share of the global batch (rounds are then as deterministic as the steps).
     :param trust: how far other peers' claims are believed (``TrustConfig``).
-    :param shard_size: how many records a peer reads at a time in a large swarm: records are sharded over more DHT
-        keys as the swarm grows, so that each key holds about this many (``swarm_opt.progress``). Swarms up to this
-        size keep every record under one key, and every peer reads them all. A private run is never sharded (its
-        donors admit a newcomer by its record under that key), so its tracking costs each peer O(N).
+    :param exact_up_to: swarms up to this many peers keep every record under one key and every peer reads them all
+        at every refresh: exact tracking, which short epochs need. Larger swarms are sharded. A private run is never
+        sharded (its donors admit a newcomer by its record under that key), so its tracking costs each peer O(N).
+    :param shard_size: how many records a peer reads at a time in a sharded swarm: records are spread over more DHT
+        keys as the swarm grows, so that each key holds about this many (``swarm_opt.sharding``). The DHT bytes a
+        peer spends on tracking grow with it; the sampled estimate's error shrinks like its square root.
     :param sample_horizon: in a sharded swarm, a peer keeps the shards it read for this many seconds and estimates
         the swarm from them; longer is more precise in a steady swarm, shorter follows churn sooner.
     :param sampled_period: in a sharded swarm, a peer reads one shard and re-publishes its record this often (its
@@ -124,7 +126,8 @@ class TrackerConfig:
     refresh_period: float = 1.0
     max_extrapolation: float = 2.0
     trust: TrustConfig = TrustConfig()
-    shard_size: int = 16
+    exact_up_to: int = 16
+    shard_size: int = 8
     sample_horizon: float = 30.0
     sampled_period: float = 3.0
 
@@ -132,6 +135,7 @@ class TrackerConfig:
         _positive_float("heartbeat_period", self.heartbeat_period)
         _positive_float("record_ttl", self.record_ttl)
         _positive_float("refresh_period", self.refresh_period)
+        _positive_int("exact_up_to", self.exact_up_to)
         _positive_int("shard_size", self.shard_size)
         _positive_float("sample_horizon", self.sample_horizon)
         _positive_float("sampled_period", self.sampled_period)

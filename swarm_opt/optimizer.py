@@ -46,7 +46,7 @@ from swarm_opt.strategies.grad_averaging import GradientAveraging
 logger = logging.getLogger(__name__)
 
 #: a private run's tracking stays under one key, read whole (O(N) per peer): its donors check a newcomer's record there
-PRIVATE_RUN_SHARD_SIZE = 2**40
+PRIVATE_RUN_EXACT_UP_TO = 2**40
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Optimizer(torch.optim.Optimizer):
         access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
         if access is not None:  # a private run's donors admit peers by their record under the run's one key
-            tracker = replace(tracker, shard_size=PRIVATE_RUN_SHARD_SIZE)  # (RunAccess): it is never sharded
+            tracker = replace(tracker, exact_up_to=PRIVATE_RUN_EXACT_UP_TO)  # (RunAccess): it is never sharded
         self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),

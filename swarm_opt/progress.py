@@ -308,7 +308,8 @@ class SampledRecords:
     def __init__(self, dht: DHT, run_id: str, *, model_schema: Optional[str], config: TrackerConfig,
                  owner: Optional[int] = None, exclude_instance: Optional[str] = None) -> None:
         self.dht, self.run_id, self.model_schema, self.config = dht, run_id, model_schema, config
-        self.sample = ShardSample(shard_size=config.shard_size, horizon=config.sample_horizon)
+        self.sample = ShardSample(exact_up_to=config.exact_up_to, shard_size=config.shard_size,
+                                  horizon=config.sample_horizon)
         self.owner = owner if owner is not None else int.from_bytes(os.urandom(8), "little")
         self._exclude = exclude_instance
         self._probe_period = max(30.0, 5 * config.record_ttl)

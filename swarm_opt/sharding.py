@@ -4,23 +4,25 @@ Reading every peer's record at every refresh costs each peer O(N) and the swarm 
 nodes that store the run's key. Instead, records are **sharded**: at level ``c`` there are ``K = 2^c`` keys, and a
 peer's record goes to shard ``sha256(owner key) mod K``, where the owner key is the RSA public key that signs the
 record. A peer picks its level from its estimate of the swarm's size so that a shard holds about ``shard_size``
-records, and reads **one shard every** ``sampled_period``, the one it read least recently, from the DHT node
-nearest to its key (a beam of 1: each node a hivemind search visits answers with its routing table and, if it holds
-the key, its whole value); it writes its own record straight to its shard's nearest nodes, without a search
-(``swarm_opt._hivemind.near_store``). It keeps what it read for ``sample_horizon`` seconds and estimates the swarm
-from the shards it holds: if they cover a fraction ``f`` of the shards (``coverage``), each record held stands for
-``1/f`` peers (``scale``).
+records (level 0, one key, holds up to ``exact_up_to``), and reads **one shard every** ``sampled_period``, the one
+it read least recently, from the DHT node nearest to its key (a beam of 1: each node a hivemind search visits answers
+with its routing table and, if it holds the key, its whole value); it writes its own record straight to its
+shard's nearest nodes, without a search (``swarm_opt._hivemind.near_store``). It keeps what it read for
+``sample_horizon`` seconds and estimates the swarm from the shards it holds: if they cover a fraction ``f`` of the
+shards (``coverage``), each record held stands for ``1/f`` peers (``scale``).
 Per period a peer reads about ``shard_size`` records and writes its own once or twice, whatever N; the DHT load
 spreads over K keys. The cost per peer is then a constant set by ``shard_size`` and ``sampled_period``.
 
-* **Small swarms are exact.** Up to ``shard_size`` peers (more with the hysteresis below) everything is under one
-  key (level 0, the run's historical key), a peer reads it at every refresh and the view is today's view. While the
+* **Small swarms are exact.** Up to ``exact_up_to`` peers (more with the hysteresis below) everything is under one
+  key (level 0, the run's historical key), a peer reads it at every refresh and the view is today's view. This
+  bound is apart from ``shard_size``: small swarms stay exact (short epochs need it), while large swarms read small
+  shards (the bytes per peer are about proportional to ``shard_size``). While the
   shards a peer holds cover the whole swarm (``K`` refreshes within the horizon: 20 shards by default, hundreds of
   peers) nothing is scaled either; held records are extrapolated at their throughput, so the only error is a
   throughput that changed, or a peer that left, within the horizon.
 * **Large swarms are sampled.** Shards are random subsets of the peers (a hash), so with ``n = f N`` records held
   the estimated total has a relative standard error of about ``sqrt((1 - f) / n) * sqrt(1 + CV^2)``, ``CV`` being
-  the spread of per-peer samples (with the defaults at 1,000 peers: 10 shards of 64 held, n = 156, about 8 %), and
+  the spread of per-peer samples (with the defaults at 1,000 peers: 10 shards of 128 held, n = 78, about 11 %), and
   no bias. Consecutive estimates share all but
   one shard, so the estimate moves smoothly and the epoch trigger does not fire early on a lucky draw.
 * **Majorities need a bound, not an estimate.** A round commits only in a group holding a strict majority of the
@@ -60,8 +62,8 @@ import re
 from functools import lru_cache
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-MAX_LEVEL = 7  # 128 shards: ~2,500 peers at the default shard size (the DHT process gets every key's hash: 8 KB here;
-# at 2,047 keys the 53 KB validator message crashed hivemind's DHT process)
+MAX_LEVEL = 7  # 128 shards: ~1,300 peers at the default shard size, shards grow beyond (the DHT process gets every
+# key's hash: 8 KB here; at 2,047 keys the 53 KB validator message crashed hivemind's DHT process)
 _HYSTERESIS = 1.25  # a reader changes level once its estimate leaves the level's range by this factor
 _PUBLISH_MARGIN = 1.6  # a writer publishes at every level whose range, widened by this factor, holds its estimate
 _SMOOTHING = 0.3  # weight of a new observation in the estimate of the swarm's size
@@ -121,8 +123,9 @@ class ShardSample:
     ``records`` are whatever the caller stores per shard (validated progress records); the sample only keeps them
     with the time they were read and says how many peers each stands for (``scale``)."""
 
-    def __init__(self, *, shard_size: int, horizon: float, rng: Optional[random.Random] = None) -> None:
-        self.shard_size, self.horizon = shard_size, horizon
+    def __init__(self, *, exact_up_to: int, shard_size: int, horizon: float, rng: Optional[random.Random] = None
+                 ) -> None:
+        self.exact_up_to, self.shard_size, self.horizon = exact_up_to, shard_size, horizon
         self.level = 0
         self.peers: Optional[float] = None  # smoothed estimate of the live peers, ourselves included
         self._held: Dict[Shard, Tuple[float, list]] = {}  # disjoint shards -> (time read, records)
@@ -145,6 +148,8 @@ class ShardSample:
         levels = {self.level}
         if self.peers is not None:
             for level in range(MAX_LEVEL + 1):
+                if level > 0 and self._capacity(level) <= self._capacity(level - 1):
+                    continue  # a level no reader stays at (see _capacity)
                 low = 0.0 if level == 0 else self._capacity(level - 1) / _PUBLISH_MARGIN
                 if low <= self.peers <= self._capacity(level) * _PUBLISH_MARGIN:
                     levels.add(level)
@@ -193,7 +198,9 @@ class ShardSample:
         return best
 
     def _capacity(self, level: int) -> float:
-        return float(self.shard_size * 2 ** level)
+        """How many peers ``level`` is for: one key up to ``exact_up_to``, then ``shard_size`` per shard (levels
+        whose shards would hold fewer than ``exact_up_to`` in all are passed through on the way up and down)."""
+        return float(self.exact_up_to if level == 0 else max(self.exact_up_to, self.shard_size * 2 ** level))
 
     def _expire(self, now: float) -> None:
         for shard in [s for s, (t, _) in self._held.items() if now - t > self.horizon]:

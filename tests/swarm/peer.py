@@ -298,7 +298,7 @@ def main(config_path: str) -> None:
         batch_size_per_step=cfg["batch_size"], params=model.parameters(), optimizer=inner,
         strategy=make_strategy(cfg.get("strategy", "grad"), model),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0),
-                                        **cfg.get("tracker", {})),  # e.g. {"shard_size": 2}: sharded records
+                                        **cfg.get("tracker", {})),  # e.g. {"shard_size": 2, "exact_up_to": 2}: sharded
         scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))

@@ -99,14 +99,14 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
 
 
 def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
-    """Five peers with ``shard_size=2`` keep their progress records under several DHT keys (level 1 or 2) and each
-    reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of hundreds),
-    rounds still gather the peers, every epoch averages about one global batch, and the result is still exactly one
-    process on the union of each epoch's batches."""
+    """Five peers with ``shard_size=2, exact_up_to=2`` keep their progress records under several DHT keys (level 1 or
+    2) and each reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of
+    hundreds), rounds still gather the peers, every epoch averages about one global batch, and the result is still
+    exactly one process on the union of each epoch's batches."""
     n, epochs, target = 5, 7, 320
     for rank in range(n):
         swarm.start(rank, batch_size=8, target_batch_size=target, inner="sgd", epochs=epochs, expect_peers=n,
-                    step_sleep=0.05, tracker={"shard_size": 2, "sampled_period": 0.5})
+                    step_sleep=0.05, tracker={"shard_size": 2, "exact_up_to": 2, "sampled_period": 0.5})
     swarm.wait(timeout=200)
     results = [swarm.result(r) for r in range(n)]
     per_epoch = {}

@@ -82,7 +82,7 @@ def test_a_record_stored_under_a_shard_its_key_does_not_hash_to_is_dropped():
 
 
 def test_levels_follow_the_swarm_with_hysteresis_and_writers_cover_readers():
-    sample = ShardSample(shard_size=16, horizon=30.0)
+    sample = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
     sample.observe(9)
     assert sample.level == 0 and sample.publish_levels() == {0}  # a small swarm: one key, read whole
     sample.observe(16)
@@ -94,21 +94,46 @@ def test_levels_follow_the_swarm_with_hysteresis_and_writers_cover_readers():
     for n in (30, 35, 40):
         sample.observe(n)
     assert sample.level == 1
-    big = ShardSample(shard_size=16, horizon=30.0)
+    big = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
     big.settle([0] * 6 + [15] + [0] * (MAX_LEVEL - 6))  # a probe found 15 records in our level-6 shard
     assert big.level == 6 and big.peers == 1 + 15 * 64
     # a reader whose estimate differs by up to 1.28x from the writer's reads a level the writer publishes at
     for writer_peers in (100, 300, 1000, 3000):
-        writer = ShardSample(shard_size=16, horizon=30.0)
+        writer = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
         writer.observe(writer_peers)
         for factor in (1 / 1.27, 1.0, 1.27):
-            reader = ShardSample(shard_size=16, horizon=30.0)
+            reader = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
             reader.observe(writer_peers * factor)
             assert reader.level in writer.publish_levels()
 
 
+def test_the_default_keeps_small_swarms_exact_and_reads_small_shards_in_large_ones():
+    """``TrackerConfig()``: one key up to 16 peers (20 with the hysteresis), shards of ~8 records above; the level
+    whose shards would hold fewer than 16 peers in all is passed through, and nobody publishes there."""
+    config = TrackerConfig()
+    sample = ShardSample(exact_up_to=config.exact_up_to, shard_size=config.shard_size, horizon=30.0)
+    for n in (5, 16, 20):
+        sample.observe(n)
+        assert sample.level == 0
+    sample.observe(21)
+    assert sample.level == 2 and 1 not in sample.publish_levels() and 0 in sample.publish_levels()
+    for _ in range(10):  # estimates are smoothed once sharded
+        sample.observe(12)
+    assert sample.level == 0
+    large = ShardSample(exact_up_to=config.exact_up_to, shard_size=config.shard_size, horizon=30.0)
+    large.observe(1000)
+    assert large.level == 7 and large.publish_levels() == {7}  # 128 shards of ~8: one write per period
+    for writer_peers in (25, 100, 300, 1000):
+        writer = ShardSample(exact_up_to=16, shard_size=8, horizon=30.0)
+        writer.observe(writer_peers)
+        for factor in (1 / 1.27, 1.0, 1.27):
+            reader = ShardSample(exact_up_to=16, shard_size=8, horizon=30.0)
+            reader.observe(writer_peers * factor)
+            assert reader.level in writer.publish_levels(), (writer_peers, factor)
+
+
 def test_held_shards_are_disjoint_scale_and_expire():
-    sample = ShardSample(shard_size=16, horizon=10.0, rng=random.Random(0))
+    sample = ShardSample(exact_up_to=16, shard_size=16, horizon=10.0, rng=random.Random(0))
     sample.level = 2
     sample.add((2, 1), ["a"], now=0.0)
     sample.add((2, 3), ["b"], now=1.0)
@@ -124,7 +149,7 @@ def test_held_shards_are_disjoint_scale_and_expire():
 
 
 def test_the_reads_of_many_peers_spread_over_the_shards():
-    first = [ShardSample(shard_size=16, horizon=30.0, rng=random.Random(seed)) for seed in range(64)]
+    first = [ShardSample(exact_up_to=16, shard_size=16, horizon=30.0, rng=random.Random(seed)) for seed in range(64)]
     for sample in first:
         sample.level = 3
     hits = [0] * 8
@@ -135,7 +160,7 @@ def test_the_reads_of_many_peers_spread_over_the_shards():
 
 def estimate(swarm: Swarm, n_shards_read: int, level: int, t: float, seed: int, horizon: float = 1e9) -> float:
     """What a peer estimates at time ``t`` after reading ``n_shards_read`` shards at ``level``, one per second."""
-    sample = ShardSample(shard_size=16, horizon=horizon, rng=random.Random(seed))
+    sample = ShardSample(exact_up_to=16, shard_size=16, horizon=horizon, rng=random.Random(seed))
     sample.level = level
     for k in range(n_shards_read):
         read_at = t - (n_shards_read - 1 - k)
@@ -156,13 +181,18 @@ def test_a_sample_that_covers_every_shard_is_exact_and_a_partial_one_is_unbiased
     spread = (sum(e * e for e in errors) / len(errors)) ** 0.5
     assert abs(mean) < 0.02  # unbiased: within ±10 % on average, by far
     assert 0.02 < spread < 0.12  # ~sqrt((1 - f) / n) * sqrt(1 + CV^2) with f = 10/64, n ~ 156
+    # the default shard size at 1,000 peers: level 7, 10 of 128 shards of ~8 held
+    errors = [estimate(swarm, 10, 7, t, seed=seed) / exact - 1 for seed in range(100)]
+    mean = sum(errors) / len(errors)
+    spread = (sum(e * e for e in errors) / len(errors)) ** 0.5
+    assert abs(mean) < 0.03 and 0.03 < spread < 0.16, (mean, spread)  # f = 10/128, n ~ 78: about 11 %
 
 
 
 
 def sampled_progress(swarm: Swarm, level: int, shards_read: int, seed: int):
     """What a peer sees after reading ``shards_read`` shards of ``swarm`` at ``level``, all at time 1."""
-    sample = ShardSample(shard_size=16, horizon=1e9, rng=random.Random(seed))
+    sample = ShardSample(exact_up_to=16, shard_size=16, horizon=1e9, rng=random.Random(seed))
     sample.level = level
     for _ in range(shards_read):
         shard = sample.next_read()
@@ -199,7 +229,7 @@ def test_a_sample_is_filling_until_it_covers_what_a_horizon_of_reads_covers():
                                                                                  sampled_period=3.0))
     assert not records.filling  # level 0: one key, read whole
     for level, settled in ((1, 2), (6, 10)):
-        records.sample = ShardSample(shard_size=16, horizon=30.0)
+        records.sample = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
         records.sample.level = level
         for index in range(settled):
             assert records.filling, (level, index)
@@ -212,7 +242,7 @@ def test_a_liar_in_a_sampled_shard_moves_the_estimate_only_as_far_as_trust_bound
     scaled by 1/f it moves the estimate of a reader that holds its shard by a few percent."""
     swarm = Swarm(1000)
     t = 10.0
-    sample = ShardSample(shard_size=16, horizon=1e9, rng=random.Random(2))
+    sample = ShardSample(exact_up_to=16, shard_size=16, horizon=1e9, rng=random.Random(2))
     sample.level = 6
     liar_owner = owner_hash(b"[owner:liar]/x")
     liar = record(-1, 0, 10**7, 1e6, t)
@@ -233,6 +263,8 @@ def test_a_liar_in_a_sampled_shard_moves_the_estimate_only_as_far_as_trust_bound
 def test_tracker_config_validates_the_sampling_knobs():
     with pytest.raises(ConfigError, match="shard_size"):
         TrackerConfig(shard_size=0)
+    with pytest.raises(ConfigError, match="exact_up_to"):
+        TrackerConfig(exact_up_to=0)
     with pytest.raises(ConfigError, match="sample_horizon"):
         TrackerConfig(sample_horizon=-1.0)
     with pytest.raises(ConfigError, match="sampled_period"):

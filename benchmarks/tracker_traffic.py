@@ -122,6 +122,7 @@ def run_swarm(n: int, config: TrackerConfig, seconds: float, warmup: float, epoc
         tracker._fetch = counted
     for tracker in trackers:
         tracker.report(0, 0)
+        tracker.mark_joined()  # founders of the run: they publish from the start (a newcomer waits to have caught up)
         for attempt in range(3):  # a loaded machine may time a first store out; the product would fail the same way
             try:
                 tracker.start()

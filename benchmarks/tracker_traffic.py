@@ -35,7 +35,7 @@ import math
 import random
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 from _common import code_version, command_line, machine, table  # also puts the repo on sys.path for swarm_opt
@@ -291,9 +291,11 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
     return out
 
 
-def sharded_config(shard_size: int) -> TrackerConfig:
-    """The sharded design with ``shard_size`` records per shard; a size below the default ``exact_up_to`` also shards
-    swarms from that size on, so that a few real peers take the sampled path."""
+def sharded_config(shard_size: Optional[int]) -> TrackerConfig:
+    """The default design, or one with ``shard_size`` records per shard that also shards swarms from that size on
+    (``exact_up_to``, when below the default's), so that a few real peers take the sampled path."""
+    if shard_size is None:
+        return TrackerConfig()
     return TrackerConfig(shard_size=shard_size, exact_up_to=min(shard_size, TrackerConfig().exact_up_to))
 
 
@@ -323,7 +325,7 @@ def main() -> None:
     parser.add_argument("--model-nodes", type=int, default=32, help="DHT nodes for the per-operation costs")
     parser.add_argument("--operations", action=argparse.BooleanOptionalAction, default=True,
                         help="measure the per-operation costs and the model (~4 min)")
-    parser.add_argument("--shard-size", type=int, default=TrackerConfig().shard_size,
+    parser.add_argument("--shard-size", type=int, default=None,
                         help="the sharded design's shard_size; below the default exact_up_to, also the swarm size "
                         "from which it shards (small values shard a small real swarm)")
     args = parser.parse_args()

@@ -97,14 +97,18 @@ def test_levels_follow_the_swarm_with_hysteresis_and_writers_cover_readers():
     big = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
     big.settle([0] * 6 + [15] + [0] * (MAX_LEVEL - 6))  # a probe found 15 records in our level-6 shard
     assert big.level == 6 and big.peers == 1 + 15 * 64
-    # a reader whose estimate differs by up to 1.28x from the writer's reads a level the writer publishes at
-    for writer_peers in (100, 300, 1000, 3000):
-        writer = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
+    assert_readers_find_writers(exact_up_to=16, shard_size=16, swarm_sizes=(100, 300, 1000, 3000))
+
+
+def assert_readers_find_writers(*, exact_up_to: int, shard_size: int, swarm_sizes: tuple) -> None:
+    """A reader whose estimate differs by up to 1.28x from the writer's reads a level the writer publishes at."""
+    for writer_peers in swarm_sizes:
+        writer = ShardSample(exact_up_to=exact_up_to, shard_size=shard_size, horizon=30.0)
         writer.observe(writer_peers)
         for factor in (1 / 1.27, 1.0, 1.27):
-            reader = ShardSample(exact_up_to=16, shard_size=16, horizon=30.0)
+            reader = ShardSample(exact_up_to=exact_up_to, shard_size=shard_size, horizon=30.0)
             reader.observe(writer_peers * factor)
-            assert reader.level in writer.publish_levels()
+            assert reader.level in writer.publish_levels(), (writer_peers, factor)
 
 
 def test_the_default_keeps_small_swarms_exact_and_reads_small_shards_in_large_ones():
@@ -123,13 +127,8 @@ def test_the_default_keeps_small_swarms_exact_and_reads_small_shards_in_large_on
     large = ShardSample(exact_up_to=config.exact_up_to, shard_size=config.shard_size, horizon=30.0)
     large.observe(1000)
     assert large.level == 7 and large.publish_levels() == {7}  # 128 shards of ~8: one write per period
-    for writer_peers in (25, 100, 300, 1000):
-        writer = ShardSample(exact_up_to=16, shard_size=8, horizon=30.0)
-        writer.observe(writer_peers)
-        for factor in (1 / 1.27, 1.0, 1.27):
-            reader = ShardSample(exact_up_to=16, shard_size=8, horizon=30.0)
-            reader.observe(writer_peers * factor)
-            assert reader.level in writer.publish_levels(), (writer_peers, factor)
+    assert_readers_find_writers(exact_up_to=config.exact_up_to, shard_size=config.shard_size,
+                                swarm_sizes=(25, 100, 300, 1000))
 
 
 def test_held_shards_are_disjoint_scale_and_expire():

@@ -16,10 +16,10 @@ spreads over K keys. The cost per peer is then a constant set by ``shard_size`` 
 * **Small swarms are exact.** Up to ``exact_up_to`` peers (more with the hysteresis below) everything is under one
   key (level 0, the run's historical key), a peer reads it at every refresh and the view is today's view. This
   bound is apart from ``shard_size``: small swarms stay exact (short epochs need it), while large swarms read small
-  shards (the bytes per peer are about proportional to ``shard_size``). While the
-  shards a peer holds cover the whole swarm (``K`` refreshes within the horizon: 20 shards by default, hundreds of
-  peers) nothing is scaled either; held records are extrapolated at their throughput, so the only error is a
-  throughput that changed, or a peer that left, within the horizon.
+  shards (the bytes per peer are about proportional to ``shard_size``). While the shards a peer holds cover the
+  whole swarm (``K`` refreshes within the horizon: 10 shards by default, i.e. up to level 3, about 80 peers) nothing
+  is scaled either; held records are extrapolated at their throughput, so the only error is a throughput that
+  changed, or a peer that left, within the horizon.
 * **Large swarms are sampled.** Shards are random subsets of the peers (a hash), so with ``n = f N`` records held
   the estimated total has a relative standard error of about ``sqrt((1 - f) / n) * sqrt(1 + CV^2)``, ``CV`` being
   the spread of per-peer samples (with the defaults at 1,000 peers: 10 shards of 128 held, n = 78, about 11 %), and

@@ -337,8 +337,9 @@ class _Engine(DecentralizedAverager):
             scores = RoundScores()
             for each in runners:
                 scores.add_all(each.tensor_part_reducer.scores, [str(peer) for peer in each.sender_peer_ids])
-            memory.record(scores.means())
-            logger.debug("Reputation: this round's scores %s; distrusted %s", scores.means(), memory.distrusted())
+            means = scores.means()
+            memory.record(means)
+            logger.debug("Reputation: this round's scores %s; distrusted %s", means, memory.distrusted())
         if self.mode == AveragingMode.AUX:
             with self._values_reduced.get_lock():  # what this helper took off the trainers (shared with the host)
                 self._values_reduced.value += sum(shape.numel() for shape in runner.tensor_part_reducer.part_shapes)

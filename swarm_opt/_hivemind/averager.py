@@ -72,7 +72,9 @@ _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
+_ASSEMBLY_POLL = 0.01  # seconds between a leader's checks whether its group is complete before its deadline
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
+DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
 DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
@@ -139,7 +141,8 @@ class _Engine(DecentralizedAverager):
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
         # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group
-        cell = _member_info(self.serializer, step.data_for_gather).get(CELL_KEY, "")
+        info = _member_info(self.serializer, step.data_for_gather)
+        cell = info.get(CELL_KEY, "")
         self._matchmaking.group_key_manager.group_bits = cell if _valid_cell(cell) else ""
         if self.mode == AveragingMode.AUX:
             # a helper only follows: it never declares itself a leader (nor accepts followers), so it can neither
@@ -149,7 +152,46 @@ class _Engine(DecentralizedAverager):
             self._avoid_liars_as_leaders(self._matchmaking)
         _renew_finished_search(self._matchmaking)
         self._tell_distrusted(step)
-        await super()._step(step=step, future_for_init=future_for_init)
+        early = None
+        if self.mode != AveragingMode.AUX and self._matchmaking.target_group_size is None:
+            early = asyncio.ensure_future(self._assemble_once_complete(step, info))
+        try:
+            await super()._step(step=step, future_for_init=future_for_init)
+        finally:
+            if early is not None:
+                early.cancel()
+
+    async def _assemble_once_complete(self, step: StepControl, info: dict) -> None:
+        """As a leader in a round of one group, assemble the group as soon as every live peer that this peer's
+        tracker counts (the ``bound`` of its gather: an upper bound) has joined, this peer is ready to send
+        (triggered) and the round is due; not at the leader's deadline, which hivemind sets at least
+        ``matchmaking_time`` after the search began, a floor under every round shorter than that. An overcount (a
+        peer that left, or one behind) falls back to the deadline; a peer the count missed (a newcomer seen by
+        nobody yet) finds the group formed and joins the next round. Moshpit groups assemble once full (hivemind's
+        ``target_group_size``)."""
+        expected, due = info.get("bound"), info.get(DUE_KEY)
+        if type(expected) is not int or expected < 2 or not isinstance(due, float):
+            return
+        matchmaking = self._matchmaking
+        while not step.done():
+            await asyncio.sleep(_ASSEMBLY_POLL)
+            if not (step.triggered and get_dht_time() >= due and self._group_complete(step, expected)):
+                continue
+            async with matchmaking.lock_request_join_group:
+                if self._group_complete(step, expected):  # still leading this step's search, nobody left
+                    await matchmaking.leader_assemble_group()
+                    return
+
+    def _group_complete(self, step: StepControl, expected: int) -> bool:
+        """Whether this peer leads ``step``'s search, not yet assembled, with ``expected`` trainers (itself included;
+        helpers do not count)."""
+        matchmaking = self._matchmaking
+        if not (matchmaking.is_looking_for_group and matchmaking.step_control is step and not matchmaking.client_mode
+                and matchmaking.current_leader is None and not matchmaking.assembled_group.done()):
+            return False
+        trainers = sum(not _member_info(self.serializer, request.gather).get("aux")
+                       for request in matchmaking.current_followers.values())
+        return 1 + trainers >= expected
 
     def _reputation_memory(self) -> Optional[Reputations]:
         """This reducer's memory of senders, with ``Reputation`` (made in the averager process, where it reduces)."""
@@ -902,6 +944,7 @@ class TensorAverager:
                 if self._scheduled_round == round_id:
                     return
                 cancel_step(self._scheduled)
+            due = float(when)  # a leader may assemble its group from then on, once complete (_assemble_once_complete)
             when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
             if self.auxiliary:
                 # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
@@ -912,7 +955,7 @@ class TensorAverager:
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={**self.member_info(), "round": round_id, "step_period": self.step_period,
+                gather={**self.member_info(), "round": round_id, "step_period": self.step_period, DUE_KEY: due,
                         "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )

@@ -98,6 +98,32 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
 
 
+def test_rounds_shorter_than_matchmaking_time_start_once_every_peer_joined(swarm):
+    """A round's group assembles as soon as every live peer joined it and its leader is ready, not at the leader's
+    matchmaking deadline (at least ``matchmaking_time`` after the search began): rounds of well under a second with
+    ``matchmaking_time=20`` follow each other in seconds, and the result is still one process on the union of each
+    epoch's batches."""
+    epochs, matchmaking_time = 5, 20.0
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="sgd", epochs=epochs, expect_peers=3,
+                    step_sleep=0.03, matchmaking_time=matchmaking_time, averaging_timeout=40.0, max_seconds=200)
+    swarm.wait(timeout=230)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+        full = [rep for rep in r["reports"] if rep["group_size"] == 3]
+        assert len(full) >= epochs - 1, r["reports"]
+        # each of these rounds would have waited out the deadline (20 s after its search began) without early assembly
+        gaps = [b["time"] - a["time"] for a, b in zip(full, full[1:])]
+        assert gaps and max(gaps) < matchmaking_time / 2, (gaps, r["reports"])
+        assert_quiet(swarm.log(r["rank"]))
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)
+    references = list(possible_references(results, "sgd", epochs))
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+
+
 def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
     """Five peers with ``shard_size=2, exact_up_to=2`` keep their progress records under several DHT keys (level 1 or
     2) and each reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of

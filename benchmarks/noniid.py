@@ -63,6 +63,7 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
 )
 
 import swarm_opt
+from swarm_opt.config import SHARES
 from swarm_opt.simulation import average_in_process
 
 TARGETS = (0.85, 0.90)
@@ -471,6 +472,7 @@ def worker(args: argparse.Namespace, setup: Callable[..., PeerSetup] = default_s
         dht=dht, run_id=f"noniid_{args.strategy_name}", target_batch_size=args.peers * args.steps * args.batch_size,
         batch_size_per_step=args.batch_size, params=params, optimizer=peer.optimizer, strategy=peer.strategy,
         matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout, privacy=peer.privacy,
+        tracker=swarm_opt.TrackerConfig(shares=args.shares),
     )
     try:
         deadline = time.monotonic() + 120
@@ -519,7 +521,7 @@ def run_swarm(args: argparse.Namespace, name: str, tmp: Path, script: str = __fi
             worker_args = [script, "--worker", "--rank", str(rank), "--tmp", str(tmp), "--strategy-name", name,
                            "--seed", str(args.real_seed), "--rounds", str(args.real_rounds), "--peers", str(args.peers),
                            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                           "--matchmaking-time", str(args.matchmaking_time),
+                           "--matchmaking-time", str(args.matchmaking_time), "--shares", args.shares,
                            "--averaging-timeout", str(args.averaging_timeout), "--step-sleep", str(args.step_sleep),
                            "--max-seconds", str(args.max_seconds)]
             procs.append(launch(worker_args, log, env_extra={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
@@ -746,6 +748,8 @@ def main() -> None:
     real.add_argument("--real-seed", type=int, default=0)
     real.add_argument("--real-rounds", type=int, default=15)
     real.add_argument("--matchmaking-time", type=float, default=2.0)
+    real.add_argument("--shares", choices=SHARES, default="equal", help="how a round's global batch is split among "
+                      "the peers (TrackerConfig.shares): 'equal', K steps each as in the simulation; 'speed'")
     real.add_argument("--averaging-timeout", type=float, default=60.0)
     real.add_argument("--step-sleep", type=float, default=0.02, help="seconds of sleep per peer step (lockstep)")
     real.add_argument("--max-seconds", type=float, default=900.0, help="a peer stops training after this long")

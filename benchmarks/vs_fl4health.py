@@ -14,11 +14,13 @@ Opacus's Poisson sampling (rate batch / shard size) on both sides.
 Settings made equal on purpose, where FL4Health's examples differ: FedAvg averages uniformly
 (``BasicFedAvg(weighted_aggregation=False)``; every client takes the same number of steps of the same batch size, as
 swarm_opt weighs its peers by the round's samples); FedProx's μ = 0.01, fixed (``FedAvgWithAdaptiveConstraint(
-adapt_loss_weight=False)``); SCAFFOLD's controls start at zero (``warm_start=False``: the examples' warm start runs an
-extra training pass that swarm_opt does not, and that DP-SCAFFOLD's accountant does not count); every client in every
-round (fraction 1.0). FL4Health's federated evaluation is off: the server evaluates its aggregated model centrally
-(``evaluate_fn``) on the 1000 held-out digits after every round; swarm_opt's peers evaluate their model after every
-round they commit (they hold the same one).
+adapt_loss_weight=False)``); SCAFFOLD's controls start at zero (``warm_start=False``: the examples' warm start runs
+an extra training pass that swarm_opt does not, and that DP-SCAFFOLD's accountant does not count); every client in
+every round (fraction 1.0); swarm_opt's peers split each round's global batch equally
+(``TrackerConfig(shares="equal")``, ``--shares``), so that each takes ``--steps`` steps per round as FL4Health's
+clients do, rather than in proportion to its speed (the default for volunteer swarms). FL4Health's federated
+evaluation is off: the server evaluates its aggregated model centrally (``evaluate_fn``) on the 1000 held-out digits
+after every round; swarm_opt's peers evaluate their model after every round they commit (they hold the same one).
 
 Reported per algorithm and side: test accuracy per round and its mean over the last 5 rounds; wall time per round
 (median time between successive round ends from round 2 on: round 1 includes start-up); payload bytes per round
@@ -70,6 +72,7 @@ from noniid import (
 )
 
 import swarm_opt
+from swarm_opt.config import SHARES
 
 MU = 0.01  # FedProx's μ on both sides: noniid.py's "fedprox" entry
 assert STRATEGIES["fedprox"].make().mu == MU
@@ -515,6 +518,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0, help="DP-SGD's per-sample clipping bound, both sides")
     parser.add_argument("--delta", type=float, default=1e-5, help="the delta epsilon is reported at")
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
+    parser.add_argument("--shares", choices=SHARES, default="equal", help="how swarm_opt splits a round's global "
+                        "batch among its peers (TrackerConfig.shares): 'equal', --steps each as FL4Health's clients")
     parser.add_argument("--averaging-timeout", type=float, default=60.0)
     parser.add_argument("--max-seconds", type=float, default=900.0, help="a side stops training after this long")
     parser.add_argument("--out", default="vs_fl4health.json")

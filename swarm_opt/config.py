@@ -10,6 +10,7 @@ from typing import Optional
 from swarm_opt.errors import ConfigError, ConfigTypeError
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+SHARES = ("speed", "equal")  # TrackerConfig.shares
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool = False) -> None:
@@ -105,6 +106,12 @@ class TrackerConfig:
         many seconds past its last record, so that rounds start on time; 0 counts only reported samples (rounds
         then never start before every counted sample was reported, a little later on average) and turns off the other
         estimate from speeds, each peer's share of the global batch (rounds are then as deterministic as the steps).
+    :param shares: how the global batch is split among the peers computing an epoch, each of which stops at its
+        share and waits for the round. ``"speed"`` (default): in proportion to their compute speeds, so that all
+        finish together and nobody waits for a slow peer (a volunteer swarm). ``"equal"``: the same number of
+        samples each, hence the same number of local steps per round (federated learning's schedule: FedAvg's K
+        local steps, SCAFFOLD's control variates); every round then lasts as long as its slowest peer takes, at
+        most ``averaging_timeout`` past the others. Every peer of a run must use the same.
     :param trust: how far other peers' claims are believed (``TrustConfig``).
     :param exact_up_to: swarms up to this many peers keep every record under one key and every peer reads them all
         at every refresh: exact tracking, which short epochs need. Larger swarms are sharded. A private run is never
@@ -125,6 +132,7 @@ class TrackerConfig:
     record_ttl: float = 6.0
     refresh_period: float = 1.0
     max_extrapolation: float = 2.0
+    shares: str = "speed"
     trust: TrustConfig = TrustConfig()
     exact_up_to: int = 16
     shard_size: int = 8
@@ -148,6 +156,9 @@ class TrackerConfig:
                 f"record_ttl ({self.record_ttl}) must exceed twice heartbeat_period ({self.heartbeat_period}), "
                 f"or live peers will flicker out of the swarm between heartbeats"
             )
+        if self.shares not in SHARES:
+            raise ConfigError(f"shares must be one of {', '.join(map(repr, SHARES))}, got {self.shares!r}: 'speed' "
+                              f"splits the global batch by compute speed, 'equal' gives every peer the same steps")
         if not isinstance(self.trust, TrustConfig):
             raise ConfigTypeError(f"trust must be swarm_opt.TrustConfig(...), got {self.trust!r}")
 

@@ -353,8 +353,7 @@ class Optimizer(torch.optim.Optimizer):
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
         the tracker estimates nothing from speeds (``TrackerConfig.max_extrapolation=0``)."""
         return progress.num_peers > 1 and self._tracker.config.max_extrapolation > 0 and contributed_share(
-            samples=self._samples, batch_size=batch_size, own_rate=self._tracker.samples_per_second,
-            swarm_rate=progress.samples_per_second, target_batch_size=progress.target_batch_size)
+            samples=self._samples, batch_size=batch_size, share=progress.share)
 
     def _await_target(self, round_id: int) -> None:
         """Having computed its share before the swarm reached the target, wait (not computing) until the target is
@@ -748,21 +747,18 @@ def _make_scheduler(scheduler: Any, inner: torch.optim.Optimizer, *, optimizer_i
     raise ConfigTypeError(f"scheduler must be a factory such as lambda opt: StepLR(opt, 10), got {scheduler!r}")
 
 
-def contributed_share(*, samples: int, batch_size: int, own_rate: float, swarm_rate: float,
-                      target_batch_size: int) -> bool:
-    """Whether a peer computed its share of the global batch (``target_batch_size`` times its share of the swarm's
-    compute speed), to the nearest step of ``batch_size``: it then joins the round rather than computing another
-    step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be one
-    step on the union of its batches), so without this each peer's steps until it sees the swarm reach the target
-    would be averaged too, and with fast steps the global batch grows by whatever the swarm computes while the
-    peers' records travel. Shares come from compute speeds, which change little from epoch to epoch, not from the
-    samples the others reported, which lag behind. A peer that stops adding samples before its share still joins
-    the round once the swarm's total reaches the target (``progress.ready``), as without shares; so does a peer
-    before the others' speeds are known (a run's first steps: equal shares would stall a peer whose groupmates
-    never compute, e.g. every step skipped, until ``averaging_timeout``)."""
-    if samples <= 0 or own_rate <= 0 or swarm_rate <= own_rate * 1.01:
-        return False
-    return samples + batch_size / 2 >= target_batch_size * own_rate / swarm_rate
+def contributed_share(*, samples: int, batch_size: int, share: Optional[float]) -> bool:
+    """Whether a peer computed its ``share`` of the global batch (``SwarmProgress.share``: by compute speed, or equal,
+    ``TrackerConfig.shares``), to the nearest step of ``batch_size``: it then joins the round rather than computing
+    another step. Every step computed at an epoch's parameters belongs to that epoch (or the epoch would no longer be
+    one step on the union of its batches), so without this each peer's steps until it sees the swarm reach the
+    target would be averaged too, and with fast steps the global batch grows by whatever the swarm computes while
+    the peers' records travel. Speed shares come from compute speeds, which change little from epoch to epoch, not
+    from the samples the others reported, which lag behind. A peer that stops adding samples before its share still
+    joins the round once the swarm's total reaches the target (``progress.ready``), as without shares; so does a
+    peer before the others' speeds are known (``share`` None: a run's first steps; a share guessed then would stall
+    a peer whose groupmates never compute, e.g. every step skipped, until ``averaging_timeout``)."""
+    return share is not None and samples > 0 and samples + batch_size / 2 >= share
 
 
 def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = ()) -> str:

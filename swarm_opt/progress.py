@@ -111,7 +111,9 @@ class SwarmProgress:
     ``privacy=`` at its ``PeerDP``'s δ (peer-level; ``Optimizer.progress`` only; ``None`` when neither accounts).
     ``max_peers``: an upper bound on the live peers, what a round's majority is measured against: ``num_peers`` when
     every record was read (a small swarm), above it by the sampling error when the view is a sample
-    (``swarm_opt.sharding.peers_upper_bound``)."""
+    (``swarm_opt.sharding.peers_upper_bound``). ``share``: the samples this peer computes in the epoch before it
+    waits for the round (``TrackerConfig.shares``); ``None`` while it knows no other peer's speed (and for an
+    observer)."""
 
     epoch: int
     samples_accumulated: int
@@ -123,6 +125,7 @@ class SwarmProgress:
     time: float
     epsilon: Optional[float] = None
     max_peers: int = 0
+    share: Optional[float] = None
 
     @property
     def eta_seconds(self) -> float:
@@ -136,6 +139,7 @@ class SwarmProgress:
 def aggregate_progress(
     records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
     epoch_started: Optional[float] = None, max_extrapolation: float = 2.0, scale: float = 1.0, ahead: int = 0,
+    shares: str = "speed",
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
@@ -145,10 +149,12 @@ def aggregate_progress(
     had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
     Peers publish whenever their samples change, so a record older than ``max_extrapolation`` seconds belongs to a
     peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further; nor past the
-    peer's share of the target (its share of the swarm's speed), where it stops computing and waits for the round.
-    Without ``local`` (an observer such as the monitor), only the records count. Each record stands for ``scale``
-    peers (a sample of a sharded swarm, ``swarm_opt.sharding``); ``local`` for one. ``ahead``: other live peers
-    whose records stand ahead of the swarm's epoch (``swarm_opt.trust``): in ``num_peers`` only.
+    peer's share of the target (``TrackerConfig.shares``: its share of the swarm's speed, or an equal share of the
+    peers that compute this epoch), where it stops computing and waits for the round; with equal shares the ETA is
+    when the last of them will have computed its share. Without ``local`` (an observer such as the monitor), only
+    the records count. Each record stands for ``scale`` peers (a sample of a sharded swarm, ``swarm_opt.sharding``);
+    ``local`` for one. ``ahead``: other live peers whose records stand ahead of the swarm's epoch
+    (``swarm_opt.trust``): in ``num_peers`` only.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
     if local is not None:
@@ -162,27 +168,46 @@ def aggregate_progress(
     fresh = local is not None and epoch_started is not None and now - epoch_started < max_extrapolation
     speeds = [_speed(r, epoch, typical, fresh) for r in peers]
     throughput = sum(w * speed for w, speed in zip(weights, speeds))
-    samples = 0.0
-    for record, speed in zip(peers, speeds):
-        # a peer stops computing at its share of the target (see ``Optimizer``): extrapolate it no further
-        share = target_batch_size * speed / throughput if throughput > 0 else 0.0
+    # the peers computing this epoch: those in it, and those that finished the last round with us (see above)
+    computing = [r.epoch == epoch or (local is not None and r.epoch == epoch - 1 == local.epoch - 1
+                                      and epoch_started is not None) for r in peers]
+    sharers = sum(w for w, speed, counted in zip(weights, speeds, computing) if counted and speed > 0)
+    if shares == "equal":
+        share_of = (lambda speed: target_batch_size / sharers if speed > 0 else 0.0)  # noqa: E731
+    else:
+        share_of = (lambda speed: target_batch_size * speed / throughput if throughput > 0 else 0.0)  # noqa: E731
+    samples, last_done = 0.0, now  # last_done: when the slowest peer computing will have computed its share
+    for record, speed, counted in zip(peers, speeds, computing):
+        share = share_of(speed)
         if record is local:
-            samples += record.samples if record.epoch == epoch else 0
+            done = record.samples if record.epoch == epoch else 0
+            samples += done
         elif record.epoch == epoch:
             guess = record.samples_per_second * min(max_extrapolation, max(0.0, now - record.time))
-            samples += scale * (record.samples + min(guess, max(0.0, share - record.samples)))
-        elif local is not None and record.epoch == epoch - 1 == local.epoch - 1 and epoch_started is not None:
-            samples += scale * min(share, record.samples_per_second
-                                   * min(max_extrapolation, max(0.0, now - epoch_started)))
+            done = record.samples + min(guess, max(0.0, share - record.samples))
+            samples += scale * done
+        elif counted:
+            done = min(share, record.samples_per_second * min(max_extrapolation, max(0.0, now - epoch_started)))
+            samples += scale * done
+        else:
+            continue
+        if counted and speed > 0:
+            last_done = max(last_done, now + max(0.0, share - done) / speed)
     num_peers = round(sum(weights) + scale * ahead)
     others = len(peers) - (local is not None) + ahead
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
         eta = now
+    elif shares == "equal" and last_done > now:
+        eta = last_done
     elif throughput > 0:
         eta = now + missing / throughput
     else:
         eta = now + 3600.0
+    own_share = None  # this peer stops at it, only once it knows others compute too (``contributed_share``)
+    if local is not None and local.samples_per_second > 0 and (
+            sharers > 1 if shares == "equal" else throughput > 1.01 * local.samples_per_second):
+        own_share = share_of(local.samples_per_second)
     return SwarmProgress(
         epoch=epoch,
         samples_accumulated=int(samples),
@@ -193,6 +218,7 @@ def aggregate_progress(
         eta=eta,
         time=now,
         max_peers=max(num_peers, math.ceil((local is not None) + peers_upper_bound(others, 1.0 / scale))),
+        share=own_share,
     )
 
 
@@ -492,18 +518,13 @@ class ProgressTracker:
         return (own[0], "it published for that epoch") if len(own) == 1 else None
 
     @property
-    def samples_per_second(self) -> float:
-        """This peer's own compute speed, as it publishes it."""
-        with self._lock:
-            return self._throughput.update(self._samples)
-
-    @property
     def progress(self) -> SwarmProgress:
         with self._lock:
             local, others, ahead, scale = self._local_record(), self._others, self._ahead, self._scale
             started = self._epoch_started if self._epoch_started is not None else self._first_step
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
-                                  max_extrapolation=self._records.max_extrapolation, scale=scale, ahead=ahead)
+                                  max_extrapolation=self._records.max_extrapolation, scale=scale, ahead=ahead,
+                                  shares=self.config.shares)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""

@@ -69,7 +69,7 @@ def test_a_swarm_across_hosts_survives_a_killed_peer_which_rejoins_with_its_iden
     node = Host(hosts, 0, "dht", ["dht", "--host-maddrs", f"/ip4/{hosts.address(0)}/tcp/31337"], tmp_path, env)
     bootstrap = node.wait_for(r"^/ip4/\S+/p2p/\S+$", 60).group(0)
     assert hosts.address(0) in bootstrap
-    epochs = 16
+    epochs = 100_000  # until Ctrl-C: rounds take a fraction of a second, a restart several seconds
 
     def start(i: int, name: str, min_peers: int = 3) -> Host:
         args = ["train", "--run-id", "netns", "--initial-peers", bootstrap, "--task", "digits",
@@ -93,16 +93,16 @@ def test_a_swarm_across_hosts_survives_a_killed_peer_which_rejoins_with_its_iden
         time.sleep(0.2)
     os.killpg(peers[2].proc.pid, signal.SIGKILL)  # a host's peer dies mid-run
     killed_at = peers[1].epoch()
-    assert killed_at < epochs - 4, "the swarm finished too early for the kill to happen mid-run"
     peers[1].wait_for(rf"^epoch {killed_at + 2}: ", 60)  # the others went on without it
 
     again = start(2, "peer2_again", min_peers=1)  # restarted on its host, same identity and checkpoint directory
     again.wait_for(r"^epoch \d+: .*averaged with 3 of 3 peer\(s\)", 120)  # back in the swarm
     for host in (peers[1], peers[3], again):
-        assert host.proc.wait(180) == 0, host.text()
+        host.proc.send_signal(signal.SIGINT)  # Ctrl-C: each leaves with a checkpoint
+    for host in (peers[1], peers[3], again):
+        assert host.proc.wait(60) == 0, host.text()
         text = host.text()
-        assert re.search(rf"^epoch {epochs}: test accuracy", text, re.MULTILINE), text
-        assert "Traceback" not in text, text
+        assert "stopped by SIGINT" in text and "Traceback" not in text, text
     assert f"as peer {identity}" in again.text()
     assert "resumed from" in again.text()
     node.proc.send_signal(signal.SIGINT)

@@ -124,6 +124,35 @@ def test_rounds_shorter_than_matchmaking_time_start_once_every_peer_joined(swarm
         [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
 
 
+def test_equal_shares_give_peers_of_different_speeds_the_same_samples_per_round(swarm):
+    """``TrackerConfig(shares="equal")``, federated learning's schedule: peers 1x, 2x and 4x as slow each compute a
+    third of the global batch per round (to the nearest step), where speed shares would give the fastest four
+    times the slowest's; the result is still one process on the union of each epoch's batches."""
+    epochs, n, batch, target = 4, 3, 8, 144
+    for rank, sleep in enumerate([0.02, 0.04, 0.08]):
+        swarm.start(rank, batch_size=batch, target_batch_size=target, inner="sgd", epochs=epochs, expect_peers=n,
+                    step_sleep=sleep, tracker={"shares": "equal"})
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(n)]
+    per_epoch = {}
+    for r in results:
+        assert r["epoch"] == epochs
+        assert_quiet(swarm.log(r["rank"]))
+        for rep in r["reports"]:
+            if not rep["caught_up"]:
+                per_epoch.setdefault(rep["epoch"], {})[r["rank"]] = rep["samples"]
+    full = [by_rank for by_rank in per_epoch.values() if len(by_rank) == n]
+    assert len(full) >= epochs - 1, (per_epoch, [r["reports"] for r in results])
+    # the first round starts before the speeds are known; from the second, every peer stops at 48 samples
+    assert all(abs(samples - target / n) <= batch / 2 for by_rank in full[1:] for samples in by_rank.values()), \
+        per_epoch
+    for r in results[1:]:
+        assert _close(r["params"], results[0]["params"], 1e-6)
+    references = list(possible_references(results, "sgd", epochs))
+    assert any(_close(results[0]["params"], expected) for expected in references), \
+        [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
+
+
 def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
     """Five peers with ``shard_size=2, exact_up_to=2`` keep their progress records under several DHT keys (level 1 or
     2) and each reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of

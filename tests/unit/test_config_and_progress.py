@@ -37,6 +37,8 @@ def test_timeouts_and_tracker_config_validate():
         TrackerConfig(heartbeat_period=5, record_ttl=6)
     with pytest.raises(ConfigError, match="max_extrapolation"):
         TrackerConfig(max_extrapolation=-1)
+    with pytest.raises(ConfigError, match="'equal' gives every peer the same steps"):
+        TrackerConfig(shares="even")
     assert Timeouts(matchmaking_time=1.0).request_timeout < 1.0  # hivemind needs it below the matchmaking time
     assert isinstance(ConfigError("x"), ValueError) and isinstance(ConfigTypeError("x"), TypeError)
 

@@ -9,33 +9,56 @@ import pytest
 
 from swarm_opt import TrackerConfig
 from swarm_opt.optimizer import contributed_share
-from swarm_opt.progress import SwarmProgress, _Throughput, read_interval
+from swarm_opt.progress import ProgressRecord, SwarmProgress, _Throughput, aggregate_progress, read_interval
 
 
 @pytest.mark.parametrize("samples, expected", [(4, False), (8, False), (12, True), (16, True)])
 def test_a_peer_stops_at_its_share_to_the_nearest_step(samples, expected):
-    # a quarter of the swarm's speed: a share of 10.5 of a global batch of 42, in steps of 4 (stop at 12, not 8)
-    assert contributed_share(samples=samples, batch_size=4, own_rate=10.0, swarm_rate=40.0,
-                             target_batch_size=42) is expected
+    # a share of 10.5 in steps of 4: stop at 12, not 8
+    assert contributed_share(samples=samples, batch_size=4, share=10.5) is expected
+    assert not contributed_share(samples=samples, batch_size=4, share=None)  # no share known: the target decides
 
 
-def test_without_the_others_speeds_only_the_target_counts():
-    for swarm_rate in (0.0, 10.0):  # nobody else's speed known yet: the share is the whole batch, i.e. no early stop
-        assert not contributed_share(samples=40, batch_size=4, own_rate=10.0, swarm_rate=swarm_rate,
-                                     target_batch_size=42)
-    assert not contributed_share(samples=40, batch_size=4, own_rate=0.0, swarm_rate=40.0, target_batch_size=42)
+def _views(speeds, target, shares="speed", samples=None):
+    """Each peer's view of a swarm of peers computing at ``speeds`` (records published just now)."""
+    samples = samples or [0] * len(speeds)
+    records = [ProgressRecord(peer_id=bytes([i]), instance=str(i), epoch=3, samples=n, samples_per_second=float(v),
+                              time=100.0, client_mode=False, model_schema="s", target_batch_size=target)
+               for i, (v, n) in enumerate(zip(speeds, samples))]
+    return [aggregate_progress([r for r in records if r is not own], own, target, now=100.0, shares=shares)
+            for own in records]
 
 
-def test_shares_add_up_to_the_target_whatever_the_speeds():
+def test_without_the_others_speeds_there_is_no_share():
+    assert _views([10.0, 0.0], 42)[0].share is None  # nobody else's speed known yet: no early stop
+    assert _views([0.0, 10.0], 42)[0].share is None  # nor without our own
+    assert _views([10.0], 42)[0].share is None  # nor alone
+    assert _views([0.0, 10.0], 42, "equal")[0].share is None and _views([10.0, 0.0], 42, "equal")[0].share is None
+
+
+@pytest.mark.parametrize("shares", ["speed", "equal"])
+def test_shares_add_up_to_the_target_whatever_the_speeds(shares):
     speeds, batches, target = [13.3, 10.0, 8.6, 7.8], [4, 5, 6, 7], 32
     total = 0
-    for speed, batch in zip(speeds, batches):
+    for view, batch in zip(_views(speeds, target, shares), batches):
         samples = batch
-        while not contributed_share(samples=samples, batch_size=batch, own_rate=speed, swarm_rate=sum(speeds),
-                                    target_batch_size=target):
+        while not contributed_share(samples=samples, batch_size=batch, share=view.share):
             samples += batch
         total += samples
-    assert target <= total <= 1.2 * target
+    assert target - sum(batches) / 2 <= total <= 1.2 * target  # each to the nearest of its steps
+
+
+def test_speed_shares_end_together_and_equal_shares_wait_for_the_slowest():
+    speeds, target = [40.0, 20.0, 20.0, 10.0], 360
+    by_speed = _views(speeds, target)
+    assert [v.share for v in by_speed] == pytest.approx([160.0, 80.0, 80.0, 40.0])
+    assert by_speed[0].eta == pytest.approx(100.0 + 360 / 90)  # everyone done at once
+    equal = _views(speeds, target, "equal")
+    assert [v.share for v in equal] == pytest.approx([90.0] * 4)
+    assert equal[0].eta == pytest.approx(100.0 + 90 / 10.0)  # the slowest peer computes its 90 samples
+    halfway = _views(speeds, target, "equal", samples=[90, 90, 90, 45])
+    assert halfway[0].eta == pytest.approx(100.0 + 45 / 10.0) and not halfway[0].ready
+    assert _views(speeds, target, "equal", samples=[90] * 4)[0].ready
 
 
 def test_throughput_is_compute_speed_not_diluted_by_waiting():

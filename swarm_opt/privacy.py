@@ -57,7 +57,7 @@ checkpoint it yourself, or a resumed peer would report only the ε of its steps 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
@@ -84,6 +84,8 @@ class OpacusPrivacy:
 
     engine: Any
     delta: float
+    #: the last ε computed and the accountant's history it was computed from (Opacus takes tens of ms per call)
+    _last: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, _opacus().PrivacyEngine):
@@ -95,9 +97,13 @@ class OpacusPrivacy:
 
     def epsilon(self) -> float:
         """The privacy this peer has spent so far: ε at ``delta`` over its DP-SGD steps (0 before the first)."""
-        if not self.engine.accountant.history:
+        history = self.engine.accountant.history
+        if not history:
             return 0.0
-        return float(self.engine.get_epsilon(self.delta))
+        key = repr(history)  # a few (noise, rate, steps) entries: Opacus merges repeated steps
+        if self._last.get("history") != key:
+            self._last.update(history=key, epsilon=float(self.engine.get_epsilon(self.delta)))
+        return self._last["epsilon"]
 
     def state_dict(self) -> Dict[str, Any]:
         """The accountant's history (what ε is computed from), for this peer's checkpoints."""

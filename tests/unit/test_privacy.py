@@ -94,6 +94,11 @@ def test_epsilon_is_the_accountants_and_appears_in_the_log_suffix():
     accountant.history = [(1.3, 1 / len(loader), steps)]
     assert privacy.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
     assert privacy.log_suffix() == f", ε {privacy.epsilon():.6g} at δ 1e-05"
+    before = privacy.epsilon()  # computed once per history: each further step is counted
+    engine.accountant.step(noise_multiplier=1.3, sample_rate=1 / len(loader))
+    accountant.history = [(1.3, 1 / len(loader), steps + 1)]
+    assert privacy.epsilon() == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    assert privacy.epsilon() > before
 
 
 def test_the_accountant_survives_a_checkpoint(tmp_path):

@@ -128,6 +128,7 @@ class _Engine(DecentralizedAverager):
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
         self._reputations: Optional[Reputations] = None  # Reputation: this reducer's memory (averager process)
         self._left_out_seen: set = set()  # senders whose leaving out was logged (averager process)
+        self._helpers_seen = 0  # auxiliary members of this peer's last group (averager process)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -165,10 +166,11 @@ class _Engine(DecentralizedAverager):
         """As a leader in a round of one group, assemble the group as soon as every live peer that this peer's
         tracker counts (the ``bound`` of its gather: an upper bound) has joined, this peer is ready to send
         (triggered) and the round is due; not at the leader's deadline, which hivemind sets at least
-        ``matchmaking_time`` after the search began, a floor under every round shorter than that. An overcount (a
-        peer that left, or one behind) falls back to the deadline; a peer the count missed (a newcomer seen by
-        nobody yet) finds the group formed and joins the next round. Moshpit groups assemble once full (hivemind's
-        ``target_group_size``)."""
+        ``matchmaking_time`` after the search began, a floor under every round shorter than that. Helpers publish
+        no progress: as many are awaited as were in this peer's last group (a helper that missed a round searches on
+        and is in the next leader's group early). An overcount (a peer or helper that left, a peer behind) falls
+        back to the deadline; a peer the count missed (a newcomer seen by nobody yet) finds the group formed and
+        joins the next round. Moshpit groups assemble once full (hivemind's ``target_group_size``)."""
         expected, due = info.get("bound"), info.get(DUE_KEY)
         if type(expected) is not int or expected < 2 or not isinstance(due, float):
             return
@@ -183,15 +185,16 @@ class _Engine(DecentralizedAverager):
                     return
 
     def _group_complete(self, step: StepControl, expected: int) -> bool:
-        """Whether this peer leads ``step``'s search, not yet assembled, with ``expected`` trainers (itself included;
-        helpers do not count)."""
+        """Whether this peer leads ``step``'s search, not yet assembled, with ``expected`` trainers (itself included)
+        and the helpers of its last group."""
         matchmaking = self._matchmaking
         if not (matchmaking.is_looking_for_group and matchmaking.step_control is step and not matchmaking.client_mode
                 and matchmaking.current_leader is None and not matchmaking.assembled_group.done()):
             return False
-        trainers = sum(not _member_info(self.serializer, request.gather).get("aux")
-                       for request in matchmaking.current_followers.values())
-        return 1 + trainers >= expected
+        helpers = sum(bool(_member_info(self.serializer, request.gather).get("aux"))
+                      for request in matchmaking.current_followers.values())
+        trainers = len(matchmaking.current_followers) - helpers
+        return 1 + trainers >= expected and helpers >= self._helpers_seen
 
     def _reputation_memory(self) -> Optional[Reputations]:
         """This reducer's memory of senders, with ``Reputation`` (made in the averager process, where it reduces)."""
@@ -258,6 +261,7 @@ class _Engine(DecentralizedAverager):
         a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
         so that none of them waits out a timeout for streams that will never come. A group whose every member
         offers the gloo lane averages there instead (``_lane_round``)."""
+        self._helpers_seen = sum(bool(_member_info(self.serializer, data).get("aux")) for data in group_info.gathered)
         known_liars = [peer for peer in group_info.peer_ids if self._liars.suspended(peer, time.monotonic())]
         if known_liars:  # a group formed around a liar by a groupmate that does not know it yet
             self._say_goodbye(group_info)

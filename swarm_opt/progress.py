@@ -172,11 +172,12 @@ def aggregate_progress(
     computing = [r.epoch == epoch or (local is not None and r.epoch == epoch - 1 == local.epoch - 1
                                       and epoch_started is not None) for r in peers]
     sharers = sum(w for w, speed, counted in zip(weights, speeds, computing) if counted and speed > 0)
-    if shares == "equal":
+    equal = shares == "equal"
+    if equal:
         share_of = (lambda speed: target_batch_size / sharers if speed > 0 else 0.0)  # noqa: E731
     else:
         share_of = (lambda speed: target_batch_size * speed / throughput if throughput > 0 else 0.0)  # noqa: E731
-    samples, last_done = 0.0, now  # last_done: when the slowest peer computing will have computed its share
+    samples, last_done = 0.0, now  # last_done (equal shares): when the slowest peer computing will be done
     for record, speed, counted in zip(peers, speeds, computing):
         share = share_of(speed)
         if record is local:
@@ -191,14 +192,14 @@ def aggregate_progress(
             samples += scale * done
         else:
             continue
-        if counted and speed > 0:
+        if equal and counted and speed > 0:
             last_done = max(last_done, now + max(0.0, share - done) / speed)
     num_peers = round(sum(weights) + scale * ahead)
     others = len(peers) - (local is not None) + ahead
     missing = max(0.0, target_batch_size - samples)
     if missing == 0:
         eta = now
-    elif shares == "equal" and last_done > now:
+    elif equal and last_done > now:
         eta = last_done
     elif throughput > 0:
         eta = now + missing / throughput
@@ -206,7 +207,7 @@ def aggregate_progress(
         eta = now + 3600.0
     own_share = None  # this peer stops at it, only once it knows others compute too (``contributed_share``)
     if local is not None and local.samples_per_second > 0 and (
-            sharers > 1 if shares == "equal" else throughput > 1.01 * local.samples_per_second):
+            sharers > 1 if equal else throughput > 1.01 * local.samples_per_second):
         own_share = share_of(local.samples_per_second)
     return SwarmProgress(
         epoch=epoch,

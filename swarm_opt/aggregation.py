@@ -227,18 +227,20 @@ class Audited(Aggregation):
 class Reputation(Aggregation):
     """``aggregation`` over the copies of the members that their group still trusts:
     ``swarm_opt.Reputation(swarm_opt.CenteredClip())``. Each reducer remembers, across rounds, how every sender's
-    copies sat against the results, and a sender that more than half of a group's members distrust takes no part in
-    that group's rounds (weight 0: it still receives the results). Contains the attackers that no one round shows.
+    copies sat against the others' results, and a sender that more than half of a group's members distrust takes
+    no part in that group's rounds (weight 0: it still receives the results). Contains the attackers that no one
+    round shows.
 
     Why memory: a robust aggregation judges one round's copies, and an attacker that stays inside the honest spread
     is never cut. Two of eight members that send the negation of their momentum lie about as far from the honest
     copies as those from each other, and halve every step; two that shift every value by the honest spread ("a
-    little is enough") bias every step the same way. Round after round the first point against the results (their
-    cosine to the result is below 0 on average: an honest copy, part of the result, points with it) and the second
-    sit on one side of the others (the mean over a part's values of ``(copy − result) / spread`` is far from 0;
-    honest copies scatter around 0). Per round and sender, a reducer scores each copy it reduces both ways, averages
-    the scores over its parts, and keeps an exponential mean per sender (``memory`` per round). After ``rounds``
-    rounds with a sender it distrusts it while the mean cosine is ≤ 0 or the mean shift exceeds ``max_shift``.
+    little is enough") bias every step the same way. Round after round the first point against the others' result
+    (their cosine to it is below 0 on average, an honest copy's above) and the second sit on one side of it (the
+    mean over a part's values of ``(copy − others) / spread`` is far from 0; honest copies scatter around 0: see
+    ``judge_part``). Per round and sender, a reducer scores each copy it reduces both ways, averages the scores
+    over its parts, and keeps an exponential mean per sender (``memory`` per round). After ``rounds`` rounds with a
+    sender it distrusts it once the mean cosine is clearly below 0 (until it is back above 0: ``Reputations``) or
+    while the mean shift exceeds ``max_shift``.
 
     Why a majority: reducers' memories differ (each reduces other parts, in other groups), and every reducer of a
     group must leave out the same senders (``Audited`` compares two reducers' results). Members tell whom they
@@ -284,91 +286,167 @@ class Reputation(Aggregation):
         return self.aggregation.combine(parts, weights)
 
 
-def judge_part(parts: Sequence[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
-    """(n, 2): each copy's cosine to ``result`` and its mean standardised shift, the mean over the values of
-    ``(copy − result) / spread`` with ``spread`` a robust standard deviation of each value over the finite copies
-    (1.4826 × the median distance to the result: attackers of another kind must not inflate it; values without
-    spread count 0), each value's term bounded to ±3, for ``Reputation``. A copy with non-finite values scores NaN
-    (it counted for nothing). A sort of each value's distances (as ``CenteredClip``'s median) and a few passes, in
+def judge_part(parts: Sequence[torch.Tensor], weights: Sequence[float], result: torch.Tensor) -> torch.Tensor:
+    """(n, 2) for ``Reputation``: each copy's cosine to the result of the others, and its mean standardised shift
+    from it, the mean over the values of ``(copy − others) / spread`` with ``spread`` a robust standard deviation
+    of each value over the finite copies (1.4826 × the median distance to ``result``: attackers of another kind
+    must not inflate it; values without spread count 0), each value's term bounded to ±3.
+
+    Why the others' result: a copy is part of ``result``, and in a small group of noisy copies that alone points
+    it with ``result`` (a sign flipper among 4 members with batch-sized gradients scores a cosine near +0.15). The
+    others' result is ``result`` less the copy's own pull: its offset from ``result``, clipped in norm to twice the
+    median offset (as ``CenteredClip`` clips: a copy far outside pulls a robust result little), times its weight
+    over the others' (exact for the mean; a left-out copy pulled nothing).
+
+    Why the cosines are NaN (no evidence) where the median cosine is not above 0: a cosine tells a flipper only
+    where the group agrees on a direction. Near an optimum the members' gradients of their own data add up to
+    about 0, each pointing against the others' sum, honest or not. A copy with non-finite values scores NaN (it
+    counted for nothing). A sort of each value's distances (as ``CenteredClip``'s median) and a few passes, in
     float32 (float64 where float32 overflowed)."""
     stacked = torch.stack([p.reshape(-1) for p in parts]).float()
     finite = torch.tensor([_finite(row) for row in stacked], dtype=torch.bool)
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    w = torch.where(finite & torch.isfinite(w) & (w >= 0), w, torch.zeros_like(w))
     scores = torch.full((len(stacked), 2), math.nan, dtype=torch.float64)
     if bool(finite.any()):
-        scores[finite] = _scores(stacked[finite], result.reshape(-1).float())
+        w = w / w.max().clamp(min=torch.finfo(torch.float64).tiny)  # a weight of 1e300 is finite, their sum not
+        rest = w.sum() - w  # the weight of the others: a copy with all of it (or none at all) pulls nothing
+        pull = torch.where(rest > 0, w / rest.clamp(min=torch.finfo(torch.float64).tiny), torch.zeros_like(w))
+        scores[finite] = _scores(stacked[finite], result.reshape(-1).float(), pull[finite].float())
         if not bool(torch.isfinite(scores[finite]).all()):
-            scores[finite] = _scores(stacked[finite].double(), result.reshape(-1).double())
+            scores[finite] = _scores(stacked[finite].double(), result.reshape(-1).double(), pull[finite])
+        if not scores[finite, 0].median() > 0:
+            scores[:, 0] = math.nan
     return scores
 
 
 _MOST_SHIFT = 3.0  # the largest standardised shift one value counts with in ``judge_part``
 
 
-def _scores(copies: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    cosine = copies @ result / (copies.norm(dim=1) * result.norm()).clamp(min=torch.finfo(copies.dtype).tiny)
-    spread = 1.4826 * _sort_columns((copies - result).abs())[(len(copies) - 1) // 2]
+def _scores(copies: torch.Tensor, result: torch.Tensor, pull: torch.Tensor) -> torch.Tensor:
+    offsets = copies - result
+    spread = 1.4826 * _sort_columns(offsets.abs())[(len(copies) - 1) // 2]
+    squares = (offsets * offsets).sum(dim=1)
+    norms = squares.sqrt()
+    # the others' result is ``result − k·offset`` (``judge_part``); its products from these, without forming it
+    k = pull * (2 * norms.median() / norms.clamp(min=torch.finfo(copies.dtype).tiny)).clamp(max=1.0)
+    along, length = offsets @ result, result @ result
+    dot = along + length - k * (squares + along)  # copy · others
+    others = (length - 2 * k * along + k * k * squares).clamp(min=0).sqrt()
+    copy = (squares + 2 * along + length).clamp(min=0).sqrt()
+    cosine = dot / (copy * others).clamp(min=torch.finfo(copies.dtype).tiny)
     inverse = torch.where(spread > 0, 1 / spread, torch.zeros_like(spread))
-    # each value's shift bounded: where nearly every copy is 0 (an input feature few batches hold) the spread is
-    # tiny, and one honest copy's value there would otherwise outweigh all the others
-    shift = ((copies - result) * inverse).clamp_(-_MOST_SHIFT, _MOST_SHIFT).mean(dim=1)
+    # each value's shift ``(copy − others) / spread = (1 + k)·offset / spread``, bounded: where nearly every copy is
+    # 0 (an input feature few batches hold) the spread is tiny, and one honest copy's value there would otherwise
+    # outweigh all the others
+    shift = (offsets * inverse * (1 + k)[:, None]).clamp_(-_MOST_SHIFT, _MOST_SHIFT).mean(dim=1)
     return torch.stack([cosine, shift], dim=1).double()
 
 
 class RoundScores:
-    """One reducer's scores of one round (``judge_part``), per sender: sums over the parts it reduced, each part
-    counting by its size (a part of a few values says little)."""
+    """One reducer's scores of one round (``judge_part``), per sender: means over the parts it reduced, each part
+    counting by its size (a part of a few values says little); a NaN score is no evidence, and is skipped."""
 
     def __init__(self) -> None:
-        self._sums: Dict[Any, list] = {}  # sender -> [Σ cosine·size, Σ shift·size, Σ size]
+        self._sums: Dict[Any, list] = {}  # sender -> [Σ cosine·size, Σ size, Σ shift·size, Σ size]
 
     def add(self, senders: Sequence[Any], scores: torch.Tensor, size: int) -> None:
-        """``scores`` (``judge_part``'s, one row per sender) of a part of ``size`` values; NaN rows are skipped."""
-        for sender, (cosine, shift) in zip(senders, scores.tolist()):
-            if math.isfinite(cosine) and math.isfinite(shift):
-                self._add(sender, cosine * size, shift * size, size)
+        """``scores`` (``judge_part``'s, one row per sender) of a part of ``size`` values."""
+        for sender, row in zip(senders, scores.tolist()):
+            self._add(sender, [x for score in row for x in ((score * size, size) if math.isfinite(score) else (0, 0))])
 
     def add_all(self, other: RoundScores, names: Sequence[Any]) -> None:
         """Add ``other``'s sums, its senders (indices) named by ``names``."""
         for sender, sums in other._sums.items():
-            self._add(names[sender], *sums)
+            self._add(names[sender], sums)
 
-    def _add(self, sender: Any, cosine: float, shift: float, size: int) -> None:
-        total = self._sums.setdefault(sender, [0.0, 0.0, 0])
-        total[0], total[1], total[2] = total[0] + cosine, total[1] + shift, total[2] + size
+    def _add(self, sender: Any, sums: Sequence[float]) -> None:
+        total = self._sums.setdefault(sender, [0.0, 0, 0.0, 0])
+        for i, x in enumerate(sums):
+            total[i] += x
 
     def means(self) -> Dict[Any, Tuple[float, float]]:
-        """Each sender's mean cosine and shift, what ``Reputations.record`` takes."""
-        return {sender: (cosine / size, shift / size) for sender, (cosine, shift, size) in self._sums.items()}
+        """Each sender's mean cosine and shift (NaN: no evidence), what ``Reputations.record`` takes."""
+        return {sender: (cosine / size if size else math.nan, shift / count if count else math.nan)
+                for sender, (cosine, size, shift, count) in self._sums.items()}
+
+
+@dataclass
+class _RunningMean:
+    """An exponential mean of one score, with what its standard error needs."""
+
+    mean: float = 0.0
+    square: float = 0.0  # the exponential mean of the score's square
+    weights: float = 0.0  # the sum of the squared weights of the rounds in the mean
+    rounds: int = 0
+
+    def add(self, value: float, keep: float) -> None:
+        """One more round's score; ``keep``: the weight of the past."""
+        if self.rounds == 0:
+            self.mean, self.square, self.weights = value, value * value, 1.0
+        else:
+            self.mean = keep * self.mean + (1 - keep) * value
+            self.square = keep * self.square + (1 - keep) * value * value
+            self.weights = keep * keep * self.weights + (1 - keep) ** 2
+        self.rounds += 1
+
+    def error(self) -> float:
+        """The standard error of the mean: the score's variance times the sum of the squared weights."""
+        return math.sqrt(max(self.square - self.mean * self.mean, 0.0) * self.weights)
+
+
+@dataclass
+class _Sender:
+    """What one reducer remembers of one sender."""
+
+    cosine: _RunningMean = field(default_factory=_RunningMean)
+    shift: _RunningMean = field(default_factory=_RunningMean)
+    distrusted: bool = False
 
 
 class Reputations:
     """One peer's memory of senders (``Reputation``), kept by its reducer across rounds and groups: per sender the
-    exponential means of its scores and the rounds seen. Bounded: past ``capacity`` senders the one seen longest ago
-    is forgotten."""
+    running means of its scores and whether it is distrusted. Bounded: past ``capacity`` senders the one seen
+    longest ago is forgotten.
+
+    Judged against the others' result, an honest copy's mean cosine is only as far above 0 as the copies agree,
+    and late in training, where they barely do, noise puts honest senders below 0 now and then. So a sender becomes
+    distrusted once its mean cosine lies below 0 by more than ``_CONFIDENCE`` standard errors, and is trusted again
+    once it is back above 0 (left out, a flipper is judged against a result without it, and would otherwise be let
+    back in whenever the signal fades); or while its mean shift is beyond ``max_shift``."""
 
     def __init__(self, reputation: Reputation, capacity: int = 4096) -> None:
         self.reputation, self.capacity = reputation, capacity
-        self._scores: Dict[Any, Tuple[float, float, int]] = {}  # sender -> (cosine, shift, rounds); insertion = age
+        self._senders: Dict[Any, _Sender] = {}  # insertion order = age
 
     def record(self, scores: Dict[Any, Tuple[float, float]]) -> None:
-        """One round's mean scores per sender (NaN: the sender sent nothing usable, and is not judged on it)."""
+        """One round's mean scores per sender (NaN: no evidence; a sender with none is not judged on this round)."""
         keep = self.reputation.memory
-        for sender, (cosine, shift) in scores.items():
-            if not (math.isfinite(cosine) and math.isfinite(shift)):
+        for name, (cosine, shift) in scores.items():
+            if not (math.isfinite(cosine) or math.isfinite(shift)):
                 continue
-            old = self._scores.pop(sender, None)
-            if old is None:
-                self._scores[sender] = (cosine, shift, 1)
-            else:
-                self._scores[sender] = (keep * old[0] + (1 - keep) * cosine, keep * old[1] + (1 - keep) * shift,
-                                        old[2] + 1)
-        while len(self._scores) > self.capacity:
-            del self._scores[next(iter(self._scores))]
+            sender = self._senders.pop(name, None) or _Sender()
+            for mean, value in ((sender.cosine, cosine), (sender.shift, shift)):
+                if math.isfinite(value):
+                    mean.add(value, keep)
+            sender.distrusted = self._distrusts(sender)
+            self._senders[name] = sender
+        while len(self._senders) > self.capacity:
+            del self._senders[next(iter(self._senders))]
+
+    def _distrusts(self, sender: _Sender) -> bool:
+        rounds, cosine, shift = self.reputation.rounds, sender.cosine, sender.shift
+        margin = 0.0 if sender.distrusted else _CONFIDENCE * cosine.error()
+        return (cosine.rounds >= rounds and cosine.mean + margin < 0) or (
+            shift.rounds >= rounds and abs(shift.mean) > self.reputation.max_shift)
 
     def distrusted(self) -> list:
-        """The senders seen in ``rounds`` rounds or more whose mean cosine is ≤ 0 or mean shift beyond ``max_shift``."""
-        return [sender for sender, (cosine, shift, seen) in self._scores.items()
-                if seen >= self.reputation.rounds and (cosine <= 0 or abs(shift) > self.reputation.max_shift)]
+        """The senders whose scores, over ``rounds`` rounds or more, point against the others' results or sit on
+        one side of them (above)."""
+        return [name for name, sender in self._senders.items() if sender.distrusted]
+
+
+_CONFIDENCE = 3.0  # standard errors below 0 at which a sender's mean cosine distrusts it (``Reputations``)
 
 
 def left_out(members: Sequence[Any], votes: Sequence[Any]) -> Set[Any]:

@@ -140,7 +140,7 @@ def _reduce_and_judge(aggregation: Aggregation, parts: Sequence[torch.Tensor], w
                       judge: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``reduce_part``, and with ``Reputation`` every copy's scores against the result (``judge_part``)."""
     result = reduce_part(aggregation, parts, weights)
-    return result, (judge_part(parts, result) if judge else None)
+    return result, (judge_part(parts, weights, result) if judge else None)
 
 
 class AllOrNothingRunner(AllReduceRunner):

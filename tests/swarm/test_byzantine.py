@@ -155,10 +155,11 @@ def test_a_lying_reducer_goes_unnoticed_without_the_audit(swarm):
 def test_reputation_leaves_out_a_sign_flipper_that_no_one_round_shows(swarm):
     """An attacker that sends its gradients sign-flipped at their honest size: CenteredClip keeps it (it lies as far
     from the honest copies as they from each other) and it halves every step. With ``Reputation`` each reducer
-    remembers that its copies point against the results; after a few rounds the honest members name it in the
+    remembers that its copies point against the others' results; after a few rounds the honest members name it in the
     gather, and, more than half of the group naming it, every reducer leaves its copies out. Audited on top (the
     command line's form): the reducers of a part must leave out the same members, or the audit would fail rounds."""
-    epochs = 16  # its first rounds' scores are not yet far below 0: it is left out after 5-10 of them
+    epochs = 16  # it is left out from about its 5th round (3 to judge, 1 to vote); judged against results that
+    # include its own copy, its cosine was +0.1 to +0.2 in groups of 4 and it was left out late or never (seen in CI)
     results = run(swarm, epochs, {"scale": -1.0}, aggregation="audited:reputation:centered-clip")
     attacker = swarm.result(ATTACKER)["peer_id"]
     initial = loss_of([p.detach() for p in make_model().parameters()])

@@ -4,6 +4,7 @@ and how the reducer feeds them (every sender's copy at once, unusable copies lef
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -323,12 +324,45 @@ def test_scores_tell_a_sign_flipper_and_a_shifter_from_honest_copies():
     parts[0] = -parts[0]
     parts[1] = parts[2:].mean(0) - parts[2:].std(0)
     result = combine(swarm_opt.CenteredClip(), parts)
-    scores = swarm_opt.aggregation.judge_part(list(parts), result)
+    scores = swarm_opt.aggregation.judge_part(list(parts), [1.0] * 8, result)
     assert scores[0, 0] < 0 < scores[2:, 0].min()
     # the default max_shift (0.4) lies between them; the flipper does not widen the spread the shifter hides in
     assert scores[1, 1] < -0.6 and scores[2:, 1].abs().max() < 0.3, scores
     parts[3, 0] = float("nan")
-    assert torch.isnan(swarm_opt.aggregation.judge_part(list(parts), result)[3]).all()
+    assert torch.isnan(swarm_opt.aggregation.judge_part(list(parts), [1.0] * 8, result)[3]).all()
+
+
+@pytest.mark.parametrize("aggregation", [swarm_opt.Mean(), swarm_opt.CenteredClip()])
+def test_a_sign_flipper_in_a_small_group_of_noisy_copies_points_against_the_others(aggregation):
+    """Batch-sized gradients are mostly noise: among 4 copies, a flipped one is a quarter of the result and that
+    alone points it with the result (cosine about +0.2 here). Judged against the result of the others it points
+    against it, and honest copies with it; a copy left out (weight 0) pulled nothing and is judged against the
+    result itself."""
+    g = torch.Generator().manual_seed(3)
+    flipper, others, left_out = [], [], []
+    for _ in range(50):
+        parts = torch.randn(1000, generator=g) + 2.0 * torch.randn(4, 1000, generator=g)
+        parts[3] = -parts[3]
+        result = combine(aggregation, parts)
+        scores = swarm_opt.aggregation.judge_part(list(parts), [1.0] * 4, result)
+        flipper.append(float(scores[3, 0]))
+        others.append(float(scores[:3, 0].mean()))
+        result = combine(aggregation, parts, [1.0, 1.0, 1.0, 0.0])
+        left_out.append(float(swarm_opt.aggregation.judge_part(list(parts), [1.0, 1.0, 1.0, 0.0], result)[3, 0]))
+    assert max(flipper) < 0 < min(others), (flipper, others)
+    assert max(left_out) < 0, left_out
+
+
+def test_near_an_optimum_cosines_are_no_evidence():
+    """Members' gradients of their own data that add up to about 0 (an optimum of their sum) each point against
+    the others' sum, honest or not: where the median cosine is not above 0, no copy's cosine counts (NaN), and the
+    shift, which tells an ALIE attacker, still does."""
+    g = torch.Generator().manual_seed(0)
+    own = torch.randn(5, 1000, generator=g)
+    parts = own - own.mean(0) + 0.1 * torch.randn(5, 1000, generator=g)
+    result = combine(swarm_opt.CenteredClip(), parts)
+    scores = swarm_opt.aggregation.judge_part(list(parts), [1.0] * 5, result)
+    assert torch.isnan(scores[:, 0]).all() and torch.isfinite(scores[:, 1]).all(), scores
 
 
 def test_memory_distrusts_after_enough_rounds_and_forgets_the_oldest():
@@ -345,6 +379,27 @@ def test_memory_distrusts_after_enough_rounds_and_forgets_the_oldest():
     for _ in range(3):  # a sender that turns honest is trusted again once its mean scores recover
         memory.record({"shifter": (0.6, 0.0)})
     assert "shifter" not in memory.distrusted()
+
+
+def test_memory_wants_confidence_to_distrust_and_a_mean_above_0_to_trust_again():
+    """An honest sender whose cosines scatter around a mean just below 0 (late in training, where honest copies
+    barely agree) is not distrusted; one whose cosines sit steadily below 0 is, and stays distrusted while its
+    mean stays below 0, however noisy (left out, it is judged against a result without it)."""
+    from swarm_opt.aggregation import Reputations
+
+    memory = Reputations(swarm_opt.Reputation())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        noise = torch.randn(2, generator=g).tolist()
+        memory.record({"noisy honest": (-0.02 + 0.3 * noise[0], 0.0), "flipper": (-0.3 + 0.05 * noise[1], 0.0)})
+        assert "noisy honest" not in memory.distrusted()
+    assert memory.distrusted() == ["flipper"]
+    for cosine in (-0.6, 0.5, -0.5, 0.4):  # noisy now, its mean still below 0
+        memory.record({"flipper": (cosine, 0.0)})
+        assert memory.distrusted() == ["flipper"]
+    for _ in range(3):
+        memory.record({"flipper": (0.5, 0.0)})
+    assert memory.distrusted() == []
 
 
 @pytest.mark.parametrize("votes, expected", [
@@ -385,9 +440,13 @@ def test_round_scores_count_each_part_by_its_size_and_merge_under_names():
 
     one = RoundScores()
     one.add([0, 1], torch.tensor([[1.0, 0.0], [-1.0, 0.5]]), size=3)
-    one.add([0, 1], torch.tensor([[0.0, 0.0], [float("nan"), 0.0]]), size=1)  # NaN: sender 1 not judged on it
-    assert one.means() == {0: (0.75, 0.0), 1: (-1.0, 0.5)}
+    # a NaN cosine: sender 1's is not judged on that part, its shift is
+    one.add([0, 1], torch.tensor([[0.0, 0.0], [float("nan"), 0.0]]), size=1)
+    assert one.means() == {0: (0.75, 0.0), 1: (-1.0, 0.375)}
     both = RoundScores()
     both.add_all(one, ["a", "b"])
     both.add_all(one, ["b", "a"])
-    assert both.means() == {"a": ((3.0 - 3.0) / 7, 0.5 * 3 / 7), "b": ((3.0 - 3.0) / 7, 0.5 * 3 / 7)}
+    assert both.means() == {"a": ((3.0 - 3.0) / 7, 0.5 * 3 / 8), "b": ((3.0 - 3.0) / 7, 0.5 * 3 / 8)}
+    nothing = RoundScores()
+    nothing.add([0], torch.tensor([[float("nan"), float("nan")]]), size=2)
+    assert all(math.isnan(x) for x in nothing.means()[0])

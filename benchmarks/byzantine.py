@@ -178,11 +178,12 @@ class Judges:
         out = left_out(members, votes)
         return [0.0 if m in out else 32.0 for m in range(PEERS)]
 
-    def record(self, sent: torch.Tensor, result: torch.Tensor, bounds: Sequence[tuple], members: List[int]) -> None:
+    def record(self, sent: torch.Tensor, result: torch.Tensor, bounds: Sequence[tuple], members: List[int],
+               weights: List[float]) -> None:
         order = [members[i] for i in torch.randperm(len(members), generator=self.orders).tolist()]
         totals: Dict[int, RoundScores] = {}
         for j, (a, b) in enumerate(bounds):
-            scores = judge_part(list(sent[members, a:b]), result[a:b])
+            scores = judge_part(list(sent[members, a:b]), [weights[m] for m in members], result[a:b])
             totals.setdefault(order[j % len(order)], RoundScores()).add(members, scores, b - a)
         for reducer, scores in totals.items():
             self.memories[reducer].record(scores.means())
@@ -265,8 +266,9 @@ def run(setting: Setting, attack: Optional[str], attackers: int, seed: int, epoc
             failed += 1
             continue
         if judges is not None:  # each reducer judges against the result it computed (a liar's own lie aside)
-            judges.record(sent, mean if attack != REDUCER_ATTACK else reduce(setting.aggregation, sent, bounds,
-                                                                             weights), bounds, members)
+            honest = mean if attack != REDUCER_ATTACK else reduce(setting.aggregation, sent[members], bounds,
+                                                                  [weights[m] for m in members])
+            judges.record(sent, honest, bounds, members, weights)
         if setting.momentum is not None:  # a committed round: every peer's own momentum advances
             momentum = setting.momentum.advance(momentum, list(stacked))
         offset = 0
@@ -293,7 +295,7 @@ def part_cost(repeats: int = 5) -> Dict[str, float]:
             t0 = time.perf_counter()
             result = reduce_part(aggregation, parts, [1.0] * PEERS)
             if reputation_of(aggregation) is not None:
-                judge_part(parts, result)
+                judge_part(parts, [1.0] * PEERS, result)
             times.append(time.perf_counter() - t0)
         out[name] = statistics.median(times)
     return out

@@ -107,6 +107,7 @@ class AuxiliaryPeer:
         self._snapshot_time = -float("inf")
         self.rounds_helped = 0
         self._epoch_seen = 0  # the highest global epoch this helper has seen the run reach
+        self._trainers_seen: Optional[float] = None  # when this helper last saw a trainer's record
         self._reported = 0
         self._values_per_round = sum(t.numel() for t in strategy.buffer_templates())
         self._closed = False
@@ -117,8 +118,8 @@ class AuxiliaryPeer:
         return self._snapshot
 
     def run(self, *, epochs: Optional[int] = None, stop: Optional[threading.Event] = None) -> None:
-        """Help every round until the run reaches global epoch ``epochs`` (default: until ``stop`` is set or the
-        process is interrupted)."""
+        """Help every round until the run reaches global epoch ``epochs``, or its trainers are gone for
+        ``averaging_timeout`` (default: until ``stop`` is set or the process is interrupted)."""
         stop = stop or threading.Event()
         while not stop.is_set() and not self._closed and not self._run_is_over(epochs):
             snapshot = self._read(max_age=_REFRESH_PERIOD)  # the one just read
@@ -152,10 +153,22 @@ class AuxiliaryPeer:
                 stop.wait(0.1)
 
     def _run_is_over(self, epochs: Optional[int], max_age: float = 0.0) -> bool:
-        """Whether the run has reached global epoch ``epochs``, as far as this helper has seen (the trainers'
-        records go when they leave)."""
-        self._epoch_seen = max(self._epoch_seen, self._read(max_age).epoch)
-        return epochs is not None and self._epoch_seen >= epochs
+        """Whether the run has reached global epoch ``epochs``, as far as this helper has seen; or, ``epochs``
+        given, its trainers are gone: none seen for ``averaging_timeout`` since the last. Trainers withdraw their
+        records as they leave, and a helper that missed the last rounds would otherwise never see their epoch."""
+        snapshot = self._read(max_age)
+        self._epoch_seen = max(self._epoch_seen, snapshot.epoch)
+        if snapshot.peers:
+            self._trainers_seen = time.monotonic()
+        if epochs is None:
+            return False
+        if self._epoch_seen >= epochs:
+            return True
+        if self._trainers_seen is not None and time.monotonic() - self._trainers_seen > self.timeouts.averaging_timeout:
+            logger.info(f"No trainer seen for {self.timeouts.averaging_timeout:g} s since epoch {self._epoch_seen} "
+                        f"(of {epochs}): the run is over or stopped; done helping")
+            return True
+        return False
 
     @property
     def values_reduced(self) -> int:

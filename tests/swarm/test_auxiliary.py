@@ -3,6 +3,8 @@ they compute (hivemind's helpers have sent zero-weight tensors like trainers sin
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -32,6 +34,21 @@ def test_a_helper_reduces_shares_of_the_rounds_and_the_trainers_still_equal_one_
     assert_quiet(swarm.log(2))
     assert all(torch.equal(a, b) for a, b in zip(trainers[0]["params"], trainers[1]["params"]))  # identical means
     assert any(_close(trainers[0]["params"], expected) for expected in possible_references(trainers, "sgd", epochs))
+
+
+def test_a_helper_given_epochs_leaves_once_the_trainers_are_gone(swarm):
+    """A helper asked to help up to epoch 8 of a run whose trainers stop at 4: they withdraw their records as they
+    leave, so it never sees epoch 8 (nor, had it missed the last rounds, 4); it leaves once no trainer has been seen
+    for ``averaging_timeout``, where it waited forever. Started first, so that it sees the trainers however fast
+    their rounds (it may still miss them: a helper reads the run's progress about once a second)."""
+    swarm.start(0, auxiliary=True, epochs=8, averaging_timeout=4.0, inner="sgd", target_batch_size=64, batch_size=8)
+    for rank in (1, 2):
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=4, expect_peers=2, step_sleep=0.1,
+                    linger=1.0)
+    swarm.wait(timeout=120)
+    assert [swarm.result(rank)["epoch"] for rank in (1, 2)] == [4, 4]
+    assert re.search(r"No trainer seen for 4 s since epoch \d \(of 8\)", swarm.log(0)), swarm.log(0)
+    assert_quiet(swarm.log(0))
 
 
 def test_helpers_refuse_setups_they_cannot_serve():

@@ -101,6 +101,22 @@ def test_epsilon_is_the_accountants_and_appears_in_the_log_suffix():
     assert privacy.epsilon() > before
 
 
+@pytest.mark.parametrize("mechanism", ["rdp", "prv"])
+def test_epsilon_equals_the_accountants_bit_for_bit_over_several_noise_levels(mechanism):
+    """The RDP accountant's ε from one step's RDP per (noise, rate), scaled: exactly what the accountant computes
+    (it recomputes every step's RDP in each call); other accountants are asked themselves."""
+    engine, _, _, _ = _private()
+    engine.accountant = opacus.accountants.create_accountant(mechanism)
+    privacy = swarm_opt.OpacusPrivacy(engine, delta=1e-5)
+    history = []
+    for noise, rate, steps in [(1.3, 0.25, 5), (0.9, 0.25, 3), (1.3, 0.25, 7)]:
+        history.append((noise, rate, steps))
+        engine.accountant.history = list(history)
+        reference = opacus.accountants.create_accountant(mechanism)
+        reference.history = list(history)
+        assert privacy.epsilon() == reference.get_epsilon(1e-5)
+
+
 def test_the_accountant_survives_a_checkpoint(tmp_path):
     """A resumed peer must not under-report its privacy: the accountant's history goes into its checkpoint."""
     engine, model, dp_sgd, loader = _private()

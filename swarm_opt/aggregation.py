@@ -352,8 +352,13 @@ class RoundScores:
 
     def add(self, senders: Sequence[Any], scores: torch.Tensor, size: int) -> None:
         """``scores`` (``judge_part``'s, one row per sender) of a part of ``size`` values."""
-        for sender, row in zip(senders, scores.tolist()):
-            self._add(sender, [x for score in row for x in ((score * size, size) if math.isfinite(score) else (0, 0))])
+        for sender, (cosine, shift) in zip(senders, scores.tolist()):
+            sums = [0.0, 0, 0.0, 0]
+            if math.isfinite(cosine):
+                sums[0], sums[1] = cosine * size, size
+            if math.isfinite(shift):
+                sums[2], sums[3] = shift * size, size
+            self._add(sender, sums)
 
     def add_all(self, other: RoundScores, names: Sequence[Any]) -> None:
         """Add ``other``'s sums, its senders (indices) named by ``names``."""

@@ -25,7 +25,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.averager import COUNTED_KEY, TensorAverager
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
@@ -370,10 +370,13 @@ class Optimizer(torch.optim.Optimizer):
 
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
-        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), and how many live
-        peers it sees, estimated and at most (``swarm_opt.round.swarm_size_seen_by``)."""
+        applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), how many live
+        peers it sees, estimated and at most (``swarm_opt.round.swarm_size_seen_by``), and, where it read every
+        record, how many it counted (a leader assembles its group once that many joined: ``docs/hivemind.md``)."""
         progress = self._tracker.progress
         info: Dict[str, Any] = {"peers": progress.num_peers, "bound": progress.max_peers}
+        if not self._tracker.sampled:
+            info[COUNTED_KEY] = progress.max_peers
         if self.strategy.shares_parameters:
             with self._state_lock:
                 info["digest"] = parameter_digest(self._params)

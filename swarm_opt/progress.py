@@ -489,6 +489,11 @@ class ProgressTracker:
                 self._wake.set()
 
     @property
+    def sampled(self) -> bool:
+        """Whether this peer's view is a sample of sharded records (``swarm_opt.sharding``), not every record."""
+        return self._records.sample.level > 0
+
+    @property
     def joined(self) -> bool:
         with self._lock:
             return self._joined
@@ -566,7 +571,7 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
-        return read_interval(self.progress, self._samples, self._records.sample.level > 0, self.config,
+        return read_interval(self.progress, self._samples, self.sampled, self.config,
                              self._records.filling)
 
     def _local_record(self) -> ProgressRecord:
@@ -586,8 +591,7 @@ class ProgressTracker:
         levels = self._records.sample.publish_levels()
         state = (record.epoch, record.samples, record.params_digest, levels)
         now = time.monotonic()
-        sampled = self._records.sample.level > 0
-        heartbeat = self.config.sampled_period if sampled else self.config.heartbeat_period
+        heartbeat = self.config.sampled_period if self.sampled else self.config.heartbeat_period
         if not force and state == self._published and now - self._last_publish < heartbeat:
             return
         expiration = get_dht_time() + self.config.record_ttl * heartbeat / self.config.heartbeat_period

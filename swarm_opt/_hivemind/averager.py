@@ -75,6 +75,7 @@ _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before
 _ASSEMBLY_POLL = 0.01  # seconds between a leader's checks whether its group is complete before its deadline
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
+COUNTED_KEY = "counted"  # the live peers a member counted, having read every progress record (not a sample)
 DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
@@ -164,14 +165,16 @@ class _Engine(DecentralizedAverager):
 
     async def _assemble_once_complete(self, step: StepControl, info: dict) -> None:
         """As a leader in a round of one group, assemble the group as soon as every live peer that this peer's
-        tracker counts (the ``bound`` of its gather: an upper bound) has joined, this peer is ready to send
-        (triggered) and the round is due; not at the leader's deadline, which hivemind sets at least
-        ``matchmaking_time`` after the search began, a floor under every round shorter than that. Helpers publish
-        no progress: as many are awaited as were in this peer's last group (a helper that missed a round searches on
-        and is in the next leader's group early). An overcount (a peer or helper that left, a peer behind) falls
-        back to the deadline; a peer the count missed (a newcomer seen by nobody yet) finds the group formed and
-        joins the next round. Moshpit groups assemble once full (hivemind's ``target_group_size``)."""
-        expected, due = info.get("bound"), info.get(DUE_KEY)
+        tracker counted (``COUNTED_KEY`` of its gather) has joined, this peer is ready to send (triggered) and the
+        round is due; not at the leader's deadline, which hivemind sets at least ``matchmaking_time`` after the search
+        began, a floor under every round shorter than that. Helpers publish no progress: as many are awaited as were
+        in this peer's last group (a helper that missed a round searches on and is in the next leader's group early).
+        An overcount (a peer or helper that left, a peer behind) falls back to the deadline; a peer the count missed
+        (a newcomer seen by nobody yet) finds the group formed and joins the next round. A peer whose view is a
+        sample of sharded records sends no count (a sample can miss a live peer round after round: seen in CI, a
+        peer that caught up missed every later round), and Moshpit groups assemble once full (hivemind's
+        ``target_group_size``): both at the deadline."""
+        expected, due = info.get(COUNTED_KEY), info.get(DUE_KEY)
         if type(expected) is not int or expected < 2 or not isinstance(due, float):
             return
         matchmaking = self._matchmaking

@@ -293,7 +293,7 @@ def judge_part(parts: Sequence[torch.Tensor], weights: Sequence[float], result: 
     must not inflate it; values without spread count 0), each value's term bounded to ±3.
 
     Why the others' result: a copy is part of ``result``, and in a small group of noisy copies that alone points
-    it with ``result`` (a sign flipper among 4 members with batch-sized gradients scores a cosine near +0.15). The
+    it with ``result`` (a sign flipper among 4 members with batch-sized gradients scores above 0). The
     others' result is ``result`` less the copy's own pull: its offset from ``result``, clipped in norm to twice the
     median offset (as ``CenteredClip`` clips: a copy far outside pulls a robust result little), times its weight
     over the others' (exact for the mean; a left-out copy pulled nothing).

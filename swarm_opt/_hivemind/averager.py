@@ -171,8 +171,8 @@ class _Engine(DecentralizedAverager):
         in this peer's last group (a helper that missed a round searches on and is in the next leader's group early).
         An overcount (a peer or helper that left, a peer behind) falls back to the deadline; a peer the count missed
         (a newcomer seen by nobody yet) finds the group formed and joins the next round. A peer whose view is a
-        sample of sharded records sends no count (a sample can miss a live peer round after round: seen in CI, a
-        peer that caught up missed every later round), and Moshpit groups assemble once full (hivemind's
+        sample of sharded records sends no count (a sample can miss the same live peer round after round:
+        ``docs/hivemind.md``), and Moshpit groups assemble once full (hivemind's
         ``target_group_size``): both at the deadline."""
         expected, due = info.get(COUNTED_KEY), info.get(DUE_KEY)
         if type(expected) is not int or expected < 2 or not isinstance(due, float):

@@ -25,10 +25,11 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
 from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, SchemaValidator
+from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt._hivemind.near_store import store_near
+from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
 from swarm_opt.sharding import (
@@ -85,7 +86,7 @@ class _ProgressSchema(pydantic.BaseModel):
     swarm_progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
 
 
-class _ShardedSchemaValidator(SchemaValidator):
+class _ShardedSchemaValidator(RememberingSchemaValidator):
     """The progress schema under the run's key and under each of its shard keys: hivemind's validator sees a key
     only as the hash of its name, so every name it should recognise is hashed here, once."""
 
@@ -100,8 +101,9 @@ def _shard_key_ids(run_id: str) -> Dict[bytes, str]:
 
 def progress_validators(run_id: str) -> list:
     """The DHT validators of a run's progress records: the schema, and an RSA signature so that nobody can write
-    another peer's record. hivemind keeps one signer per DHT, so the process-wide key is shared."""
-    return [_ShardedSchemaValidator(run_id), RSASignatureValidator()]
+    another peer's record. hivemind keeps one signer per DHT, so the process-wide key is shared. Both remember their
+    verdicts (``swarm_opt._hivemind.validation``): a record is re-read far more often than it changes."""
+    return [_ShardedSchemaValidator(run_id), RememberingSignatureValidator()]
 
 
 @dataclass(frozen=True)

@@ -149,14 +149,14 @@ def aggregate_progress(
     stays tight between reads; only peers in the global (highest) epoch count toward it. Just after a round, the
     records of the peers that finished it with us still say the previous epoch: those peers are counted as if they
     had started the new epoch when we did (``epoch_started``), or every peer would fill the target alone.
-    Peers publish whenever their samples change, so a record older than ``max_extrapolation`` seconds belongs to a
-    peer that stopped adding samples (waiting for the round, or gone): it is not extrapolated further; nor past the
-    peer's share of the target (``TrackerConfig.shares``: its share of the swarm's speed, or an equal share of the
-    peers that compute this epoch), where it stops computing and waits for the round; with equal shares the ETA is
-    when the last of them will have computed its share. Without ``local`` (an observer such as the monitor), only
-    the records count. Each record stands for ``scale`` peers (a sample of a sharded swarm, ``swarm_opt.sharding``);
-    ``local`` for one. ``ahead``: other live peers whose records stand ahead of the swarm's epoch
-    (``swarm_opt.trust``): in ``num_peers`` only.
+    Peers republish new samples at least every ``max_extrapolation / 2`` seconds, so a record older than
+    ``max_extrapolation`` belongs to a peer that stopped adding samples (waiting for the round, or gone): it is not
+    extrapolated further; nor past the peer's share of the target (``TrackerConfig.shares``: its share of the
+    swarm's speed, or an equal share of the peers that compute this epoch), where it stops computing and waits for
+    the round; with equal shares the ETA is when the last of them will have computed its share. Without ``local``
+    (an observer such as the monitor), only the records count. Each record stands for ``scale`` peers (a sample of a
+    sharded swarm, ``swarm_opt.sharding``); ``local`` for one. ``ahead``: other live peers whose records stand ahead
+    of the swarm's epoch (``swarm_opt.trust``): in ``num_peers`` only.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
     if local is not None:
@@ -450,6 +450,7 @@ class ProgressTracker:
         self._scale = 1.0  # how many peers each of ``_others`` stands for
         self._mismatch_reported = False
         self._published: Optional[tuple] = None
+        self._published_samples = 0
         self._last_publish = -math.inf
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -591,14 +592,21 @@ class ProgressTracker:
                 return
             record = self._local_record()
         levels = self._records.sample.publish_levels()
-        state = (record.epoch, record.samples, record.params_digest, levels)
+        # new samples alone republish every ``max_extrapolation / 2`` (others extrapolate them at the record's speed
+        # meanwhile, up to this peer's share), not at every read; reaching the share (this peer stops computing and
+        # waits for the round), or samples without a measured speed yet (nothing to extrapolate), at once
+        share = self.progress.share
+        progress = record.samples if record.samples_per_second == 0 else (share is not None and record.samples >= share)
+        state = (record.epoch, progress, record.params_digest, levels)
         now = time.monotonic()
         heartbeat = self.config.sampled_period if self.sampled else self.config.heartbeat_period
-        if not force and state == self._published and now - self._last_publish < heartbeat:
+        moving = (self._published is not None and record.samples != self._published_samples
+                  and now - self._last_publish >= self._records.max_extrapolation / 2)
+        if not force and state == self._published and not moving and now - self._last_publish < heartbeat:
             return
         expiration = get_dht_time() + self.config.record_ttl * heartbeat / self.config.heartbeat_period
         self._store(levels, record.dict(), expiration, timeout)
-        self._published, self._last_publish = state, now
+        self._published, self._published_samples, self._last_publish = state, record.samples, now
         self._stored_until.update(dict.fromkeys(levels, expiration))
 
     def _store(self, levels: Iterable[int], value: Optional[dict], expiration_time: float, timeout: float) -> None:

@@ -1,0 +1,41 @@
+"""How often a progress tracker writes its record, on a real hivemind DHT: each write is a signed DHT store that the
+nodes holding the key validate, and near an epoch's end the tracker reads (and used to write) up to 20 times a
+second."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+
+from swarm_opt.progress import ProgressTracker
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
+
+
+def test_new_samples_alone_republish_the_record_at_most_every_half_max_extrapolation():
+    """Others extrapolate a record at its speed for ``max_extrapolation``, so new samples alone republish every
+    ``max_extrapolation / 2``; samples without a measured speed (nothing to extrapolate) and a new epoch at once."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        tracker = ProgressTracker(dht, "publish_pace", 100_000, model_schema="m")
+        stores = []
+        store = tracker._store
+        tracker._store = lambda *args: (stores.append(time.monotonic()), store(*args))
+        tracker.mark_joined()
+        started, samples = time.monotonic(), 0
+        while time.monotonic() - started < 3.0:  # a step every 50 ms, each followed by a read tick
+            samples += 8
+            tracker.report(0, samples)
+            tracker._publish(force=False, timeout=5.0)
+            time.sleep(0.05)
+        measured = [t for t in stores if t > started + 0.2]  # after the first steps, which measure the speed
+        assert 2 <= len(measured) <= 4, [round(t - started, 2) for t in stores]
+        assert all(b - a >= 0.95 for a, b in zip(measured, measured[1:])), [round(t - started, 2) for t in stores]
+        before = len(stores)
+        tracker.report(1, 0)
+        tracker._publish(force=False, timeout=5.0)
+        assert len(stores) == before + 1  # a new epoch: at once
+    finally:
+        dht.shutdown()

@@ -5,8 +5,9 @@ process, averager process and p2pd daemon; the test harness ``tests/swarm/confte
 The task is tiny (5 parameters, ``LocalUpdates``) and does not train (lr 0): peers start apart (peer ``i`` holds
 ``i`` everywhere, newcomers download a live peer's state) and only averaging moves them, so that what is measured
 is the rounds and how well they mix. ``--kill`` of the peers are SIGKILLed (whole process group) once the swarm
-passed epoch ``--kill-at``, and as many newcomers join. Compared at the same N: ``groups=None`` (one all-reduce
-over the whole swarm per round) against ``Groups(size=--size)``.
+passed epoch ``--kill-at``, and as many newcomers join (each downloads the running swarm's state; one that starts
+after the others finished founds a swarm of its own, which the table's "joined" column shows). Compared at the
+same N: ``groups=None`` (one all-reduce over the whole swarm per round) against ``Groups(size=--size)``.
 
 Reported: round success rate (per peer, the epochs it committed over the epochs it committed or failed at least
 once: its log says "Round for epoch N did not reach a majority"), the group sizes of committed rounds, the median
@@ -17,7 +18,7 @@ started 0 to N-1 apart).
 Differs from a real deployment: every peer runs on the same 2 cores, so a round's time is mostly CPU contention.
 
     python benchmarks/many_peers.py                  # 24 peers, groups of 8, 25 % killed and replaced
-    python benchmarks/many_peers.py --peers 12 --size 4
+    python benchmarks/many_peers.py --peers 12 --size 4 --averaging groups
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
                 for rank in victims:
                     swarm.kill(rank)
                     killed.append(rank)
-                for i, _ in enumerate(victims):
-                    swarm.start(args.peers + i, problem=i % 4, **common)
+                for i, _ in enumerate(victims):  # a newcomer joins the running swarm: it waits for nobody
+                    swarm.start(args.peers + i, problem=i % 4, **{**common, "expect_peers": 1})
             time.sleep(0.5)
         swarm.wait(timeout=args.max_seconds + 120)
         elapsed = time.monotonic() - started
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
         swarm.kill_all()
     committed = [set(re.findall(r"epoch (\d+): averaged", log)) for log in logs.values()]
     failed = [set(re.findall(r"Round for epoch (\d+) did not reach a majority", log)) for log in logs.values()]
+    # a newcomer that found no swarm to join (it started after the others finished) founds one of its own: what
+    # the spread then measures is two swarms, not how well one mixes
+    joined = sum(bool(re.search(r"Loaded the swarm's state at epoch", logs[args.peers + i]))
+                 for i in range(len(killed)))
     commits = sum(map(len, committed))
     failures = sum(len(f - c) for c, f in zip(committed, failed))  # epochs never committed by that peer
     rounds = [rnd for res in results.values() for rnd in res["rounds"] if not rnd["caught_up"]]
@@ -84,23 +89,27 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
             "success_rate": commits / max(1, commits + failures), "group_sizes": dict(sorted(sizes.items())),
             "median_round_seconds": statistics.median(seconds) if seconds else None,
             "epochs_reached": epochs, "epochs_per_minute": 60 * statistics.median(epochs) / elapsed,
-            "final_spread": float((finals - finals.mean(0)).norm(dim=1).max()), "seconds": elapsed}
+            "final_spread": float((finals - finals.mean(0)).norm(dim=1).max()), "seconds": elapsed,
+            "newcomers_joined": joined}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, default=24)
     parser.add_argument("--size", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=16)
+    parser.add_argument("--epochs", type=int, default=30,
+                        help="enough for the newcomers (tens of seconds to start beside the others) to join")
     parser.add_argument("--kill", type=float, default=0.25)
     parser.add_argument("--kill-at", type=int, default=5)
     parser.add_argument("--matchmaking-time", type=float, default=2.0)
     parser.add_argument("--averaging-timeout", type=float, default=20.0)
     parser.add_argument("--max-seconds", type=float, default=400.0)
+    parser.add_argument("--averaging", nargs="+", choices=["one-group", "groups"], default=["one-group", "groups"],
+                        help="run one group of the whole swarm, Groups(--size), or both (the default)")
     parser.add_argument("--keep", action="store_true", help="keep each run's folder of peer logs (printed)")
     args = parser.parse_args()
     runs = []
-    for size in (None, args.size):
+    for size in [{"one-group": None, "groups": args.size}[name] for name in args.averaging]:
         tmp = tempfile.mkdtemp(prefix="many_peers_")
         print(f"running {args.peers} peers, groups={size} in {tmp} ...", flush=True)
         try:
@@ -109,13 +118,14 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(tmp, ignore_errors=True)
         print(runs[-1], flush=True)
-    rows = [["one group" if r["size"] is None else f"Groups({r['size']})", r["peers"], len(r["killed"]),
+    rows = [["one group" if r["size"] is None else f"Groups({r['size']})", r["peers"],
+             f"{len(r['killed'])} ({r['newcomers_joined']} joined)",
              f"{r['success_rate']:.0%} ({r['commits']}/{r['commits'] + r['failures']})",
              ", ".join(f"{k}: {v}" for k, v in r["group_sizes"].items()),
              "-" if r["median_round_seconds"] is None else f"{r['median_round_seconds']:.2f}",
              f"{r['epochs_per_minute']:.1f}", f"{min(r['epochs_reached'])}-{max(r['epochs_reached'])}",
              f"{r['final_spread']:.1e}"] for r in runs]
-    print(table(["averaging", "peers", "killed+replaced", "round success", "committed group sizes (count)",
+    print(table(["averaging", "peers", "killed+replaced (joined)", "round success", "committed group sizes (count)",
                  "median s/round", "epochs/min", "epochs reached", "final spread"], rows))
     path = write_json("many_peers", {"command": command_line(), "code": code_version(), "machine": machine(),
                                      "args": vars(args), "runs": runs, "repo": str(REPO)})

@@ -592,12 +592,14 @@ class ProgressTracker:
                 return
             record = self._local_record()
         levels = self._records.sample.publish_levels()
-        # new samples alone republish every ``max_extrapolation / 2`` (others extrapolate them at the record's speed
-        # meanwhile, up to this peer's share), not at every read; reaching the share (this peer stops computing and
-        # waits for the round), or samples without a measured speed yet (nothing to extrapolate), at once
+        # published at once: a new epoch, digest or shard level, reaching the share (this peer then stops computing
+        # and waits for the round), and every sample until a speed is measured (nothing to extrapolate before it);
+        # other new samples at most every ``max_extrapolation / 2`` (others extrapolate them meanwhile; at every
+        # change with ``max_extrapolation=0``), not at every read; and the heartbeat
         share = self.progress.share
-        progress = record.samples if record.samples_per_second == 0 else (share is not None and record.samples >= share)
-        state = (record.epoch, progress, record.params_digest, levels)
+        reached = share is not None and record.samples >= share
+        milestone = record.samples if record.samples_per_second == 0 else reached
+        state = (record.epoch, milestone, record.params_digest, levels)
         now = time.monotonic()
         heartbeat = self.config.sampled_period if self.sampled else self.config.heartbeat_period
         moving = (self._published is not None and record.samples != self._published_samples

@@ -602,7 +602,7 @@ class ProgressTracker:
         state = (record.epoch, milestone, record.params_digest, levels)
         now = time.monotonic()
         heartbeat = self.config.sampled_period if self.sampled else self.config.heartbeat_period
-        moving = (self._published is not None and record.samples != self._published_samples
+        moving = (record.samples != self._published_samples
                   and now - self._last_publish >= self._records.max_extrapolation / 2)
         if not force and state == self._published and not moving and now - self._last_publish < heartbeat:
             return

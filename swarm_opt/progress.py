@@ -28,6 +28,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
+from swarm_opt._hivemind.dht_cache import read_latest_only
 from swarm_opt._hivemind.near_store import store_near
 from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
 from swarm_opt.config import TrackerConfig
@@ -428,6 +429,7 @@ class ProgressTracker:
         self.client_mode = bool(dht.client_mode)
         validators = progress_validators(run_id)
         dht.add_validators(validators)
+        read_latest_only(dht)  # every read of the swarm's (and its averager's) is latest=True: caching only costs
         # one subkey per tracker: several trackers in one process share the signing key but not the record
         self._instance = os.urandom(8).hex()
         self._subkey = validators[-1].local_public_key + b"/" + self._instance.encode()

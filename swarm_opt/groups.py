@@ -22,8 +22,12 @@ that at most one version of each epoch exists. With groups every line of the gri
 so the swarm holds one version per *line* and epoch, and the rule becomes: a group commits if it holds a strict
 majority of the peers its line is expected to hold (``cell_peers``: the live peers divided by the lines of the
 round's grid). Two disjoint groups of one line can then not both commit while the line holds no more than its expected
-share, and with one line (a small swarm) it is exactly the old rule. Every member computes the rule from the same
-count of live peers (``swarm_opt.round.swarm_size_seen_by``), so a group commits on all its members or on none.
+share, and with one line (a small swarm) it is exactly the old rule. Random coordinates fill lines unevenly (a line
+holds a binomial number of peers), and a line short of its share could never commit: so a group's leader counts the
+peers declared under the line's matchmaking key this round, and a group needs a majority of that count where it is
+lower (``line_peers``). Leaders that count the same declarations still let at most one group per line commit.
+Every member computes the rule from the same count of live peers (``swarm_opt.round.swarm_size_seen_by``) and the
+same leader's count (both travel in the matchmaking gather), so a group commits on all its members or on none.
 Only strategies whose rounds average the parameters themselves accept groups (``Strategy.use_groups``): peers of
 different lines hold different parameters until the next rounds mix them.
 """
@@ -79,6 +83,16 @@ def cell_peers(num_peers: int, plan: RoundPlan) -> int:
     grid's lines. On the plan's grid, not on one drawn again for ``num_peers``: a count above the plan's grows the
     line (a finer grid would shorten it, and lower the majority a group needs)."""
     return max(1, math.ceil(max(1, num_peers) / plan.side ** (plan.dims - 1)))
+
+
+def line_peers(num_peers: int, plan: RoundPlan, declared: Optional[int] = None, group_size: int = 1) -> int:
+    """How many peers a group of ``plan``'s round must hold a strict majority of to commit: every live peer without
+    groups; on the grid, the peers its line is expected to hold (``cell_peers``), or fewer if the group's leader
+    found fewer declared under the line's key this round (``declared``; never below the group itself)."""
+    expected = cell_peers(num_peers, plan)
+    if plan.whole_swarm or declared is None:
+        return expected
+    return min(expected, max(declared, group_size))
 
 
 #: the plan of a swarm averaged in one group (no grid)

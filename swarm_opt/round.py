@@ -26,9 +26,9 @@ from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.averager import LINE_KEY, TensorAverager
 from swarm_opt.buffers import AveragingResult
-from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, cell_peers
+from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, line_peers
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,24 @@ def swarm_size_seen_by(result: AveragingResult, own_bound: int) -> int:
     seeing 4, discarded it, and the two then stood at different epochs for good. A member that exaggerates can only
     fail the round, which it could by not sending; one that understates its bound lowers the count no further than
     the largest count sent. ``own_bound`` serves only when no member sent a count (helpers and peers too old)."""
-    infos = [info for peer, info in result.gathered.items() if peer in result.peers and isinstance(info, dict)]
-    counts, bounds = ([v for v in (info.get(key) for info in infos) if _valid_count(v)] for key in ("peers", "bound"))
+    counts, bounds = (_counts(result, key) for key in ("peers", "bound"))
     if not counts and not bounds:
         return max(own_bound, result.group_size)
     return max(counts + [result.group_size] + ([min(bounds)] if bounds else []))
+
+
+def line_seen_by(result: AveragingResult, plan: RoundPlan, num_peers: int) -> int:
+    """How many peers a round's group must hold a majority of (``swarm_opt.groups.line_peers``), with the count of
+    its line's peers that its leader sent in the gather (``LINE_KEY``; the largest if several members sent one: a
+    member that exaggerates can only fail the round, which it could by not sending)."""
+    counts = _counts(result, LINE_KEY)
+    return line_peers(num_peers, plan, max(counts) if counts else None, result.group_size)
+
+
+def _counts(result: AveragingResult, key: str) -> list:
+    """The valid counts the group's members sent under ``key`` in the gather."""
+    infos = [info for peer, info in result.gathered.items() if peer in result.peers and isinstance(info, dict)]
+    return [v for v in (info.get(key) for info in infos) if _valid_count(v)]
 
 
 def _valid_count(value: object) -> bool:
@@ -175,12 +188,12 @@ class RoundRunner:
         self._flight = None
         result = flight.result
         num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
-        line = cell_peers(num_peers, flight.plan)  # every live peer, without groups
+        line = line_peers(num_peers, flight.plan) if result is None else line_seen_by(result, flight.plan, num_peers)
         if flight.error is not None or result is None or not is_majority(result.group_size, line):
             if flight.error is None:
                 outcome = (f"failed: {self._averager.last_failure}" if result is None
                            else f"group of {result.group_size}")
-                of_line = f" expected in its line of the averaging grid ({num_peers} live)" if line < num_peers else ""
+                of_line = f" in its line of the averaging grid ({num_peers} live)" if line < num_peers else ""
                 logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {line} "
                             f"peers{of_line} ({outcome}); keeping local progress")
             with torch.no_grad(), self._lock:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from swarm_opt.buffers import AveragingResult, buffer_like
-from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, cell_peers
+from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, line_peers
 from swarm_opt.round import is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -66,8 +66,14 @@ def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num
     for i, plan in enumerate(plans):
         lines[(plan.dims, plan.dimension, plan.cell)].append(i)
     step = size or max(1, len(ids))
-    groups = [line[start:start + step] for line in lines.values() for start in range(0, len(line), step)]
-    commits = [is_majority(len(g), cell_peers(num_peers, plans[g[0]])) for g in groups]
+    groups, commits = [], []
+    for line in lines.values():
+        for start in range(0, len(line), step):
+            group = line[start:start + step]
+            groups.append(group)  # its leader counts the whole line: every member declared under the line's key
+            line_size = line_peers(num_peers, plans[group[0]], len(line), len(group))
+            # a peer alone in its line finds no group (hivemind's groups hold two or more)
+            commits.append(is_majority(len(group), line_size) and (len(group) > 1 or plans[group[0]].whole_swarm))
     return plans, [g for g, c in zip(groups, commits) if c], [g for g, c in zip(groups, commits) if not c]
 
 

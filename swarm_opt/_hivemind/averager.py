@@ -76,6 +76,8 @@ _ASSEMBLY_POLL = 0.01  # seconds between a leader's checks whether its group is 
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
 COUNTED_KEY = "counted"  # the live peers a member counted, having read every progress record (not a sample)
+LINE_KEY = "line"  # the peers a leader found declared this round under its line's matchmaking key (Moshpit grid)
+_LINE_READ_TIMEOUT = 2.0  # seconds a leader's read of its line's declarations may take
 DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
@@ -154,14 +156,16 @@ class _Engine(DecentralizedAverager):
             self._avoid_liars_as_leaders(self._matchmaking)
         _renew_finished_search(self._matchmaking)
         self._tell_distrusted(step)
-        early = None
+        helpers = []
         if self.mode != AveragingMode.AUX and self._matchmaking.target_group_size is None:
-            early = asyncio.ensure_future(self._assemble_once_complete(step, info))
+            helpers.append(asyncio.ensure_future(self._assemble_once_complete(step, info)))
+        if self.mode != AveragingMode.AUX and self._matchmaking.group_key_manager.group_bits:
+            helpers.append(asyncio.ensure_future(self._count_line(step)))
         try:
             await super()._step(step=step, future_for_init=future_for_init)
         finally:
-            if early is not None:
-                early.cancel()
+            for helper in helpers:
+                helper.cancel()
 
     async def _assemble_once_complete(self, step: StepControl, info: dict) -> None:
         """As a leader in a round of one group, assemble the group as soon as every live peer that this peer's
@@ -187,6 +191,30 @@ class _Engine(DecentralizedAverager):
                     await matchmaking.leader_assemble_group()
                     return
 
+    async def _count_line(self, step: StepControl) -> None:
+        """As a leader on a line of the Moshpit grid, shortly before the group is due: count the peers declared under
+        the line's matchmaking key this round (still looking or already grouped) and name the count in this peer's
+        gather (``LINE_KEY``), which every member receives at assembly. A line holds a random number of peers; one
+        short of its expected share can then still commit a group holding a majority of the peers it does hold
+        (``swarm_opt.round.line_size``). A group assembled before the count, or a read that failed, names none."""
+        matchmaking = self._matchmaking
+        lead = matchmaking.min_matchmaking_time / 3  # the line's members declared when their search began
+        await asyncio.sleep(max(0.0, step.scheduled_time - lead - get_dht_time()))
+        if not (matchmaking.step_control is step and matchmaking.current_followers
+                and not matchmaking.assembled_group.done()):
+            return  # not leading a group (yet): a follower's count would not be the group's
+        key = matchmaking.group_key_manager.current_key
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), _LINE_READ_TIMEOUT)
+        except Exception as e:  # no count: the group is held to its line's expected share
+            logger.debug("Reading the declarations of line %s failed: %r", key, e)
+            return
+        declared = set(found.value) if found is not None and isinstance(found.value, dict) else set()
+        count = len(declared | {self.peer_id.to_bytes()} | {peer.to_bytes() for peer in matchmaking.current_followers})
+        if matchmaking.step_control is step and not matchmaking.assembled_group.done():
+            logger.debug("Line %s: %d peer(s) declared this round", key, count)
+            self._tell_group(step, LINE_KEY, count)
+
     def _group_complete(self, step: StepControl, expected: int) -> bool:
         """Whether this peer leads ``step``'s search, not yet assembled, with ``expected`` trainers (itself included)
         and the helpers of its last group."""
@@ -211,9 +239,13 @@ class _Engine(DecentralizedAverager):
         memory = self._reputation_memory()
         if memory is None:
             return
+        self._tell_group(step, DISTRUSTS_KEY, [str(peer) for peer in memory.distrusted()[:_MOST_DISTRUSTED]])
+
+    def _tell_group(self, step: StepControl, key: str, value: Any) -> None:
+        """Add ``key: value`` to what this peer sends along in ``step``'s matchmaking gather."""
         bandwidth, mode, user = self.serializer.loads(step.data_for_gather)
         info = self.serializer.loads(user)
-        info[DISTRUSTS_KEY] = [str(peer) for peer in memory.distrusted()[:_MOST_DISTRUSTED]]
+        info[key] = value
         step._data_for_gather = self.serializer.dumps([bandwidth, mode, self.serializer.dumps(info)])
 
     def _left_out(self, group_info: Any) -> set:

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from swarm_opt import ConfigError, ConfigTypeError, Groups
-from swarm_opt.groups import ONE_GROUP, Grid, cell_peers, grid_shape
-from swarm_opt.round import is_majority
+from swarm_opt.buffers import AveragingResult
+from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, cell_peers, grid_shape, line_peers
+from swarm_opt.round import is_majority, line_seen_by
 from swarm_opt.simulation import average_in_process, moshpit_groups, moshpit_round
 from swarm_opt.strategies import DiLoCo, FedNova, FedProx, GradientAveraging, LocalUpdates, Scaffold
 from tests.unit.test_scaffold_maths import DIM, Peer, optimum, problems
@@ -50,6 +51,36 @@ def test_commit_rule_is_a_majority_of_the_line():
     assert cell_peers(1000, plan) == 10  # 10 x 10 x 10 grid: lines of 10
     assert is_majority(6, cell_peers(1000, plan)) and not is_majority(5, cell_peers(1000, plan))
     assert not is_majority(16, 1000)  # the old rule would never let a group of 16 commit in a swarm of 1,000
+
+
+def test_a_line_short_of_its_share_needs_a_majority_of_the_peers_its_leader_counted():
+    """A line of the grid holds a random number of peers: one short of its expected share is measured against its
+    leader's count of the peers declared in it, never below the group itself, never above the expected share (a
+    crowded line keeps the expected share's majority); without groups the count changes nothing."""
+    plan = RoundPlan(dimension=0, dims=2, side=5, cell="0101")
+    assert cell_peers(24, plan) == 5 and line_peers(24, plan) == 5
+    assert line_peers(24, plan, declared=3, group_size=2) == 3 and is_majority(2, 3)  # 2 of 3 commits...
+    assert not is_majority(2, line_peers(24, plan))  # ...where 2 of an expected 5 did not
+    assert line_peers(24, plan, declared=1, group_size=2) == 2  # a count below the group is not believed
+    assert line_peers(24, plan, declared=9, group_size=4) == 5  # a crowded line: the expected share's majority
+    assert line_peers(24, ONE_GROUP, declared=3, group_size=2) == 24  # one group: every live peer
+
+
+def test_members_take_the_line_count_from_the_gather_alike():
+    """The count travels in the gather (the leader's; the largest if several members sent one); counts that are
+    not positive integers are ignored, so a malformed gather falls back to the expected share."""
+    plan = RoundPlan(dimension=1, dims=2, side=5, cell="1011")
+
+    def result(*lines: object) -> AveragingResult:
+        gathered = {f"p{i}": ({"line": line} if line is not None else {}) for i, line in enumerate(lines)}
+        return AveragingResult(peers=tuple(gathered), gathered=gathered)
+
+    assert line_seen_by(result(3, None), plan, 24) == 3
+    assert line_seen_by(result(None, None), plan, 24) == 5
+    assert line_seen_by(result(2, 4, None), plan, 24) == 4
+    for bad in (0, -3, 2.5, True, "3", 10**9):
+        assert line_seen_by(result(bad, None), plan, 24) == 5, bad
+    assert line_seen_by(result(3, None), ONE_GROUP, 24) == 24
 
 
 def test_a_line_grows_with_the_count_it_is_measured_against():
@@ -268,7 +299,11 @@ def test_scaffold_controls_after_a_pass_are_the_swarms_correction():
 def test_failing_groups_change_nothing():
     grids = [Grid(16, i) for i in range(1000)]
     plans, committing, failing = moshpit_groups(grids, list(range(1000)), round_id=0)
-    assert failing, "random coordinates leave some lines short of a majority"
+    assert failing, "a line beyond 16 peers leaves a remainder short of a majority, a line of one finds no group"
     assert all(len(g) <= 16 for g in committing + failing)
-    assert all(len(g) >= 6 for g in committing) and all(len(g) <= 5 for g in failing)
+    lines = {p.cell: sum(q.cell == p.cell for q in plans) for p in plans}
+    assert any(len(g) < 6 for g in committing), "lines short of their share of 10 commit what they hold"
+    for group in committing + failing:
+        line = min(cell_peers(1000, plans[group[0]]), lines[plans[group[0]].cell])
+        assert (group in committing) == (len(group) > 1 and is_majority(len(group), line)), group
     assert {len(p.cell) for p in plans} == {2 + 7}  # dimension of 3: 2 bits; 100 lines: 7 bits

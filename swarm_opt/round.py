@@ -10,7 +10,7 @@ end in ``RoundRunner._conclude``, the single place of the commit protocol:
 * an error raised inside the round (a bug: network failures make ``all_reduce`` return ``None``) gives the round
   back and is raised from ``step()``, whichever thread ran the round;
 * a round that failed, or whose group holds no majority of the live peers (with Moshpit groups: of the peers its
-  line of the grid is expected to hold, ``swarm_opt.groups``), is given back;
+  line of the grid is expected to hold, or counted in it if fewer, ``swarm_opt.groups``), is given back;
 * otherwise the round is applied, committed and reported as one step under the optimizer's state lock, so that a
   peer downloading our state never sees the new parameters with the old epoch.
 """

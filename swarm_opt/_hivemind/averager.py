@@ -196,7 +196,7 @@ class _Engine(DecentralizedAverager):
         the line's matchmaking key this round (still looking or already grouped) and name the count in this peer's
         gather (``LINE_KEY``), which every member receives at assembly. A line holds a random number of peers; one
         short of its expected share can then still commit a group holding a majority of the peers it does hold
-        (``swarm_opt.round.line_size``). A group assembled before the count, or a read that failed, names none."""
+        (``swarm_opt.round.line_seen_by``). A group assembled before the count, or a read that failed, names none."""
         matchmaking = self._matchmaking
         lead = matchmaking.min_matchmaking_time / 3  # the line's members declared when their search began
         await asyncio.sleep(max(0.0, step.scheduled_time - lead - get_dht_time()))

@@ -18,9 +18,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.dht_cache import read_latest_only
 from swarm_opt.config import TrackerConfig
-from swarm_opt.progress import ProgressRecord, SampledRecords, aggregate_progress, progress_key, progress_validators
+from swarm_opt.progress import ProgressRecord, SampledRecords, aggregate_progress, progress_key, use_progress_records
 from swarm_opt.trust import ClaimChecker
 
 
@@ -111,8 +110,7 @@ class RunMonitor:
         self.max_extrapolation = max_extrapolation
         self.model_schema = model_schema  # only the peers of this model (default: every peer of the run)
         self.key = progress_key(run_id)
-        dht.add_validators(progress_validators(run_id))
-        read_latest_only(dht)
+        use_progress_records(dht, run_id)
         self.history: List[Tuple[float, float, int]] = []  # (time, fractional epoch, peers)
         self._checker = ClaimChecker()  # liars move the monitor's view no more than a trainer's
         self._records = SampledRecords(dht, run_id, model_schema=model_schema,

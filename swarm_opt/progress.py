@@ -107,6 +107,16 @@ def progress_validators(run_id: str) -> list:
     return [_ShardedSchemaValidator(run_id), RememberingSignatureValidator()]
 
 
+def use_progress_records(dht: DHT, run_id: str) -> list:
+    """Make ``dht`` ready to read and write the run's progress records: their validators added (returned), and
+    hivemind's value cache off (``swarm_opt._hivemind.dht_cache``: every read of ours, and of the averager's, is
+    ``latest=True``, so caching only adds searches)."""
+    validators = progress_validators(run_id)
+    dht.add_validators(validators)
+    read_latest_only(dht)
+    return validators
+
+
 @dataclass(frozen=True)
 class SwarmProgress:
     """A snapshot of the swarm as one peer sees it. ``eta`` is an absolute DHT time (seconds since the epoch).
@@ -427,9 +437,7 @@ class ProgressTracker:
         self.key = progress_key(run_id)
         self.model_schema = model_schema
         self.client_mode = bool(dht.client_mode)
-        validators = progress_validators(run_id)
-        dht.add_validators(validators)
-        read_latest_only(dht)  # every read of the swarm's (and its averager's) is latest=True: caching only costs
+        validators = use_progress_records(dht, run_id)
         # one subkey per tracker: several trackers in one process share the signing key but not the record
         self._instance = os.urandom(8).hex()
         self._subkey = validators[-1].local_public_key + b"/" + self._instance.encode()

@@ -810,7 +810,10 @@ def cancel_step(control: StepControl) -> None:
     process through the control's cancel future: an averager that wakes in between sees a step not cancelled, goes on
     looking for a group for it until its deadline, and holds matchmaking meanwhile. This peer's next rounds then
     queue behind that search, and as a leader it refuses every other round's followers: under load, a peer that
-    missed one round missed every round after it."""
+    missed one round missed every round after it. A step cancelled before (``shutdown()`` while ``all_reduce()``
+    waits on it, then the waiter's own clean-up) is left as it is: hivemind's raises when cancelled twice."""
+    if control.cancelled():
+        return
     MPFuture.cancel(control)  # in the process that created the step: the shared state, visible to the averager now
     control.cancel()  # wakes the averager (its trigger and cancel futures)
 

@@ -75,3 +75,19 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
     averager.schedule = lambda when, round_id: setattr(averager, "_scheduled", control)
     assert averager.all_reduce(lambda buffers: None, 1.0, round_id=3) is None
     assert averager.last_failure == "the round was cancelled" and control.cancelled()
+
+
+def test_a_step_cancelled_twice_raises_nothing():
+    """``shutdown()`` cancels the round that ``all_reduce()`` waits on in another thread, and the waiter then cancels
+    it again as it cleans up: the second cancel must not raise (hivemind's does) into the thread running the round."""
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture
+
+    from swarm_opt._hivemind.averager import cancel_step
+
+    trigger = MPFuture()
+    control = StepControl(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0, data_for_gather=b"")
+    control.attach(trigger, MPFuture())
+    cancel_step(control)
+    cancel_step(control)
+    assert control.cancelled() and trigger.cancelled()

@@ -78,9 +78,9 @@ DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected
 COUNTED_KEY = "counted"  # the live peers a member counted, having read every progress record (not a sample)
 LINE_KEY = "line"  # the peers a leader found declared this round under its line's matchmaking key (Moshpit grid)
 _LINE_READ_TIMEOUT = 2.0  # seconds a leader's read of its line's declarations may take
-#: seconds between two reads of the group key's declarations by this peer's matchmaking (``_pace_reads``): a DHT
-#: search takes a few milliseconds on a LAN, more over the internet, so the spacing only bites where searches are fast
-_READ_INTERVAL = 0.05
+#: seconds between two reads of the group key's declarations by this peer's matchmaking (``_pace_reads``): the first
+#: after a read that found something new, doubling while reads find nothing new, up to the last
+_FIRST_READ_INTERVAL, _READ_INTERVAL = 0.002, 0.05
 DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
@@ -157,8 +157,9 @@ class _Engine(DecentralizedAverager):
             self._matchmaking.client_mode = True
         if self._liars.remembered() and not getattr(self._matchmaking, "_avoids_liars", False):
             self._avoid_liars_as_leaders(self._matchmaking)
-        if not getattr(self._matchmaking, "_paced", False):
+        if not getattr(self._matchmaking, "_adjusted", False):  # hivemind makes it once, in the averager process
             _pace_reads(self._matchmaking)
+            self._matchmaking._adjusted = True
         _renew_finished_search(self._matchmaking)
         self._tell_distrusted(step)
         helpers = []
@@ -801,20 +802,26 @@ def _valid_cell(cell: Any) -> bool:
 
 
 def _pace_reads(matchmaking: Any) -> None:
-    """Space hivemind's reads of the group key's declarations ``_READ_INTERVAL`` apart. A peer that finds no better
-    leader than itself asks for a new read as each read returns: on loopback a waiting leader searched the DHT about
-    1,500 times a second (``tests/swarm/test_matchmaking_reads.py``), keeping its DHT process busy and every other
-    DHT call of the peer waiting behind those reads. A leader learns of leaders declared after it only from these
-    reads (followers find it themselves), so the spacing delays matchmaking by at most one interval."""
-    manager, last = matchmaking.group_key_manager, [-math.inf]
-    read = manager.get_averagers
+    """Space hivemind's reads of the group key's declarations: ``_FIRST_READ_INTERVAL`` after a read that found a
+    declaration the previous read had not (a peer arrived, or this peer's own search began), doubling while reads find
+    nothing new, up to ``_READ_INTERVAL``. A peer that finds no better leader than itself asks for a new read as each
+    read returns: on loopback a leader that nobody joined searched the DHT about 1,500 times a second
+    (``tests/swarm/test_matchmaking_reads.py``), and every other DHT call of the peer queued behind those reads. The
+    peers of a round arrive together, so the reads stay quick while they do; a fixed 50 ms spacing delayed groups
+    enough, in rounds of a tenth of a second, that one line of the grid routinely lost its round to the other."""
+    manager = matchmaking.group_key_manager
+    read, pace = manager.get_averagers, {"last": -math.inf, "interval": _FIRST_READ_INTERVAL, "found": None}
 
     async def get_averagers(*args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(max(0.0, last[0] + _READ_INTERVAL - time.monotonic()))
-        last[0] = time.monotonic()
-        return await read(*args, **kwargs)
+        await asyncio.sleep(max(0.0, pace["last"] + pace["interval"] - time.monotonic()))
+        pace["last"] = time.monotonic()
+        found = await read(*args, **kwargs)
+        seen = (args, frozenset(found))
+        pace["interval"] = _FIRST_READ_INTERVAL if seen != pace["found"] else min(_READ_INTERVAL, 2 * pace["interval"])
+        pace["found"] = seen
+        return found
 
-    manager.get_averagers, matchmaking._paced = get_averagers, True
+    manager.get_averagers = get_averagers
 
 
 def _renew_finished_search(matchmaking: Any) -> None:

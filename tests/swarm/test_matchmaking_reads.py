@@ -31,7 +31,7 @@ async def _keys_read(dht: hivemind.DHT, node) -> list:
 
 def test_a_leader_that_nobody_joins_reads_its_group_key_at_a_bounded_rate():
     """Alone, the peer is the best leader it can find and asks for a new read of its key as each read returns: on
-    loopback, unpaced, that was hundreds of DHT searches a second for as long as it looked."""
+    loopback, unpaced, that was about 1,500 DHT searches a second for as long as it looked."""
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     averager = None
     try:
@@ -43,7 +43,8 @@ def test_a_leader_that_nobody_joins_reads_its_group_key_at_a_bounded_rate():
         looked = time.monotonic() - started
         reads = [key for key in dht.run_coroutine(_keys_read) if key.startswith("paced_run")]
         assert looked >= timeouts.matchmaking_time, looked
-        assert 2 <= len(reads) <= looked / _READ_INTERVAL + 2, (len(reads), looked)  # unpaced: ~4,500
+        # the steady pace, and a quick ramp each time a read finds news (its own declaration, renewed as it expires)
+        assert 2 <= len(reads) <= 2 * looked / _READ_INTERVAL, (len(reads), looked)  # unpaced: ~4,500
     finally:
         if averager is not None:
             averager.shutdown()

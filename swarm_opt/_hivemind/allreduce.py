@@ -11,6 +11,8 @@ are complete averages and are delivered as usual.
 A reducer also waits for every sender's copy of a part and combines them with the run's ``Aggregation`` (the
 weighted mean, or a robust estimate: ``swarm_opt.aggregation``) instead of summing them as they arrive.
 
+A member that says goodbye (``CANCELLED``: it left the round) fails at once the parts it was to reduce for this peer.
+
 Two more changes: reducers send means, encoded once, so that every member ends a round with identical values
 (``AllOrNothingRunner``); and each member closes its stream to a reducer once it has every reply, the reducer
 keeping its side open until then, since the p2p daemon could lose a reply sent just before the stream closed
@@ -167,6 +169,20 @@ class AllOrNothingRunner(AllReduceRunner):
         self._part_codecs: Dict[int, int] = {}  # part index -> the compression type the senders' parts came in
         # (part index, compression type) -> [the encoded mean, how many senders have yet to take it]
         self._encoded_means: Dict[Tuple[int, int], List[Any]] = {}
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: Any
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's; a member whose message says that it left the round (``CANCELLED``: its goodbye) is done as a
+        reducer too. hivemind only stops reducing its parts; this peer's parts that it was to reduce now fail at
+        once (the round fails), instead of waiting ``reducer_timeout`` for means it will never send."""
+        async def watched() -> AsyncIterator[averaging_pb2.AveragingData]:
+            async for message in stream:
+                if message.code == averaging_pb2.CANCELLED and context.remote_id in self.ordered_peer_ids:
+                    self.tensor_part_container.register_failed_reducer(self.ordered_peer_ids.index(context.remote_id))
+                yield message
+
+        async for reply in super().rpc_aggregate_part(watched(), context):
+            yield reply
 
     async def _handle_missing_senders(self) -> None:
         """hivemind's, waiting for the senders' first parts at least ``start_timeout``: a member starts sending at

@@ -135,6 +135,8 @@ class _Engine(DecentralizedAverager):
         self._reputations: Optional[Reputations] = None  # Reputation: this reducer's memory (averager process)
         self._left_out_seen: set = set()  # senders whose leaving out was logged (averager process)
         self._helpers_seen = 0  # auxiliary members of this peer's last group (averager process)
+        #: groups a step's matchmaking assembled that have not begun to average yet, by step (averager process)
+        self._unstarted: Dict[StepControl, Any] = {}
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -159,6 +161,7 @@ class _Engine(DecentralizedAverager):
             self._avoid_liars_as_leaders(self._matchmaking)
         if not getattr(self._matchmaking, "_adjusted", False):  # hivemind makes it once, in the averager process
             _pace_reads(self._matchmaking)
+            self._remember_groups(self._matchmaking)
             self._matchmaking._adjusted = True
         _renew_finished_search(self._matchmaking)
         self._tell_distrusted(step)
@@ -172,6 +175,25 @@ class _Engine(DecentralizedAverager):
         finally:
             for helper in helpers:
                 helper.cancel()
+            unstarted = self._unstarted.pop(step, None)
+            # matched, then cancelled or failed before sending anything (a lane round has its own start timeout)
+            if unstarted is not None and self._lane_addresses(unstarted) is None:
+                self._say_goodbye(unstarted)
+
+    def _remember_groups(self, matchmaking: Any) -> None:
+        """Keep the group each step's matchmaking assembled until it begins to average (``_aggregate_with_group``).
+        A step matched ahead of its round waits for the host's trigger; a host that cancels it then (it caught up with
+        the swarm instead) left its groupmates waiting for parts it would never send, until their start timeout: the
+        step now says goodbye to them on its way out (``_step``)."""
+        look_for_group = matchmaking.look_for_group
+
+        async def remembered(step: StepControl) -> Any:
+            group_info = await look_for_group(step)
+            if group_info is not None:
+                self._unstarted[step] = group_info
+            return group_info
+
+        matchmaking.look_for_group = remembered
 
     async def _assemble_once_complete(self, step: StepControl, info: dict) -> None:
         """As a leader in a round of one group, assemble the group as soon as every live peer that this peer's
@@ -302,16 +324,16 @@ class _Engine(DecentralizedAverager):
         a member fails as a whole anyway, see ``_check_complete``). A peer that leaves a round tells its groupmates,
         so that none of them waits out a timeout for streams that will never come. A group whose every member
         offers the gloo lane averages there instead (``_lane_round``)."""
+        self._unstarted = {step: group for step, group in self._unstarted.items() if group is not group_info}
         self._helpers_seen = sum(bool(_member_info(self.serializer, data).get("aux")) for data in group_info.gathered)
         known_liars = [peer for peer in group_info.peer_ids if self._liars.suspended(peer, time.monotonic())]
         if known_liars:  # a group formed around a liar by a groupmate that does not know it yet
             self._say_goodbye(group_info)
             raise AllreduceException(f"the group holds {', '.join(map(str, known_liars))}, seen lying as a reducer")
-        if self.lane is not None:
+        addresses = self._lane_addresses(group_info)
+        if addresses is not None:
             infos = [_member_info(self.serializer, data) for data in group_info.gathered]
-            addresses = lane_addresses(infos)
-            if addresses is not None:
-                return await self._lane_round(group_info, addresses, infos, **kwargs)
+            return await self._lane_round(group_info, addresses, infos, **kwargs)
         aggregation = asyncio.ensure_future(super()._aggregate_with_group(group_info, min_vector_size, **kwargs))
         watchdog = asyncio.ensure_future(self._first_failure(group_info))
         try:
@@ -326,6 +348,12 @@ class _Engine(DecentralizedAverager):
             raise
         finally:
             await cancel_within(_CANCEL_GRACE, watchdog, aggregation)
+
+    def _lane_addresses(self, group_info: Any) -> Optional[List[Tuple[str, int]]]:
+        """Where the group's members listen for the gloo lane, if this peer and every member offer it."""
+        if self.lane is None:
+            return None
+        return lane_addresses([_member_info(self.serializer, data) for data in group_info.gathered])
 
     async def _lane_round(self, group_info: Any, addresses: List[Tuple[str, int]], infos: List[dict],
                           **kwargs: Any) -> dict:
@@ -637,12 +665,17 @@ class _Engine(DecentralizedAverager):
         (a sender that sends a CANCELLED message is banned, and an all-or-nothing reducer then stops), instead of
         waiting for parts that this peer will not send. In the background: the failure is this peer's to report
         now; the goodbyes take a round trip."""
-        group_ids = [key for key in list(self._running_groups) if key.startswith(group_info.group_id)]
+        group_ids = [key for key in list(self._running_groups) if key.startswith(group_info.group_id)] \
+            or [self._first_allreduce_id(group_info)]  # a group this peer never began averaging with
         others = [peer for peer in group_info.peer_ids if peer != self.peer_id]
         if group_ids and others:
             task = asyncio.ensure_future(self._send_goodbyes(group_ids, others))
             self._goodbyes.add(task)
             task.add_done_callback(self._goodbyes.discard)
+
+    def _first_allreduce_id(self, group_info: Any) -> bytes:
+        """The id under which every member of ``group_info`` registers the group's first all-reduce."""
+        return group_info.group_id
 
     async def _send_goodbyes(self, group_ids: List[bytes], peers: Sequence[PeerID]) -> None:
         async def goodbye(peer: PeerID, group_id: bytes) -> None:

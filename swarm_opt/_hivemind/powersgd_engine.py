@@ -107,9 +107,12 @@ class PowerSGDEngine(_Engine):
             self._committed[1] = round_id
 
     # --- averager process -------------------------------------------------------------------------------------------
+    def _first_allreduce_id(self, group_info: GroupInfo) -> bytes:
+        return group_info.group_id + _PHASE_P
+
     @contextlib.contextmanager
     def _register_allreduce_group(self, group_info: GroupInfo) -> Iterator[None]:
-        phase_p = group_info.group_id + _PHASE_P
+        phase_p = self._first_allreduce_id(group_info)
         self._running_groups[phase_p] = asyncio.Future()  # registered before the base class signals the group
         try:
             with super()._register_allreduce_group(group_info):
@@ -165,8 +168,9 @@ class PowerSGDEngine(_Engine):
         # phase 1: the mean P over the members of the winning lineage, and the group's total weight
         ps = peer.phase1()
         total = torch.tensor([weight], dtype=torch.float64)
-        await super()._run_allreduce_inplace_([*ps, total], group_info, group_info.group_id + _PHASE_P, **kwargs)
-        self._check_complete(group_info.group_id + _PHASE_P)
+        phase_p = self._first_allreduce_id(group_info)
+        await super()._run_allreduce_inplace_([*ps, total], group_info, phase_p, **kwargs)
+        self._check_complete(phase_p)
         try:
             own_qs = peer.phase2(ps, float(total) * group_size)
         except ValueError as e:  # non-finite values or no weight: fail the round

@@ -668,7 +668,7 @@ class _Engine(DecentralizedAverager):
         group_ids = [key for key in list(self._running_groups) if key.startswith(group_info.group_id)] \
             or [self._first_allreduce_id(group_info)]  # a group this peer never began averaging with
         others = [peer for peer in group_info.peer_ids if peer != self.peer_id]
-        if group_ids and others:
+        if others:
             task = asyncio.ensure_future(self._send_goodbyes(group_ids, others))
             self._goodbyes.add(task)
             task.add_done_callback(self._goodbyes.discard)
@@ -837,11 +837,10 @@ def _valid_cell(cell: Any) -> bool:
 def _pace_reads(matchmaking: Any) -> None:
     """Space hivemind's reads of the group key's declarations: ``_FIRST_READ_INTERVAL`` after a read that found a
     declaration the previous read had not (a peer arrived, or this peer's own search began), doubling while reads find
-    nothing new, up to ``_READ_INTERVAL``. A peer that finds no better leader than itself asks for a new read as each
-    read returns: on loopback a leader that nobody joined searched the DHT about 1,500 times a second
-    (``tests/swarm/test_matchmaking_reads.py``), and every other DHT call of the peer queued behind those reads. The
-    peers of a round arrive together, so the reads stay quick while they do; a fixed 50 ms spacing delayed groups
-    enough, in rounds of a tenth of a second, that one line of the grid routinely lost its round to the other."""
+    nothing new, up to ``_READ_INTERVAL``. hivemind asks for a new read as each read returns while no better leader is
+    in sight: on loopback, a search a millisecond, every other DHT call of the peer queued behind those reads
+    (``docs/hivemind.md``). The peers of a round arrive together, so reads stay quick while they do: groups form as
+    fast as unpaced."""
     manager = matchmaking.group_key_manager
     read, pace = manager.get_averagers, {"last": -math.inf, "interval": _FIRST_READ_INTERVAL, "found": None}
 

@@ -39,13 +39,24 @@ def test_a_download_returns_what_the_donor_sent():
     assert _averager(state).load_state(timeout=1.0) is state
 
 
+def _control(kind=None):
+    """A scheduled round (hivemind's ``StepControl``, or the subclass ``kind``) attached to its trigger and cancel
+    futures, as the averager process attaches them."""
+    from hivemind.averaging.control import StepControl
+    from hivemind.utils import MPFuture
+
+    trigger = MPFuture()  # first: hivemind sets up its futures' backend only for a plain MPFuture
+    control = (kind or StepControl)(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0,
+                                    data_for_gather=b"")
+    control.attach(trigger, MPFuture())
+    return control
+
+
 def _cancelled_control():
-    """A scheduled round (hivemind's ``StepControl``) whose future raises what hivemind's raise when the round is
-    cancelled under it."""
+    """A scheduled round whose future raises what hivemind's raise when the round is cancelled under it."""
     import asyncio
 
     from hivemind.averaging.control import StepControl
-    from hivemind.utils import MPFuture
 
     class Cancelled(StepControl):
         def allow_allreduce(self):
@@ -54,10 +65,7 @@ def _cancelled_control():
         def result(self, timeout=None):
             raise asyncio.CancelledError()
 
-    trigger = MPFuture()  # first: hivemind sets up its futures' backend only for a plain MPFuture
-    control = Cancelled(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0, data_for_gather=b"")
-    control.attach(trigger, MPFuture())
-    return control
+    return _control(Cancelled)
 
 
 def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_training_loop():
@@ -80,14 +88,9 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
 def test_a_step_cancelled_twice_raises_nothing():
     """``shutdown()`` cancels the round that ``all_reduce()`` waits on in another thread, and the waiter then cancels
     it again as it cleans up: the second cancel must not raise (hivemind's does) into the thread running the round."""
-    from hivemind.averaging.control import StepControl
-    from hivemind.utils import MPFuture
-
     from swarm_opt._hivemind.averager import cancel_step
 
-    trigger = MPFuture()
-    control = StepControl(scheduled_time=0.0, deadline=1e9, allow_retries=False, weight=1.0, data_for_gather=b"")
-    control.attach(trigger, MPFuture())
+    control = _control()
     cancel_step(control)
     cancel_step(control)
-    assert control.cancelled() and trigger.cancelled()
+    assert control.cancelled() and control._trigger.cancelled()

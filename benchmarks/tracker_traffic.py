@@ -195,8 +195,8 @@ async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[flo
     from hivemind.dht.routing import DHTID
     from hivemind.utils import get_dht_time
 
-    from swarm_opt._hivemind.near_store import forget, nearest_nodes, store_near
-    from swarm_opt.progress import _NEAREST_REFRESH, _SHARD_READ_BEAM, _SHARD_WRITE_BEAM, progress_validators
+    from swarm_opt._hivemind.near_store import REFRESH, WRITE_BEAM, forget, nearest_nodes, store_near
+    from swarm_opt.progress import _SHARD_READ_BEAM, progress_validators
     from swarm_opt.sharding import progress_key
 
     dhts = await start_nodes(nodes)
@@ -217,7 +217,7 @@ async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[flo
         reader, writer = dhts[-1], writers[0]
         own = writer.signer.local_public_key + b"/0000000000000000"
         read_beams = {"read": {}, "read_sharded": {"beam_size": _SHARD_READ_BEAM}}
-        write_beams = {"write": {}, "write_sharded": {"beam_size": _SHARD_WRITE_BEAM}}
+        write_beams = {"write": {}, "write_sharded": {"beam_size": WRITE_BEAM}}
         for name in (*read_beams, *write_beams):
             costs = []
             for _ in range(3):
@@ -231,9 +231,8 @@ async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[flo
                 costs.append(sum(d.bytes for d in dhts) - before)
             out[name].append(float(np.median(costs)))
         # the product's sharded write: a search for the key's nearest nodes that downloads no value (repeated every
-        # _NEAREST_REFRESH seconds), then one store RPC per node
-        store = functools.partial(store_near, key=key, subkey=own, beam_size=_SHARD_WRITE_BEAM,
-                                  refresh=_NEAREST_REFRESH)
+        # REFRESH seconds), then one store RPC per node
+        store = functools.partial(store_near, key=key, subkey=own)
         for name in ("find_nearest", "write_direct"):
             costs = []
             for _ in range(3):
@@ -241,8 +240,8 @@ async def measure_operations(nodes: int, sizes: List[int]) -> Dict[str, List[flo
                     forget(writer.node, key)
                 before = sum(d.bytes for d in dhts)
                 if name == "find_nearest":
-                    await nearest_nodes(writer.node, DHTID.generate(source=key), beam_size=_SHARD_WRITE_BEAM,
-                                        refresh=_NEAREST_REFRESH, now=get_dht_time())
+                    await nearest_nodes(writer.node, DHTID.generate(source=key), beam_size=WRITE_BEAM,
+                                        refresh=REFRESH, now=get_dht_time())
                 else:
                     assert await store(writer, writer.node, value=dict(value, time=get_dht_time()),
                                        expiration_time=get_dht_time() + 120)
@@ -260,9 +259,9 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
     each design's rules: the baseline reads and writes the one key of N records once per ``refresh_period``; the
     sharded design reads one shard and writes at each of its publishing levels once per ``sampled_period`` (once
     per ``refresh_period`` while the swarm fits in one key). "sharded" writes a shard straight to its nearest nodes
-    (plus one value-less search for them every ``_NEAREST_REFRESH`` seconds); "sharded_search" is the previous
+    (plus one value-less search for them every ``REFRESH`` seconds); "sharded_search" is the previous
     write, a hivemind store whose search downloads the shard from every node it visits."""
-    from swarm_opt.progress import _NEAREST_REFRESH
+    from swarm_opt._hivemind.near_store import REFRESH
     from swarm_opt.sharding import ShardSample
 
     lines = {name: np.polyfit(ops["records"], ops[name], 1) for name in ("read", "read_sharded", "write",
@@ -271,7 +270,7 @@ def cost_model(ops: Dict[str, List[float]], config: TrackerConfig) -> Dict[str, 
     cost = lambda name, records: float(np.polyval(lines[name], records))  # noqa: E731
     writes = {"sharded_search": lambda records: cost("write_sharded", records),
               "sharded": lambda records: cost("write_direct", records)
-              + cost("find_nearest", records) * config.sampled_period / _NEAREST_REFRESH}
+              + cost("find_nearest", records) * config.sampled_period / REFRESH}
     out: Dict[str, Dict[int, float]] = {"baseline": {}, **{design: {} for design in writes}}
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000):
         out["baseline"][n] = (cost("read", n) + cost("write", n)) / config.refresh_period

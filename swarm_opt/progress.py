@@ -51,11 +51,9 @@ logger = logging.getLogger(__name__)
 # A sharded read follows a beam of 1 to the DHT node nearest to the shard's key (one of the 5 that store it) instead
 # of a beam of 20: each node a search visits answers with ~1 KB of routing and, if it holds the key, its whole value,
 # so the beam, not the shard, dominates a peer's bytes (one node's copy may miss a record stored while it was away:
-# the estimate is a sample anyway). A sharded write stores straight to the shard's 5 nearest nodes, found (with a
-# beam of 5) by a search that downloads no value and is repeated every _NEAREST_REFRESH seconds. Level 0 keeps
-# hivemind's defaults.
-_SHARD_READ_BEAM, _SHARD_WRITE_BEAM = 1, 5
-_NEAREST_REFRESH = 30.0
+# the estimate is a sample anyway); level 0 reads with hivemind's full beam (the exact view of a small swarm). Every
+# write stores straight to the key's 5 nearest nodes (``store_near``: the search that finds them downloads no value).
+_SHARD_READ_BEAM = 1
 _MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
 _MAX_SAMPLES_PER_SECOND = 1e9
 
@@ -622,19 +620,11 @@ class ProgressTracker:
         self._stored_until.update(dict.fromkeys(levels, expiration))
 
     def _store(self, levels: Iterable[int], value: Optional[dict], expiration_time: float, timeout: float) -> None:
-        """Level 0 through hivemind's store; a shard straight to the nodes its last search found (``store_near``:
-        a search downloads the shard's whole value from every node it visits)."""
-        futures = []
-        for level in sorted(levels):
-            key = shard_key(self._run_id, shard_of(self._owner, level))
-            if level == 0:
-                futures.append(self.dht.store(key, subkey=self._subkey, value=value, expiration_time=expiration_time,
-                                              return_future=True))
-            else:
-                futures.append(self.dht.run_coroutine(
-                    functools.partial(store_near, key=key, subkey=self._subkey, value=value,
-                                      expiration_time=expiration_time, beam_size=_SHARD_WRITE_BEAM,
-                                      refresh=_NEAREST_REFRESH), return_future=True))
+        """Straight to the nodes the key's last search found (``store_near``): hivemind's store searches first, and
+        every node its search visits answers with the key's whole value."""
+        futures = [self.dht.run_coroutine(functools.partial(
+            store_near, key=shard_key(self._run_id, shard_of(self._owner, level)), subkey=self._subkey, value=value,
+            expiration_time=expiration_time), return_future=True) for level in sorted(levels)]
         for future in futures:
             future.result(timeout=timeout)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import multiprocessing as mp
@@ -43,6 +44,7 @@ from swarm_opt._hivemind.allreduce import (
     part_owners,
 )
 from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
+from swarm_opt._hivemind.near_store import store_near
 from swarm_opt.aggregation import (
     Aggregation,
     Audited,
@@ -143,6 +145,7 @@ class _Engine(DecentralizedAverager):
             die_with_parent(signal.SIGKILL, self._parent_pid)
         if self.lane is not None:
             self.lane.start()
+        _store_near(self.dht)
         try:
             super().run()
         finally:
@@ -854,6 +857,24 @@ def _pace_reads(matchmaking: Any) -> None:
         return found
 
     manager.get_averagers = get_averagers
+
+
+def _store_near(dht: DHT) -> None:
+    """This process's writes to the DHT (hivemind's matchmaking declarations and their withdrawals, its state-sharing
+    declarations) go straight to each key's nearest nodes (``store_near``). hivemind's store searches first, and every
+    node its search visits answers with every record under the key: for a matchmaking key, every declaration, twice per
+    peer and round. Readers still search with the full beam, and find a record on whichever of the key's nodes holds
+    it."""
+    store = dht.store
+
+    def store_near_key(key: Any, value: Any, expiration_time: float, subkey: Any = None, return_future: bool = False,
+                       **kwargs: Any) -> Any:
+        if subkey is None or kwargs:
+            return store(key, value, expiration_time, subkey=subkey, return_future=return_future, **kwargs)
+        return dht.run_coroutine(functools.partial(store_near, key=key, subkey=subkey, value=value,
+                                                   expiration_time=expiration_time), return_future=return_future)
+
+    dht.store = store_near_key
 
 
 def _renew_finished_search(matchmaking: Any) -> None:

@@ -6,9 +6,14 @@ re-publishes its progress record every few seconds writes the same key to the sa
 ``store_near`` remembers them per key: it finds them by searching for a *neighbouring* id (the key's id with its
 lowest bit flipped: the same nearest nodes in the same order, but no node holds a value there, so each answers with
 routing only), then sends one small store RPC to each. It searches again after ``refresh`` seconds (nodes join and
-leave), or at once when fewer than half of the remembered nodes accept; when none accepts it falls back to
-hivemind's own store. The record is signed by the node's validators exactly as ``DHTNode.store`` signs it, and each
-receiving node validates it as it validates any store: nothing about what the DHT accepts changes.
+leave), or at once when fewer than half of the remembered nodes answer; when none answers it falls back to
+hivemind's own store (a node that answers and rejects the record would reject it through any store). The record is
+signed by the node's validators exactly as ``DHTNode.store`` signs it, and each receiving node validates it as it
+validates any store: nothing about what the DHT accepts changes.
+
+Used for every record swarm_opt writes repeatedly: progress records (every shard level) and matchmaking
+declarations (``declare_near``). A read that must see every record still searches with hivemind's full beam, and finds
+a record on whichever of the key's nodes holds it.
 
 Runs inside the DHT process: ``dht.run_coroutine(functools.partial(store_near, key=..., ...))``. It never raises
 (hivemind logs a traceback for a coroutine that does): a failure returns False, as a failed ``DHT.store`` does.
@@ -31,6 +36,10 @@ from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
+WRITE_BEAM = 5  # the beam of the value-less search for a key's nearest nodes
+REFRESH = 30.0  # seconds a key's nearest nodes are remembered
+_REMEMBERED_KEYS = 256  # per node, before keys not refreshed for REFRESH seconds are forgotten
+
 # per DHT node (several in one process in benchmarks): key id -> (when found, nearest nodes nearest-first)
 _NEAREST: MutableMapping[DHTNode, Dict[DHTID, Tuple[float, Dict[DHTID, PeerID]]]] = weakref.WeakKeyDictionary()
 
@@ -49,6 +58,9 @@ async def nearest_nodes(node: DHTNode, key_id: DHTID, *, beam_size: int, refresh
     found = known.get(key_id)
     if found is not None and now - found[0] < refresh:
         return found[1]
+    if len(known) >= _REMEMBERED_KEYS:  # matchmaking keys change with the grid's lines: keep the live ones only
+        for stale in [k for k, (when, _) in known.items() if now - when >= refresh]:
+            del known[stale]
     probe = neighbour_id(key_id)
     result = await node.find_nearest_nodes([probe], k_nearest=node.num_replicas, beam_size=beam_size)
     nodes = result.get(probe, {})
@@ -62,7 +74,7 @@ def forget(node: DHTNode, key: Any) -> None:
 
 
 async def store_near(_dht: object, node: DHTNode, *, key: Any, subkey: Any, value: Any, expiration_time: float,
-                     beam_size: int, refresh: float = 30.0) -> bool:
+                     beam_size: int = WRITE_BEAM, refresh: float = REFRESH) -> bool:
     """Store ``value`` under ``key``/``subkey`` on the key's remembered nearest nodes; True if at least one of them
     (or hivemind's fallback store) accepted it. Signature and arguments as ``DHT.run_coroutine`` passes them."""
     try:
@@ -74,6 +86,8 @@ async def store_near(_dht: object, node: DHTNode, *, key: Any, subkey: Any, valu
 
 async def _store_near(node: DHTNode, key: Any, subkey: Any, value: Any, expiration_time: float, beam_size: int,
                       refresh: float) -> bool:
+    if expiration_time <= get_dht_time():  # every node would reject it (hivemind withdraws expired declarations)
+        return False
     key_id = DHTID.generate(source=key)
     nodes = await nearest_nodes(node, key_id, beam_size=beam_size, refresh=refresh, now=get_dht_time())
     protocol = node.protocol
@@ -91,12 +105,12 @@ async def _store_near(node: DHTNode, key: Any, subkey: Any, value: Any, expirati
                                            expiration_time=[expiration_time], subkeys=[subkey])
         return None if answer is None else bool(answer[0])
 
-    answers = await asyncio.gather(*(one(node_id, peer_id) for node_id, peer_id in nodes.items()))
-    accepted = sum(1 for answer in answers if answer)
+    answers = [answer for answer in await asyncio.gather(*(one(node_id, peer_id) for node_id, peer_id in nodes.items()))
+               if answer is not None]
     if key_id in protocol.cache:  # as DHTNode.store_many: a cached copy of the key must not hide our new record
         protocol.cache.store_subkey(key_id, subkey, record.value, expiration_time)
-    if accepted < math.ceil(len(nodes) / 2) or not nodes:
+    if len(answers) < math.ceil(len(nodes) / 2) or not nodes:
         _NEAREST.get(node, {}).pop(key_id, None)  # search again next time
-    if accepted == 0:
+    if not answers:
         return bool(await node.store(key, value, expiration_time, subkey=subkey, beam_size=beam_size))
-    return True
+    return any(answers)  # a node that answered False rejected the record (expired, older, invalid): so would others

@@ -5,6 +5,7 @@ nearest nodes (``swarm_opt._hivemind.near_store``), without the search that down
 
 from __future__ import annotations
 
+import functools
 import time
 
 import hivemind
@@ -19,18 +20,28 @@ from swarm_opt.progress import ProgressTracker
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
 
-async def _count_reads(dht: hivemind.DHT, node) -> None:
-    get_many = node.get_many
+async def _record_keys(dht: hivemind.DHT, node, method: str) -> None:
+    """From now on, ``node.<method>`` (``get_many``: every search for a value; ``store_many``: hivemind's store)
+    remembers the keys it was called with."""
+    original = getattr(node, method)
 
-    async def counted(keys, *args, **kwargs):
-        node.keys_read = getattr(node, "keys_read", []) + [str(key) for key in keys]
-        return await get_many(keys, *args, **kwargs)
+    async def recorded(keys, *args, **kwargs):
+        node.recorded_keys = getattr(node, "recorded_keys", []) + [(method, str(key)) for key in keys]
+        return await original(keys, *args, **kwargs)
 
-    node.get_many = counted
+    setattr(node, method, recorded)
 
 
-async def _keys_read(dht: hivemind.DHT, node) -> list:
-    return list(getattr(node, "keys_read", []))
+def record_keys(dht: hivemind.DHT, method: str) -> None:
+    dht.run_coroutine(functools.partial(_record_keys, method=method))
+
+
+async def _recorded(dht: hivemind.DHT, node) -> list:
+    return list(getattr(node, "recorded_keys", []))
+
+
+def keys_recorded(dht: hivemind.DHT, method: str, prefix: str) -> list:
+    return [key for m, key in dht.run_coroutine(_recorded) if m == method and key.startswith(prefix)]
 
 
 def test_a_leader_that_nobody_joins_reads_its_group_key_at_a_bounded_rate():
@@ -39,13 +50,13 @@ def test_a_leader_that_nobody_joins_reads_its_group_key_at_a_bounded_rate():
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     averager = None
     try:
-        dht.run_coroutine(_count_reads)
+        record_keys(dht, "get_many")
         timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=3.0)
         averager = TensorAverager(dht, prefix="paced_run", templates=[torch.zeros(4)], timeouts=timeouts)
         started = time.monotonic()
         assert averager.all_reduce(lambda buffers: buffers[0].fill_(1.0), 1.0, round_id=1) is None  # no group
         looked = time.monotonic() - started
-        reads = [key for key in dht.run_coroutine(_keys_read) if key.startswith("paced_run")]
+        reads = keys_recorded(dht, "get_many", "paced_run")
         assert looked >= timeouts.matchmaking_time, looked
         # the steady pace, and a quick ramp each time a read finds news (its own declaration, renewed as it expires)
         assert 2 <= len(reads) <= 2 * looked / _READ_INTERVAL, (len(reads), looked)  # unpaced: ~4,500
@@ -53,20 +64,6 @@ def test_a_leader_that_nobody_joins_reads_its_group_key_at_a_bounded_rate():
         if averager is not None:
             averager.shutdown()
         dht.shutdown()
-
-
-async def _count_stores(dht: hivemind.DHT, node) -> None:
-    store_many = node.store_many
-
-    async def counted(keys, *args, **kwargs):
-        node.keys_stored = getattr(node, "keys_stored", []) + [str(key) for key in keys]
-        return await store_many(keys, *args, **kwargs)
-
-    node.store_many = counted
-
-
-async def _keys_stored(dht: hivemind.DHT, node) -> list:
-    return list(getattr(node, "keys_stored", []))
 
 
 def test_declarations_go_straight_to_the_group_keys_nodes_and_are_withdrawn():
@@ -83,7 +80,7 @@ def test_declarations_go_straight_to_the_group_keys_nodes_and_are_withdrawn():
         return [] if found is None else [entry.value for entry in found.value.values()]
 
     try:
-        first.run_coroutine(_count_stores)
+        record_keys(first, "store_many")
         timeouts = Timeouts(matchmaking_time=0.5, averaging_timeout=10.0)
         averager = TensorAverager(first, prefix="declared_run", templates=[torch.zeros(4)], timeouts=timeouts)
         averager.schedule(get_dht_time() + 5.0, round_id=1)  # looks for a group until then
@@ -98,7 +95,7 @@ def test_declarations_go_straight_to_the_group_keys_nodes_and_are_withdrawn():
         while declarations() != [False] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert declarations() == [False]  # withdrawn
-        stored = [key for key in first.run_coroutine(_keys_stored) if "declared_run" in key]
+        stored = keys_recorded(first, "store_many", "declared_run")
         assert stored == [], stored  # hivemind's store: one search per declaration, renewal and withdrawal
     finally:
         if averager is not None:
@@ -113,7 +110,7 @@ def test_a_small_swarms_progress_records_go_straight_to_the_keys_nodes():
     first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
-        first.run_coroutine(_count_stores)
+        record_keys(first, "store_many")
         writer = ProgressTracker(first, "near_run", 1000, model_schema="m", config=TrackerConfig())
         reader = ProgressTracker(second, "near_run", 1000, model_schema="m", config=TrackerConfig())
         writer.mark_joined()
@@ -122,7 +119,7 @@ def test_a_small_swarms_progress_records_go_straight_to_the_keys_nodes():
             writer._publish(force=True, timeout=5.0)
             reader._fetch(timeout=5.0)
             assert [record.epoch for record in reader._others] == [epoch]
-        stored = [key for key in first.run_coroutine(_keys_stored) if "near_run" in key]
+        stored = keys_recorded(first, "store_many", "near_run")
         assert stored == [], stored  # hivemind's store: one search per record
     finally:
         second.shutdown()

@@ -145,7 +145,7 @@ class _Engine(DecentralizedAverager):
             die_with_parent(signal.SIGKILL, self._parent_pid)
         if self.lane is not None:
             self.lane.start()
-        _store_near(self.dht)
+        _write_near(self.dht)
         try:
             super().run()
         finally:
@@ -859,7 +859,7 @@ def _pace_reads(matchmaking: Any) -> None:
     manager.get_averagers = get_averagers
 
 
-def _store_near(dht: DHT) -> None:
+def _write_near(dht: DHT) -> None:
     """This process's writes to the DHT (hivemind's matchmaking declarations and their withdrawals, its state-sharing
     declarations) go straight to each key's nearest nodes (``store_near``). hivemind's store searches first, and every
     node its search visits answers with every record under the key: for a matchmaking key, every declaration, twice per

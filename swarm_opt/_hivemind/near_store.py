@@ -12,7 +12,7 @@ signed by the node's validators exactly as ``DHTNode.store`` signs it, and each 
 validates any store: nothing about what the DHT accepts changes.
 
 Used for every record swarm_opt writes repeatedly: progress records (every level) and every write of the averager
-process (matchmaking and state-sharing declarations, ``averager._store_near``). A read that must see every record
+process (matchmaking and state-sharing declarations, ``averager._write_near``). A read that must see every record
 still searches with hivemind's full beam, and finds a record on whichever of the key's nodes holds it.
 
 Runs inside the DHT process: ``dht.run_coroutine(functools.partial(store_near, key=..., ...))``. It never raises

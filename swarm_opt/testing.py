@@ -8,12 +8,14 @@ a hung peer never blocks on a full pipe and its log survives it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 #: the directory that holds the ``swarm_opt`` package (a checkout's root): peers import swarm_opt from there
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
@@ -102,3 +104,31 @@ def tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "<no log>"
+
+
+def write_addresses(maddrs: Iterable[object], path: Union[str, Path]) -> None:
+    """Publish a peer's DHT addresses for the peers started beside it: atomically, as they read it once it exists."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps([str(a) for a in maddrs]))
+    os.replace(tmp, path)
+
+
+def read_addresses(path: Union[str, Path], timeout: float = 90.0,
+                   alive: Callable[[], bool] = lambda: True) -> List[str]:
+    """Wait for the addresses ``write_addresses`` publishes at ``path`` (while ``alive()``) and return them."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if not alive():
+            raise RuntimeError(f"the peer that was to write {path} exited first")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout:.0f} s: the first peer did not start its DHT")
+        time.sleep(0.05)
+    return json.loads(Path(path).read_text())
+
+
+def initial_peers(config: dict) -> List[str]:
+    """A test peer's initial peers: its config's ``initial_peers``, or the addresses its swarm's first peer writes to
+    ``initial_peers_file`` (peers started beside the first one wait for them there)."""
+    if config.get("initial_peers_file"):
+        return read_addresses(config["initial_peers_file"])
+    return list(config.get("initial_peers", []))

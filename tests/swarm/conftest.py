@@ -6,7 +6,7 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -21,24 +21,33 @@ class Swarm:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: Dict[int, subprocess.Popen] = {}
-        self.initial_peers: List[str] = []
+        self.first: Optional[int] = None  # the rank whose DHT addresses are everyone's initial peers
+        self._initial_peers: List[str] = []
 
     def start(self, rank: int, *, script: Path = PEER_SCRIPT, **config) -> subprocess.Popen:
-        """Start ``script`` (default peer.py) with ``config`` as its JSON config; the first peer's DHT addresses
-        (it writes them to OUT.maddrs) become everyone's initial peers."""
-        proc = self._launch(rank, script, dict(initial_peers=self.initial_peers, **config))
-        if not self.initial_peers:
-            self._wait_for_addresses(rank)
-        return proc
+        """Start ``script`` (default peer.py) with ``config`` as its JSON config. The first peer's DHT addresses
+        (it writes them to OUT.maddrs) are everyone's initial peers: the peers started after it do not wait for it
+        here but inside ``script`` (config ``initial_peers_file``), so that they start up beside it."""
+        if self.first is None:
+            self.first = rank
+            return self._launch(rank, script, dict(initial_peers=[], **config))
+        return self._launch(rank, script, dict(initial_peers_file=str(self._addresses(self.first)), **config))
 
-    def start_together(self, ranks: List[int], *, script: Path, **config) -> None:
-        """Start peers at once, for scripts slow to import (Lightning): the others wait inside ``script`` for the
-        first one's addresses (config ``initial_peers_file``, its OUT.maddrs) instead of being started after it."""
-        first = self.tmp / f"peer{ranks[0]}.pt.maddrs"
-        self._launch(ranks[0], script, dict(initial_peers=[], **config))
-        for rank in ranks[1:]:
-            self._launch(rank, script, dict(initial_peers=[], initial_peers_file=str(first), **config))
-        self._wait_for_addresses(ranks[0])
+    @property
+    def initial_peers(self) -> List[str]:
+        """The first peer's DHT addresses, for a process a test starts by hand (waits for them)."""
+        if not self._initial_peers:
+            assert self.first is not None, "start a peer first"
+            proc = self.procs[self.first]
+            try:
+                self._initial_peers = testing.read_addresses(self._addresses(self.first), timeout=60,
+                                                             alive=lambda: proc.poll() is None)
+            except (RuntimeError, TimeoutError) as e:
+                pytest.fail(f"{e}; its log:\n{self.log(self.first)}")
+        return self._initial_peers
+
+    def _addresses(self, rank: int) -> Path:
+        return self.tmp / f"peer{rank}.pt.maddrs"
 
     def _launch(self, rank: int, script: Path, config: dict) -> subprocess.Popen:
         out = self.tmp / f"peer{rank}.pt"
@@ -48,15 +57,6 @@ class Swarm:
         proc = testing.start([str(script), str(path)], log=self.tmp / f"peer{rank}.log")
         self.procs[rank] = proc
         return proc
-
-    def _wait_for_addresses(self, rank: int) -> None:
-        maddrs = self.tmp / f"peer{rank}.pt.maddrs"
-        deadline = time.monotonic() + 60
-        while not maddrs.exists() or not maddrs.read_text():
-            assert self.procs[rank].poll() is None, self.log(rank)
-            assert time.monotonic() < deadline, "first peer did not start its DHT"
-            time.sleep(0.1)
-        self.initial_peers = json.loads(maddrs.read_text())
 
     def log(self, rank: int) -> str:
         return (self.tmp / f"peer{rank}.log").read_text()

@@ -4,6 +4,7 @@ reported and its parameters."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ def main(config_path: str) -> None:
     from opacus import PrivacyEngine
 
     import swarm_opt
+    from swarm_opt import testing
     from tests.swarm.peer import make_strategy
 
     # Opacus's own advice (secure RNG off: fine for tests) and torch's note about its backward hooks on a first layer
@@ -40,9 +42,8 @@ def main(config_path: str) -> None:
     warnings.filterwarnings("ignore", message="Secure RNG turned off")
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     cfg = json.load(open(config_path))
-    dht = hivemind.DHT(initial_peers=cfg["initial_peers"], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    with open(cfg["out"] + ".maddrs", "w") as f:
-        json.dump([str(a) for a in dht.get_visible_maddrs()], f)
+    dht = hivemind.DHT(initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    testing.write_addresses(dht.get_visible_maddrs(), cfg["out"] + ".maddrs")
 
     torch.manual_seed(0)  # the same initial model on every peer
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
@@ -86,3 +87,4 @@ def main(config_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

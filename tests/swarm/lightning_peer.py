@@ -15,6 +15,7 @@ writes CONFIG["out"] (torch.save) with the parameters at every global epoch and 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import time
 import lightning as L
 import torch
 
+from swarm_opt import testing
 from tests.swarm.peer import lsq_problem, make_data, make_model, make_strategy
 
 
@@ -36,15 +38,12 @@ def main(config_path: str) -> None:
     from swarm_opt.lightning import SwarmCallback
 
     cfg = json.load(open(config_path))
-    if cfg.get("initial_peers_file"):  # started together with the first peer: wait for its addresses
-        _wait_for_file(cfg["initial_peers_file"])
-        cfg["initial_peers"] = json.load(open(cfg["initial_peers_file"]))
     L.seed_everything(0, verbose=False)  # founders share one initial model
     module, loader = build(cfg)
     torch.manual_seed(1000 + cfg["rank"])  # each peer its own data order
     swarm = SwarmCallback(
         run_id=cfg.get("run_id", "lightning_run"), target_batch_size=cfg["target_batch_size"],
-        initial_peers=cfg["initial_peers"], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         strategy=make_strategy(cfg.get("strategy", "grad")), batch_size=cfg.get("callback_batch_size"),
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)))
@@ -153,9 +152,7 @@ class Recorder(L.Callback):
         self.rounds, self.params, self.last_round = [], {}, None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        with open(self.cfg["out"] + ".maddrs.tmp", "w") as f:  # others read it as soon as it exists: atomically
-            json.dump([str(a) for a in self.swarm.dht.get_visible_maddrs()], f)
-        os.replace(self.cfg["out"] + ".maddrs.tmp", self.cfg["out"] + ".maddrs")
+        testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
         opt = trainer.optimizers[0]
         assert isinstance(opt, __import__("swarm_opt").Optimizer), type(opt)
         wait_until = time.monotonic() + 30
@@ -216,3 +213,4 @@ START = time.monotonic()
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

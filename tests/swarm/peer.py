@@ -7,6 +7,7 @@ committed to each epoch, and its round reports. Every choice comes from the JSON
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import signal
@@ -260,17 +261,17 @@ def main(config_path: str) -> None:
         root.setLevel(logging.DEBUG)
 
     import swarm_opt
+    from swarm_opt import testing
     from swarm_opt.aggregation import parse_aggregation
 
     install_fault(cfg)
     private = {"authorizer": swarm_opt.PrivateRun(secret=cfg["secret"].encode()).authorizer()} \
         if cfg.get("secret") else {}
     dht = hivemind.DHT(
-        initial_peers=cfg.get("initial_peers", []), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         client_mode=cfg.get("client_mode", False), start=True, **private,
     )
-    with open(cfg["out"] + ".maddrs", "w") as f:
-        json.dump([str(a) for a in dht.get_visible_maddrs()], f)
+    testing.write_addresses(dht.get_visible_maddrs(), cfg["out"] + ".maddrs")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
     task = cfg.get("task", "mlp")
     if task == "lsq":
@@ -482,4 +483,4 @@ def _named_args(args: dict) -> dict:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-
+    gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

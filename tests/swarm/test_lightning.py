@@ -27,7 +27,8 @@ LOCKSTEP = dict(steps_per_round=4, max_extrapolation=0.0, matchmaking_time=2.0, 
 
 
 def run(swarm: Swarm, timeout: float = 150, **config) -> list:
-    swarm.start_together(list(range(PEERS)), script=SCRIPT, expect_peers=PEERS, **config)
+    for rank in range(PEERS):
+        swarm.start(rank, script=SCRIPT, expect_peers=PEERS, **config)
     swarm.wait(timeout=timeout)
     return [swarm.result(r) for r in range(PEERS)]
 
@@ -158,7 +159,8 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
     until = str(tmp_path / "resumed_trained")
     common = dict(script=SCRIPT, module="mlp", batch_size=16, target_batch_size=192, epochs=6, step_sleep=0.02,
                   checkpoint=True, until_file=until)
-    swarm.start_together(list(range(PEERS)), expect_peers=PEERS, **common)
+    for rank in range(PEERS):
+        swarm.start(rank, expect_peers=PEERS, **common)
     deadline = time.monotonic() + 90
     while "epoch 1:" not in swarm.log(2) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -82,13 +82,13 @@ def test_a_peer_with_nan_gradients_does_not_hold_the_others_up(swarm):
     """A broken peer whose gradients are always NaN has its steps skipped (no samples): it must not join averaging
     groups it would never send to, where its groupmates waited for it and failed the round."""
     for rank in range(4):
-        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=10_000, expect_peers=4,
-                    step_sleep=0.02, max_seconds=18, linger=3.0, attack={"nan": True} if rank == ATTACKER else None)
+        swarm.start(rank, batch_size=16, target_batch_size=64, inner="sgd", epochs=6, expect_peers=4,
+                    step_sleep=0.02, max_seconds=60, linger=30.0, attack={"nan": True} if rank == ATTACKER else None)
     swarm.wait(timeout=200)
     attacker = swarm.result(ATTACKER)["peer_id"]
     assert all(rep["caught_up"] for rep in swarm.result(ATTACKER)["reports"])  # it follows, it never averages
     for rank in HONEST:
-        assert swarm.result(rank)["epoch"] >= 5, swarm.round_events()
+        assert swarm.result(rank)["epoch"] == 6, swarm.round_events()
         # the broken peer's mark: a group it joined waited for it and failed (a round that names an honest member
         # comes from load: a peer starved of CPU for seconds)
         failures = [line for line in swarm.log(rank).splitlines() if "did not start sending" in line]

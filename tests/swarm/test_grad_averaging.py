@@ -81,7 +81,8 @@ def assert_quiet(log: str) -> None:
         assert word not in log, log
 
 
-@pytest.mark.parametrize("inner, client_rank", [("sgd", 2), ("adam", None)])
+# Adam: also the gloo lane's equivalence test (tests/swarm/test_gloo_lane.py)
+@pytest.mark.parametrize("inner, client_rank", [("sgd", 2), pytest.param("adam", None, marks=pytest.mark.extended)])
 def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, client_rank):
     """Peers of unequal batch sizes (one of them behind NAT in client mode for SGD) must end with exactly the
     parameters of one process that applies the inner optimizer to the union of the batches of each epoch."""

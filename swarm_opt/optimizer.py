@@ -171,7 +171,9 @@ class Optimizer(torch.optim.Optimizer):
         self._loss_sum, self._loss_count = 0.0, 0
         self._state_lock = threading.RLock()
         self._next_catch_up = 0.0
-        self._synced = False  # True once this peer's state is the swarm's (a committed round or a download)
+        # the epoch at which this peer last held the swarm's state (founded it, committed a round, downloaded or
+        # resumed it); None before: catching up by the strategy's local rule counts the rounds missed since then
+        self._synced_epoch: Optional[int] = None
         self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
@@ -414,7 +416,7 @@ class Optimizer(torch.optim.Optimizer):
             logger.warning(f"{e}; training on, the next round compares the parameters again")
 
     def _mark_synced(self) -> None:
-        self._synced = True
+        self._synced_epoch = self._epoch
         self._tracker.mark_joined()
 
     def _skip_to_epoch(self, epoch: int) -> None:
@@ -449,7 +451,8 @@ class Optimizer(torch.optim.Optimizer):
     def _catch_up(self, global_epoch: int) -> None:
         """The swarm finished rounds without us: go on from our own state if the strategy allows it (local updates
         are averaged back in next round), otherwise download the swarm's state."""
-        if self._synced and self.strategy.keeps_local_state_when_behind(global_epoch - self._epoch):
+        if (self._synced_epoch is not None
+                and self.strategy.keeps_local_state_when_behind(global_epoch - self._synced_epoch)):
             with self._state_lock:
                 self._skip_to_epoch(global_epoch)
             return
@@ -566,8 +569,8 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
             self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
-            self._mark_synced()
             self._epoch = epoch
+            self._mark_synced()
             self._samples = 0
             self.strategy.reset()
         self._tracker.report(self._epoch, 0, params_digest=digest)

@@ -135,9 +135,10 @@ class Strategy(ABC):
         return False
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
-        """The swarm finished ``missed_rounds`` rounds without this peer. Return True if the strategy can go on from
-        its local state (it will be averaged back in next round); False if the peer must download the swarm's
-        state (the default: e.g. gradient averaging must never step from stale parameters)."""
+        """The swarm is ``missed_rounds`` rounds past the last one this peer averaged in (or the state it
+        downloaded). Return True if the strategy can go on from its local state (it will be averaged back in next
+        round); False if the peer must download the swarm's state (the default: e.g. gradient averaging must never
+        step from stale parameters)."""
         return False
 
     def state_dict(self) -> Dict[str, Any]:

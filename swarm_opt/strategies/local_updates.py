@@ -18,6 +18,10 @@ from swarm_opt.strategies.partial import DriftedLayers, KeepLocal, mean_over_sen
 from swarm_opt.strategies.peer_dp import PeerDP
 from swarm_opt.strategies.shared_scalars import SharedScalars
 
+#: rounds the swarm may finish without a peer of local updates before it downloads the swarm's state instead of
+#: going on from its own (its local steps are averaged back in if it rejoins sooner)
+MAX_ROUNDS_ON_LOCAL_STATE = 3
+
 
 class LocalUpdates(Strategy):
     """Every ``step()`` applies the inner optimizer at once; each round (one global epoch: the swarm processed
@@ -163,7 +167,9 @@ class LocalUpdates(Strategy):
             self.select.anchor.restart()
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
-        return True
+        """For a few rounds: local work is averaged back in. A peer that keeps missing its group's rounds (always
+        a little late) would otherwise drift on its own model indefinitely; it downloads instead."""
+        return missed_rounds <= MAX_ROUNDS_ON_LOCAL_STATE
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {"peer_dp": self.peer_dp.state()} if self.peer_dp is not None else {}

@@ -113,7 +113,9 @@ def install_fault(cfg: dict) -> None:
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
       are, so its progress record still shows the swarm's digest), and it announces itself as the best donor.
     * ``lie_in_reduce``: a lying reducer: every mean it reduces for its groupmates is sent with this offset added
-      (the same wrong values to every member; its own share is not changed)."""
+      (the same wrong values to every member; its own share is not changed).
+    * ``never_averages``: a peer always too late for its group: each of its rounds fails once the swarm completed it
+      without this peer (or after ``averaging_timeout``), as a peer starved of CPU does."""
     if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
         from swarm_opt._hivemind.averager import TensorAverager
 
@@ -140,6 +142,19 @@ def install_fault(cfg: dict) -> None:
             return original_all_reduce(self, write_with_a_bug, *args, **kwargs)
 
         TensorAverager.all_reduce = all_reduce
+    if cfg.get("never_averages"):
+        from swarm_opt._hivemind.averager import TensorAverager
+
+        def all_reduce(self, write, weight, round_id, round_is_over=lambda: False):
+            deadline = time.monotonic() + self.timeouts.averaging_timeout
+            while not round_is_over() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return self._failed("injected: this peer never finds its group in time")
+
+        def schedule(self, when, round_id):  # nor does it look for one ahead: nobody waits for it
+            pass
+
+        TensorAverager.all_reduce, TensorAverager.schedule = all_reduce, schedule
     if cfg.get("serve_perturbed"):
         from swarm_opt._hivemind.averager import TensorAverager
         from swarm_opt.optimizer import Optimizer

@@ -1,11 +1,15 @@
-"""Peers that must hold the same parameters (gradient averaging) compare digests every round: a member outside its
-group's majority downloads the majority's state, so a swarm never silently trains several models."""
+"""A swarm never silently trains several models: peers that must hold the same parameters (gradient averaging)
+compare digests every round, and a member outside its group's majority downloads the majority's state; a peer of
+local updates that keeps missing rounds downloads the swarm's state."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 
+from swarm_opt.strategies.local_updates import MAX_ROUNDS_ON_LOCAL_STATE
 from tests.swarm.peer import make_model
 from tests.swarm.test_grad_averaging import assert_quiet
 
@@ -53,3 +57,30 @@ def test_a_perturbed_peer_is_resynced_within_one_round(swarm):
     first = next(i for i, rep in enumerate(reports) if rep["epoch"] == perturbed_at + 1)
     if not reports[first]["caught_up"] and reports[first]["group_size"] == 3:
         assert reports[first + 1]["caught_up"] and reports[first + 1]["epoch"] >= perturbed_at + 1, reports
+
+
+def test_a_peer_of_local_updates_that_keeps_missing_rounds_downloads_instead_of_drifting(swarm):
+    """Peers of local updates hold different parameters between rounds, so no digest can flag one that drifts. One
+    that misses a round goes on from its own model (its steps are averaged back in next round), but one that misses
+    every round (always a little late for its group, as a peer starved of CPU) must not train on alone for the rest
+    of the run: after ``MAX_ROUNDS_ON_LOCAL_STATE`` missed rounds it downloads the swarm's state. Nothing trains
+    (lr 0, peer i starts at i): peers 0 and 1 average to 0.5, and peer 2 (never in a group) ends there too."""
+    epochs = 6  # a download at epoch 4, then two rounds on its own again
+    for rank in range(3):
+        swarm.start(rank, task="lsq", strategy="local", init_by_rank=True, lsq_lr=0.0, expect_peers=3, batch_size=16,
+                    target_batch_size=3 * 16 * 5, epochs=epochs, step_sleep=0.02, averaging_timeout=10.0,
+                    never_averages=rank == 2)
+    swarm.wait(timeout=200)
+    results = [swarm.result(rank) for rank in range(3)]
+    assert all(rnd["caught_up"] for rnd in results[2]["rounds"]), results[2]["rounds"]  # it never averaged
+    synced, downloads = 0, 0
+    for line in swarm.log(2).splitlines():  # its epochs on its own model never run more than the bound ahead
+        if (skip := re.search(r"The swarm is at epoch (\d+); continuing from the local model", line)) is not None:
+            assert int(skip.group(1)) - synced <= MAX_ROUNDS_ON_LOCAL_STATE, swarm.log(2)
+        elif (load := re.search(r"Loaded the swarm's state at epoch (\d+)", line)) is not None:
+            synced, downloads = int(load.group(1)), downloads + 1
+    assert downloads >= 1, swarm.log(2)
+    torch.testing.assert_close(results[0]["w"], torch.full_like(results[0]["w"], 0.5))
+    for r in results[1:]:
+        torch.testing.assert_close(r["w"], results[0]["w"])
+    assert_quiet(swarm.log(2))

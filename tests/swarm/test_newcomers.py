@@ -90,7 +90,7 @@ def test_newcomers_arriving_together_join_a_founder_that_trained_alone():
             dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), host_maddrs=LOOPBACK, start=True))
             opts.append(_optimizer(dhts[-1], model))
         # the second newcomer saw the first at epoch 0, holding no state: it is no founder either
-        assert not opts[1]._synced and not opts[2]._synced
+        assert opts[1]._synced_epoch is None and opts[2]._synced_epoch is None
         errors = []
 
         def train(opt, model):

@@ -58,7 +58,7 @@ def _a_peer_ahead(opt, epoch: int, params_digest=None) -> ProgressTracker:
 
 
 def _catch_up_seconds(opt) -> float:
-    opt._synced = False  # as a peer that missed a round of gradient averaging: it must download
+    opt._synced_epoch = None  # as a peer that missed a round of gradient averaging: it must download
     started = time.monotonic()
     opt._catch_up(opt._tracker.progress.epoch)  # what step() does when the swarm is ahead
     return time.monotonic() - started

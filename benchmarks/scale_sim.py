@@ -41,7 +41,7 @@ class _Holder(LocalUpdates):
     """A peer that only holds values: one zero-lr step per round gives it weight 1."""
 
 
-def _holders(values: torch.Tensor) -> List[tuple]:
+def holders(values: torch.Tensor) -> List[tuple]:
     peers = []
     for row in values:
         w = torch.nn.Parameter(row.clone())
@@ -56,7 +56,7 @@ def mean_error(n: int, size: int, rounds: int, churn: float, complete: bool, see
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     values = torch.randn(n, 8, dtype=torch.float64, generator=gen)
-    peers = _holders(values)
+    peers = holders(values)
     ids = list(range(n))
     grids = [Grid(size, i) for i in ids]
     if complete:
@@ -81,7 +81,7 @@ def mean_error(n: int, size: int, rounds: int, churn: float, complete: bool, see
         errors.append(rms() / first)
         for i in rng.sample(range(n), int(churn * n)):
             donor = peers[rng.randrange(n)][0].detach()
-            peers[i] = _holders(donor[None])[0]
+            peers[i] = holders(donor[None])[0]
             ids[i], grids[i] = next_id, Grid(size, next_id)
             next_id += 1
     return errors

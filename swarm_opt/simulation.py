@@ -10,7 +10,7 @@ the same rule as ``RoundRunner``). ``round_values`` shows what a strategy would 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,12 +77,20 @@ def moshpit_groups(grids: Sequence[Grid], ids: Sequence[Any], round_id: int, num
     return plans, [g for g, c in zip(groups, commits) if c], [g for g, c in zip(groups, commits) if not c]
 
 
-def moshpit_round(strategies: Sequence[Strategy], grids: Sequence[Grid], ids: Sequence[Any], round_id: int
-                  ) -> Tuple[List[List[int]], List[List[int]]]:
+def moshpit_round(strategies: Sequence[Strategy], grids: Sequence[Grid], ids: Sequence[Any], round_id: int,
+                  absent: Collection[int] = ()) -> Tuple[List[List[int]], List[List[int]]]:
     """One round of Moshpit averaging in process (``moshpit_groups``): committing groups average and their members
-    move on the grid, as ``RoundRunner`` does; failing groups change nothing but their grid coordinates. Returns
-    (committed, failed) groups."""
-    plans, committing, failing = moshpit_groups(grids, ids, round_id)
+    move on the grid, as ``RoundRunner`` does; failing groups change nothing but their grid coordinates. Peers at
+    the indices ``absent`` miss the round (too late for their group, as peers of a loaded swarm are): they count as
+    live but join no group, so they fail it. Returns (committed, failed) groups."""
+    present = [i for i in range(len(ids)) if i not in absent]
+    present_plans, committing, failing = moshpit_groups([grids[i] for i in present], [ids[i] for i in present],
+                                                        round_id, num_peers=len(ids))
+    plans = [grid.plan(round_id, len(ids)) for grid in grids]  # the present peers' plans as moshpit_groups made them
+    for i, plan in zip(present, present_plans):
+        plans[i] = plan
+    committing = [[present[i] for i in group] for group in committing]
+    failing = [[present[i] for i in group] for group in failing] + [[i] for i in sorted(absent)]
     average_in_process(strategies, committing, plans)
     for group in committing:
         members = [ids[i] for i in group]

@@ -307,3 +307,25 @@ def test_failing_groups_change_nothing():
         line = min(cell_peers(1000, plans[group[0]]), lines[plans[group[0]].cell])
         assert (group in committing) == (len(group) > 1 and is_majority(len(group), line)), group
     assert {len(p.cell) for p in plans} == {2 + 7}  # dimension of 3: 2 bits; 100 lines: 7 bits
+
+
+def test_absent_peers_keep_their_values_and_move_to_a_new_line():
+    """A peer that misses its round (too late for its group) averages with nobody and draws a new coordinate, as
+    after a failed round; the others' groups form without it."""
+    side, dims = 4, 2
+    values = torch.arange(side ** dims, dtype=torch.float64)[:, None].repeat(1, 3)
+    peers = _equal_weight_peers(values)
+    ids = list(range(len(peers)))
+    grids = [Grid(side, i) for i in ids]
+    for i, grid in enumerate(grids):
+        for j in range(dims):
+            grid.coords[j] = (i // side ** j) % side
+    before = [list(grid.coords) for grid in grids]
+    _step(peers)
+    committed, failed = moshpit_round([s for _, s in peers], grids, ids, 0, absent={0, 5})
+    assert [0] in failed and [5] in failed and not any(0 in g or 5 in g for g in committed)
+    assert sorted(len(g) for g in committed) == [3, 3, 4, 4]  # lines of 4 less the absent, a majority of 4
+    for i in (0, 5):
+        torch.testing.assert_close(peers[i][0].detach(), values[i])
+        assert grids[i].coords != before[i]  # a new line next round
+    assert not torch.equal(peers[1][0].detach(), values[1])

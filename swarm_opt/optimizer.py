@@ -327,7 +327,7 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
-                         round_is_over=lambda: self._tracker.progress.epoch >= round_id,  # completed without us
+                         round_is_over=lambda: self._tracker.epoch_reached(round_id),  # completed without us
                          plan=plan)
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:

@@ -44,7 +44,7 @@ from swarm_opt.sharding import (
     shard_key,
     shard_of,
 )
-from swarm_opt.trust import ClaimChecker
+from swarm_opt.trust import ClaimChecker, believed_epoch
 
 logger = logging.getLogger(__name__)
 
@@ -290,14 +290,16 @@ _READY_PERIOD = 0.5
 
 
 def read_interval(progress: SwarmProgress, local_samples: int, sampled: bool, config: TrackerConfig,
-                  filling: bool = False) -> float:
+                  filling: bool = False, watched: bool = False) -> float:
     """Seconds until the tracker's next read: often near the end of an epoch, where the trigger's accuracy depends
     on fresh records, and seldom once the target is reached (each read is a DHT request that the nodes storing the
     key serve to every peer). A sampled view is read every ``sampled_period`` (its estimate is extrapolated between
     reads: no rush near the end), at the refresh pace while it is ``filling`` (``SampledRecords.filling``: a
-    newcomer's bound on the swarm's size, which its rounds' majority is measured against, narrows with each shard)."""
+    newcomer's bound on the swarm's size, which its rounds' majority is measured against, narrows with each shard)
+    or ``watched`` (``ProgressTracker.epoch_reached``: a round looking for its group, which the swarm may complete
+    without this peer)."""
     if sampled:
-        return min(config.refresh_period, config.sampled_period) if filling else config.sampled_period
+        return min(config.refresh_period, config.sampled_period) if filling or watched else config.sampled_period
     if progress.samples_per_second == 0 and local_samples > 0:
         # a run's first steps: no speed is measured yet, so there is no ETA to pace reads by, and the peers learn
         # that the swarm reached the target only from each other's samples
@@ -352,6 +354,9 @@ class SampledRecords:
         self._exclude = exclude_instance
         self._probe_period = max(30.0, 5 * config.record_ttl)
         self._last_probe = -math.inf
+        self._latest: List[ProgressRecord] = []  # the records of the shard read last
+        self._burst_epoch = -1  # the newest epoch a burst of reads was for (see ``confirm``)
+        self._burst = 0  # reads left in the current burst
 
     @property
     def max_extrapolation(self) -> float:
@@ -365,6 +370,22 @@ class SampledRecords:
         average, each shard being kept for a horizon either way."""
         settled = min(1.0, self.config.sample_horizon / self.config.sampled_period / 2 ** self.sample.level)
         return self.sample.level > 0 and self.sample.coverage < settled
+
+    def confirm(self, believed: int) -> bool:
+        """Whether to read the next shard at once rather than after ``sampled_period``. ``believed_epoch`` takes the
+        epoch that half of the records held reached (``swarm_opt.trust``), and most of them were read up to a horizon
+        ago, rounds before: when the shard read last says that most of its peers passed the ``believed`` epoch, the
+        held shards are re-read, least recently read first, until the belief follows or each was re-read once. The
+        majority rule is unchanged, only its evidence fresher; one burst per newer epoch, so a shard packed with
+        liars costs each reader at most one burst per epoch it claims."""
+        latest = believed_epoch([r.epoch for r in self._latest], None) if self._latest else believed
+        if self.sample.level == 0 or latest <= believed:
+            self._burst = 0
+        elif latest > self._burst_epoch:
+            self._burst_epoch, self._burst = latest, self.sample.shards_held - 1
+        else:
+            self._burst = max(0, self._burst - 1)
+        return self._burst > 0
 
     def read(self, timeout: float) -> Tuple[List[ProgressRecord], int]:
         """Read the next shard; return every record held (other peers') and how many read came from another model.
@@ -413,6 +434,7 @@ class SampledRecords:
         if shard[0] > 0:  # held for up to a horizon: a record stale when read stays as stale as it was then
             oldest = now - self.config.max_extrapolation
             records = [r if r.time >= oldest else r.copy(update={"time": oldest}) for r in records]
+        self._latest = records
         self.sample.add(shard, records, now)
 
 
@@ -464,6 +486,9 @@ class ProgressTracker:
         self._stop = threading.Event()
         self._reads = threading.Condition()  # counts the background thread's reads: see ``read_again``
         self._reads_started = self._reads_done = 0
+        self._last_read = -math.inf  # monotonic
+        self._watched_until = -math.inf  # monotonic: see ``epoch_reached``
+        self._burst = False  # see ``SampledRecords.confirm``
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
@@ -517,6 +542,16 @@ class ProgressTracker:
             wanted = self._reads_started + 1
             self._wake.set()
             return self._reads.wait_for(lambda: self._reads_done >= wanted, timeout)
+
+    def epoch_reached(self, epoch: int) -> bool:
+        """Whether the swarm reached ``epoch``. Asked again and again by a round that looks for its group (which the
+        swarm may complete without this peer), it keeps a sampled view reading at the refresh pace, not once per
+        ``sampled_period``, for as long as it is asked (each time for ``refresh_period``)."""
+        now = time.monotonic()
+        if now >= self._watched_until and now - self._last_read >= self.config.refresh_period:
+            self._wake.set()
+        self._watched_until = now + self.config.refresh_period
+        return self.progress.epoch >= epoch
 
     def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float
                                ) -> Optional[Tuple[Tuple[float, ...], str]]:
@@ -582,8 +617,10 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
-        return read_interval(self.progress, self._samples, self.sampled, self.config,
-                             self._records.filling)
+        if self._burst:
+            return 0.0
+        return read_interval(self.progress, self._samples, self.sampled, self.config, self._records.filling,
+                             watched=time.monotonic() < self._watched_until)
 
     def _local_record(self) -> ProgressRecord:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
@@ -644,3 +681,5 @@ class ProgressTracker:
         with self._lock:
             self._others, self._ahead, self._scale = checked.records, checked.ahead, scale
         self._records.sample.observe(1 + scale * (len(checked.records) + checked.ahead))
+        self._last_read = time.monotonic()
+        self._burst = self._records.confirm(self.progress.epoch)

@@ -50,7 +50,9 @@ applies unchanged to whatever records a peer holds):
   (about 2.5 % per liar at 1,000 peers), and readers that do not hold it not at all: unbiased over readers, ``1/f``
   more variable than at level 0.
 * **Epochs.** ``believed_epoch`` needs half of the records a reader holds, i.e. about ``f N / 2`` identities packed
-  into the shards it holds, instead of ``N / 2``: the Sybil bound weakens by ``f``, no further.
+  into the shards it holds, instead of ``N / 2``: the Sybil bound weakens by ``f``, no further. Held records are up
+  to a horizon old, so a reader re-reads its held shards at once when the one it read last says the swarm moved on
+  (``SampledRecords.confirm``): fresher evidence under the same rule, at most one burst of reads per epoch claimed.
 """
 
 from __future__ import annotations
@@ -171,6 +173,10 @@ class ShardSample:
     def coverage(self) -> float:
         """The fraction of the swarm's shards held (1 when every peer's record is among ``records``)."""
         return sum(2.0 ** -level for level, _ in self._held)
+
+    @property
+    def shards_held(self) -> int:
+        return len(self._held)
 
     @property
     def scale(self) -> float:

@@ -90,6 +90,9 @@ def test_reads_come_often_near_the_target_and_seldom_once_it_is_reached():
     assert read_interval(snapshot(200, 0.6), 16, False, config) == pytest.approx(0.2)
     assert read_interval(snapshot(250, 0.01), 16, False, config) == 0.05
     assert read_interval(snapshot(256, 0.0), 16, False, config) == 0.5  # reached: the round is forming
+    sampled = TrackerConfig(refresh_period=1.0, sampled_period=3.0)
+    assert read_interval(snapshot(200, 0.6), 16, True, sampled) == 3.0  # a sample is extrapolated between reads
+    assert read_interval(snapshot(200, 0.6), 16, True, sampled, watched=True) == 1.0  # a round looks for its group
     assert read_interval(snapshot(300, 0.0), 16, False, TrackerConfig(refresh_period=0.3)) == 0.3
     assert read_interval(snapshot(8, 3600.0, speed=0.0), 8, False, config) == 0.2  # first steps: no speed yet
     assert read_interval(snapshot(256, 0.0), 16, True, config) == config.sampled_period

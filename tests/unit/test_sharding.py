@@ -268,3 +268,25 @@ def test_tracker_config_validates_the_sampling_knobs():
         TrackerConfig(sample_horizon=-1.0)
     with pytest.raises(ConfigError, match="sampled_period"):
         TrackerConfig(sampled_period=0.0)
+
+
+def test_a_shard_that_says_the_swarm_moved_on_has_the_held_shards_re_read_at_once():
+    """Half of the records held must reach an epoch before it is believed, and most were read before the swarm's
+    last round: when the shard read last says most of its peers passed the believed epoch, the other held shards are
+    re-read at once (once each), not one per ``sampled_period``; a shard whose majority did not pass, or the same
+    newer epoch seen again, starts no burst; one full key (level 0) never does."""
+    records = SampledRecords(None, "run", model_schema=None, config=TrackerConfig())
+    records.sample.level = 2
+    for index in range(4):
+        records._hold((2, index), [record(10 * index + i, 5, 0, 1.0, 0.0) for i in range(5)], now=1.0)
+    assert not records.confirm(believed=5)
+    records._hold((2, 0), [record(i, 6 if i < 3 else 5, 0, 1.0, 0.0) for i in range(5)], now=2.0)
+    assert [records.confirm(believed=5) for _ in range(4)] == [True, True, True, False]  # three re-reads
+    assert not records.confirm(believed=5)  # the same epoch again: no second burst
+    assert not records.confirm(believed=6)
+    records._hold((2, 1), [record(10 + i, 7 if i < 2 else 6, 0, 1.0, 0.0) for i in range(5)], now=3.0)
+    assert not records.confirm(believed=6)  # two of five passed: no majority
+    records._hold((2, 1), [record(10 + i, 7, 0, 1.0, 0.0) for i in range(5)], now=3.0)
+    assert records.confirm(believed=6)  # a newer epoch: a new burst
+    records.sample.level = 0
+    assert not records.confirm(believed=6)

@@ -376,13 +376,13 @@ class SampledRecords:
         epoch that half of the records held reached (``swarm_opt.trust``), and most of them were read up to a horizon
         ago, rounds before: when the shard read last says that most of its peers passed the ``believed`` epoch, the
         held shards are re-read, least recently read first, until the belief follows or each was re-read once. The
-        majority rule is unchanged, only its evidence fresher; one burst per newer epoch, so a shard packed with
-        liars costs each reader at most one burst per epoch it claims."""
+        majority rule is unchanged, only its evidence fresher; one burst per epoch believed, so a shard packed with
+        liars, whatever epochs it claims, costs each reader at most one burst per round of the swarm."""
         latest = believed_epoch([r.epoch for r in self._latest], None) if self._latest else believed
         if self.sample.level == 0 or latest <= believed:
             self._burst = 0
-        elif latest > self._burst_epoch:
-            self._burst_epoch, self._burst = latest, self.sample.shards_held - 1
+        elif believed + 1 > self._burst_epoch:
+            self._burst_epoch, self._burst = believed + 1, self.sample.shards_held - 1
         else:
             self._burst = max(0, self._burst - 1)
         return self._burst > 0

@@ -52,7 +52,8 @@ applies unchanged to whatever records a peer holds):
 * **Epochs.** ``believed_epoch`` needs half of the records a reader holds, i.e. about ``f N / 2`` identities packed
   into the shards it holds, instead of ``N / 2``: the Sybil bound weakens by ``f``, no further. Held records are up
   to a horizon old, so a reader re-reads its held shards at once when the one it read last says the swarm moved on
-  (``SampledRecords.confirm``): fresher evidence under the same rule, at most one burst of reads per epoch claimed.
+  (``SampledRecords.confirm``): fresher evidence under the same rule, at most one burst of reads per epoch
+  believed.
 """
 
 from __future__ import annotations

@@ -273,8 +273,9 @@ def test_tracker_config_validates_the_sampling_knobs():
 def test_a_shard_that_says_the_swarm_moved_on_has_the_held_shards_re_read_at_once():
     """Half of the records held must reach an epoch before it is believed, and most were read before the swarm's
     last round: when the shard read last says most of its peers passed the believed epoch, the other held shards are
-    re-read at once (once each), not one per ``sampled_period``; a shard whose majority did not pass, or the same
-    newer epoch seen again, starts no burst; one full key (level 0) never does."""
+    re-read at once (once each), not one per ``sampled_period``; a shard whose majority did not pass, or another
+    shard ahead while the belief has not moved (whatever epoch it claims), starts no burst; one full key (level 0)
+    never does."""
     records = SampledRecords(None, "run", model_schema=None, config=TrackerConfig())
     records.sample.level = 2
     for index in range(4):
@@ -288,5 +289,8 @@ def test_a_shard_that_says_the_swarm_moved_on_has_the_held_shards_re_read_at_onc
     assert not records.confirm(believed=6)  # two of five passed: no majority
     records._hold((2, 1), [record(10 + i, 7, 0, 1.0, 0.0) for i in range(5)], now=3.0)
     assert records.confirm(believed=6)  # a newer epoch: a new burst
+    assert [records.confirm(believed=6) for _ in range(3)] == [True, True, False]  # three re-reads in all
+    records._hold((2, 2), [record(20 + i, 10 ** 6, 0, 1.0, 0.0) for i in range(5)], now=4.0)
+    assert not records.confirm(believed=6)  # liars claiming epochs far ahead: still one burst per epoch believed
     records.sample.level = 0
     assert not records.confirm(believed=6)

@@ -21,7 +21,7 @@ import random
 import signal
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -94,6 +94,15 @@ MAX_UPLOADS_AT_ONCE = 4
 LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS = 600.0, 86400.0
 
 
+class Uploads(NamedTuple):
+    """What a peer did as a state donor: the most downloads it served at once, how many it declined for being busy
+    (each then asked another donor), how many it served to the end."""
+
+    most: int
+    declined: int
+    served: int
+
+
 async def _nothing(dht: DHT, node: Any) -> None:
     return None
 
@@ -132,6 +141,7 @@ class _Engine(DecentralizedAverager):
         self._uploads = 0  # state downloads this donor serves now (averager process)
         self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
+        self._uploads_served = mp.Value("i", 0)  # downloads it served to the end (shared)
         #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
         self._reputations: Optional[Reputations] = None  # Reputation: this reducer's memory (averager process)
@@ -547,6 +557,8 @@ class _Engine(DecentralizedAverager):
         try:
             async for message in super().rpc_download_state(_request, _context):
                 yield message
+            with self._uploads_served.get_lock():
+                self._uploads_served.value += 1
         finally:
             self._uploads -= 1
 
@@ -1037,9 +1049,11 @@ class TensorAverager:
         return int(self._engine._lane_rounds.value)
 
     @property
-    def uploads(self) -> Tuple[int, int]:
-        """(the most state downloads this donor served at once, how many it declined for being busy)."""
-        return int(self._engine._uploads_most.value), int(self._engine._uploads_declined.value)
+    def uploads(self) -> Uploads:
+        """What this peer did as a state donor (``Uploads``)."""
+        engine = self._engine
+        return Uploads(int(engine._uploads_most.value), int(engine._uploads_declined.value),
+                       int(engine._uploads_served.value))
 
     @property
     def lane_setup_seconds(self) -> float:

@@ -66,9 +66,10 @@ def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monke
         assert not errors, errors
         for opt, model in zip(opts[1:], newcomer_models):
             assert opt.local_epoch == 1 and torch.equal(model.weight, donor_model.weight)
-        most, declined = donor._averager.uploads
-        assert most == 1, most  # never two at once
-        assert declined >= 1, declined  # three newcomers asked at once: the donor sent some on
+        uploads = donor._averager.uploads
+        assert uploads.most == 1, uploads  # never two at once
+        assert uploads.declined >= 1, uploads  # three newcomers asked at once: the donor sent some on
+        assert uploads.served == 3, uploads
     finally:
         for opt in opts:
             opt.shutdown()

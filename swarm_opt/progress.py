@@ -371,8 +371,13 @@ class SampledRecords:
         settled = min(1.0, self.config.sample_horizon / self.config.sampled_period / 2 ** self.sample.level)
         return self.sample.level > 0 and self.sample.coverage < settled
 
+    @property
+    def bursting(self) -> bool:
+        """Whether to read the next shard at once rather than after ``sampled_period`` (see ``confirm``)."""
+        return self._burst > 0
+
     def confirm(self, believed: int) -> bool:
-        """Whether to read the next shard at once rather than after ``sampled_period``. ``believed_epoch`` takes the
+        """After a read: whether to read the next shard at once (``bursting``). ``believed_epoch`` takes the
         epoch that half of the records held reached (``swarm_opt.trust``), and most of them were read up to a horizon
         ago, rounds before: when the shard read last says that most of its peers passed the ``believed`` epoch, the
         held shards are re-read, least recently read first, until the belief follows or each was re-read once. The
@@ -385,7 +390,7 @@ class SampledRecords:
             self._burst_epoch, self._burst = believed + 1, self.sample.shards_held - 1
         else:
             self._burst = max(0, self._burst - 1)
-        return self._burst > 0
+        return self.bursting
 
     def read(self, timeout: float) -> Tuple[List[ProgressRecord], int]:
         """Read the next shard; return every record held (other peers') and how many read came from another model.
@@ -488,7 +493,6 @@ class ProgressTracker:
         self._reads_started = self._reads_done = 0
         self._last_read = -math.inf  # monotonic
         self._watched_until = -math.inf  # monotonic: see ``epoch_reached``
-        self._burst = False  # see ``SampledRecords.confirm``
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
@@ -617,7 +621,7 @@ class ProgressTracker:
             self._wake.clear()
 
     def _next_interval(self) -> float:
-        if self._burst:
+        if self._records.bursting:
             return 0.0
         return read_interval(self.progress, self._samples, self.sampled, self.config, self._records.filling,
                              watched=time.monotonic() < self._watched_until)
@@ -682,4 +686,4 @@ class ProgressTracker:
             self._others, self._ahead, self._scale = checked.records, checked.ahead, scale
         self._records.sample.observe(1 + scale * (len(checked.records) + checked.ahead))
         self._last_read = time.monotonic()
-        self._burst = self._records.confirm(self.progress.epoch)
+        self._records.confirm(self.progress.epoch)

@@ -69,7 +69,7 @@ def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monke
         uploads = donor._averager.uploads
         assert uploads.most == 1, uploads  # never two at once
         assert uploads.declined >= 1, uploads  # three newcomers asked at once: the donor sent some on
-        assert uploads.served == 3, uploads
+        assert uploads.served >= 3, uploads  # one per newcomer (more only if one gave up on a whole download)
     finally:
         for opt in opts:
             opt.shutdown()

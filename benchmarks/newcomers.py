@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import threading
 import time
 from typing import Dict, List, Optional
 
 import hivemind
 import torch
-from _common import code_version, command_line, machine, table, write_json
+from _common import code_version, command_line, machine, quantiles, table, write_json
 
 import swarm_opt
 from swarm_opt._hivemind import averager as averager_module
@@ -140,13 +139,13 @@ def run(args: argparse.Namespace) -> dict:
         for rank, dht in enumerate(dhts):
             if rank != killed:
                 dht.shutdown()
-    ordered = sorted(waits.values())
     served = {rank: u.served for rank, u in uploads.items() if u.served}
     return {
         "cap": args.cap, "donors": args.donors, "newcomers": args.newcomers, "within": args.within,
         "dht_start_seconds": {"before_kill": _stats([s for s, k in zip(dht_seconds, after_kill) if not k]),
                               "after_kill": _stats([s for s, k in zip(dht_seconds, after_kill) if k])},
-        "state_seconds": _stats(ordered), "got_state": len(waits), "same_parameters": same, "errors": errors,
+        "state_seconds": _stats(list(waits.values())), "got_state": len(waits), "same_parameters": same,
+        "errors": errors,
         "served_by": served, "most_at_once": max(u.most for u in uploads.values()),
         "declined": sum(u.declined for u in uploads.values()),
         "donors_that_served": len(served), "newcomers_that_served": sum(1 for rank in served if rank >= args.donors),
@@ -155,11 +154,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _stats(values: List[float]) -> Dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {"median": statistics.median(ordered), "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "max": ordered[-1], "n": len(ordered)}
+    return quantiles(values) if values else {}
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 Each peer is a full swarm_opt peer as in the swarm tests (``tests/swarm/peer.py``: its own OS process, hivemind DHT
 process, averager process and p2pd daemon; the test harness ``tests/swarm/conftest.Swarm`` launches and reaps them).
-The task is tiny (5 parameters, ``LocalUpdates``) and does not train (lr 0): peers start apart (peer ``i`` holds
+The task is tiny (5 parameters, ``LocalUpdates``, or ``GradientAveraging`` with ``--strategy grad``: its rounds in
+groups carry the parameters too) and does not train (lr 0): peers start apart (peer ``i`` holds
 ``i`` everywhere, newcomers download a live peer's state) and only averaging moves them, so that what is measured
 is the rounds and how well they mix. ``--kill`` of the peers are SIGKILLed (whole process group) once the swarm
 passed epoch ``--kill-at``, and as many newcomers join (each downloads the running swarm's state; one that starts
@@ -21,6 +22,7 @@ Differs from a real deployment: every peer runs on the same 2 cores, so a round'
 
     python benchmarks/many_peers.py                  # 24 peers, groups of 8, 25 % killed and replaced
     python benchmarks/many_peers.py --peers 12 --size 4 --averaging groups
+    python benchmarks/many_peers.py --strategy grad  # gradient averaging in groups
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from tests.swarm.conftest import Swarm  # the swarm tests' launcher and reaper
 
 def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
     swarm = Swarm(workdir)
-    common = dict(task="lsq", strategy="local", groups=size, lsq_lr=0.0, init_by_rank=True, batch_size=16,
+    common = dict(task="lsq", strategy=args.strategy, groups=size, lsq_lr=0.0, init_by_rank=True, batch_size=16,
                   target_batch_size=args.peers * 16 * 5,
                   epochs=args.epochs, step_sleep=0.05, matchmaking_time=args.matchmaking_time,
                   averaging_timeout=args.averaging_timeout, expect_peers=args.peers, max_seconds=args.max_seconds,
@@ -128,6 +130,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=30,
                         help="enough for the newcomers (tens of seconds to start beside the others) to join")
+    parser.add_argument("--strategy", choices=["local", "grad"], default="local",
+                        help="LocalUpdates, or GradientAveraging (the same mixing maths: lr 0)")
     parser.add_argument("--kill", type=float, default=0.25)
     parser.add_argument("--kill-at", type=int, default=5)
     parser.add_argument("--matchmaking-time", type=float, default=2.0)

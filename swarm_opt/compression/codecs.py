@@ -432,7 +432,7 @@ class TopK(_SlotCodec):
             raise ConfigError(
                 f"{self!r} sends the largest values of each round's changes and keeps the rest for later rounds; "
                 f"{type(strategy).__name__} here averages model states, whose values cannot be left out. Use it with "
-                f"strategy=swarm_opt.GradientAveraging(), or swarm_opt.DiLoCo(...) without groups, "
+                f"strategy=swarm_opt.GradientAveraging() or swarm_opt.DiLoCo(...) without groups, "
                 f"average_optimizer_state, or frozen parameters (requires_grad=False) in the optimizer's params "
                 f"(its rounds send pseudo-gradients; with outer_optimizer=lambda p: "
                 f"torch.optim.SGD(p, lr=1.0) it is FedAvg), or compression=swarm_opt.Int8Blockwise() with this "

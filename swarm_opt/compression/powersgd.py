@@ -156,12 +156,14 @@ class PowerSGD:
         return PowerSGDEngine
 
     def check_strategy(self, strategy: Any) -> None:
-        """Refuse strategies that average anything but one round's gradients."""
-        if not isinstance(strategy, GradientAveraging):
+        """Refuse strategies that average anything but one round's gradients (``GradientAveraging`` in groups sends
+        the parameters too)."""
+        if not isinstance(strategy, GradientAveraging) or not strategy.sends_changes:
             raise ConfigError(
                 f"{self!r} compresses gradients (low-rank factors plus error feedback) and works only with "
-                f"strategy=swarm_opt.GradientAveraging(); {type(strategy).__name__} averages model states, which are "
-                f"not low-rank. Use compression=swarm_opt.Float16() or swarm_opt.Int8Blockwise() with it"
+                f"strategy=swarm_opt.GradientAveraging() without groups; {type(strategy).__name__} here averages "
+                f"model states, which are not low-rank. Use compression=swarm_opt.Float16() or "
+                f"swarm_opt.Int8Blockwise() with it, or groups=None"
             )
 
     def check_aggregation(self, aggregation: Optional[Aggregation]) -> Aggregation:

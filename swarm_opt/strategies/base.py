@@ -28,6 +28,11 @@ from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.round import Round
 
+#: rounds the swarm may finish without a peer that averages its parameters before it downloads the swarm's state
+#: instead of going on from its own (``Strategy.keeps_local_state_when_behind``: its work is averaged back in if it
+#: rejoins sooner)
+MAX_ROUNDS_ON_LOCAL_STATE = 3
+
 
 class Strategy(ABC):
     """One training algorithm. Instances are bound to one optimizer; pass a fresh instance per optimizer."""
@@ -106,8 +111,8 @@ class Strategy(ABC):
         """The optimizer averages in Moshpit groups (``swarm_opt.Groups``): members of different groups then hold
         different values after a round. Strategies that stay correct with that accept it; the default refuses."""
         raise ConfigError(
-            f"{type(self).__name__} does not average in groups (groups={groups!r}): use LocalUpdates(), FedProx(), "
-            f"Scaffold() or DiLoCo(), or groups=None")
+            f"{type(self).__name__} does not average in groups (groups={groups!r}): use GradientAveraging(), "
+            f"LocalUpdates(), FedProx(), Scaffold() or DiLoCo(), or groups=None")
 
     @abstractmethod
     def reset(self) -> None:

@@ -14,7 +14,8 @@ from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateErro
 from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.round import Round
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
-from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.statistics import OptimizerStatistics
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,23 @@ class GradientAveraging(Strategy):
 
     Extra memory: one fp32 buffer per parameter (the running mean) plus hivemind's averaging buffer; one more with
     ``Overlap()``, one more with ``WorkerMomentum``.
+
+    **In Moshpit groups** (``Optimizer(groups=Groups(...))``, ``swarm_opt.groups``) a round averages within each
+    group, and groups stepping on their own mean gradients would drift apart for good. So rounds in groups also carry
+    each member's parameters and every statistic of its inner optimizer (momentum buffers; Adam's moments and step):
+    the members step from their group's mean state with their group's mean gradient and leave the round identical,
+    and the next rounds mix the groups along the grid. What sync-equivalence becomes: with ``torch.optim.SGD`` as
+    the inner optimizer (momentum, Nesterov and weight decay included) the step is linear in the parameters, the
+    momentum and the gradient, so the swarm's mean (weighted by the round's samples) moves exactly as one process
+    stepping on the global batch's mean gradient, except that each peer computed its gradients at its own
+    parameters, not at the mean: the peers' spread, which each round's mixing shrinks and the groups' different
+    gradients renew, is the whole difference (Moshpit SGD, Ryabinin et al., 2021). An adaptive optimizer (Adam)
+    still leaves each group identical, but its step is not linear in its state, so the mean is one Adam step only
+    approximately. A swarm that fits one group is one group: every peer applies the same update, as without groups.
+    Costs: a round sends the parameters and the statistics beside the gradients (three times the bytes with SGD's
+    momentum, four with Adam), even while the swarm fits one group; a peer that missed a round (its group failed)
+    goes on from its own parameters for a few rounds, as ``LocalUpdates`` does, instead of downloading the
+    swarm's state.
     """
 
     name = "grad"
@@ -115,18 +133,23 @@ class GradientAveraging(Strategy):
             raise ConfigTypeError(f"momentum must be swarm_opt.WorkerMomentum(beta) or None, got {momentum!r}{hint}")
         self.overlap = overlap
         self.momentum = momentum
+        self._groups: Optional[Groups] = None
 
     @property
     def variant(self) -> str:
-        return "" if self.momentum is None else f"+momentum{self.momentum.beta!r}"
+        """Peers with and without ``WorkerMomentum`` (or another β), in groups or not, never average together."""
+        momentum = "" if self.momentum is None else f"+momentum{self.momentum.beta!r}"
+        return momentum + ("" if self._groups is None else "+groups")
 
     @property
     def sends_changes(self) -> bool:
-        return True
+        """Not in groups: rounds then also send the parameters and the optimizer's statistics."""
+        return self._groups is None
 
     @property
     def shares_parameters(self) -> bool:
-        return True
+        """Not in groups: peers of different lines hold different parameters until the next rounds mix them."""
+        return self._groups is None
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         super().bind(params, inner)
@@ -135,6 +158,8 @@ class GradientAveraging(Strategy):
         self._spare: Optional[List[torch.Tensor]] = None  # a zeroed mean to accumulate into while a round is held
         self._held: Optional[_HeldGradients] = None  # a round set aside (Overlap), until it is applied or given back
         self._momentum: Optional[List[torch.Tensor]] = None  # this peer's own (WorkerMomentum), from its first round
+        #: in groups, the inner optimizer's statistics a round averages with the parameters (class docstring)
+        self._statistics = OptimizerStatistics.kept_by(inner) if self._groups is not None else None
 
     def local_step(self, batch_size: int) -> bool:
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -150,7 +175,14 @@ class GradientAveraging(Strategy):
         return True
 
     def buffer_templates(self) -> List[torch.Tensor]:
-        return self._mean
+        """The round's gradients; in groups, then the parameters and the inner optimizer's statistics."""
+        return self._mean + self._group_state()
+
+    def _group_state(self) -> List[torch.Tensor]:
+        """What a round in groups averages beside the gradients: the live parameters and optimizer statistics."""
+        if self._statistics is None:
+            return []
+        return list(self.params) + self._statistics.tensors()
 
     def write_round(self, buffers: Sequence[torch.Tensor]) -> None:
         self._send(self._mean, buffers)
@@ -163,16 +195,23 @@ class GradientAveraging(Strategy):
         self.reset()
 
     def _send(self, means: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> None:
-        """What this peer sends for a round whose gradients are ``means``: them, or its momentum with them."""
+        """What this peer sends for a round whose gradients are ``means``: them, or its momentum with them; in
+        groups, then its parameters and optimizer statistics (unchanged until the round is applied)."""
         if self.momentum is None:
             for buffer, mean in zip(buffers, means):
                 buffer.copy_(mean)
         else:
             self.momentum.send(self._momentum, means, buffers)
+        for buffer, tensor in zip(buffers[len(means):], self._group_state()):
+            buffer.copy_(tensor.detach())
 
     def _apply(self, means: List[torch.Tensor], result: AveragingResult) -> None:
         """A round with gradients ``means`` committed: step on the group's result (on what this peer sent, for a
-        round alone), after advancing this peer's momentum."""
+        round alone), after advancing this peer's momentum; in groups, from the group's mean state."""
+        if result.averaged is not None and self._statistics is not None:
+            for p, mean in zip(self.params, result.averaged[len(means):]):
+                p.detach().copy_(mean)
+            self._statistics.adopt(result.averaged[len(means) + len(self.params):])
         if self.momentum is not None:
             self._momentum = self.momentum.advance(self._momentum, means)
             if result.averaged is None:  # a copy: the inner optimizer may change p.grad in place
@@ -181,14 +220,9 @@ class GradientAveraging(Strategy):
         self._step_with(means if result.averaged is None else result.averaged)
 
     def use_groups(self, groups: Groups) -> None:
-        """Refused. Gradient averaging's promise is sync-equivalence: every peer applies the same mean gradient of
-        the global batch, so every peer holds the same parameters, those of one process training on all batches.
-        With groups each group would step on its own group's mean gradient and the peers' parameters would drift
-        apart for good (nothing averages parameters back). Averaging the parameters is what LocalUpdates does."""
-        raise ConfigError(
-            f"GradientAveraging cannot average in groups ({groups!r}): every peer must apply the same global "
-            f"gradient to stay identical (sync-equivalence), and groups would let peers diverge. For large swarms use "
-            f"strategy=LocalUpdates() (or Scaffold() on non-IID data) with groups={groups!r}, or groups=None")
+        """Accepted: rounds in groups also average the parameters and the inner optimizer's statistics (class
+        docstring), found when the strategy is bound."""
+        self._groups = groups
 
     def begin_round(self, plan: RoundPlan = ONE_GROUP) -> Round:
         """Without overlap, a round over the running mean (the loop waits for it); with ``Overlap()`` the round
@@ -221,6 +255,11 @@ class GradientAveraging(Strategy):
         self._samples = 0
         if self._held is not None:
             self._release(self._held)
+
+    def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:
+        """In groups, for a few rounds (its parameters are averaged back in at its next round); otherwise never: a
+        peer must not step from stale parameters while the others hold the swarm's."""
+        return self._groups is not None and missed_rounds <= MAX_ROUNDS_ON_LOCAL_STATE
 
     def own_state(self) -> Tuple[str, ...]:
         return ("momentum",)  # each peer's own: a hostile donor's would make a newcomer send its attack

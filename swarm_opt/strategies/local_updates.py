@@ -13,14 +13,11 @@ from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.strategies.adaptive import AdaptiveMu
 from swarm_opt.strategies.anchor import Anchor, LrSums, entry
-from swarm_opt.strategies.base import Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Strategy, grads_are_finite
 from swarm_opt.strategies.partial import DriftedLayers, KeepLocal, mean_over_senders, send_selected
 from swarm_opt.strategies.peer_dp import PeerDP
 from swarm_opt.strategies.shared_scalars import SharedScalars
-
-#: rounds the swarm may finish without a peer of local updates before it downloads the swarm's state instead of
-#: going on from its own (its local steps are averaged back in if it rejoins sooner)
-MAX_ROUNDS_ON_LOCAL_STATE = 3
+from swarm_opt.strategies.statistics import OptimizerStatistics
 
 
 class LocalUpdates(Strategy):
@@ -69,9 +66,7 @@ class LocalUpdates(Strategy):
         #: the parameters a round averages, and those that stay on this peer (``exchange``)
         self.shared = [p for p, keep in zip(self.params, kept) if not keep]
         self.personal = [p for p, keep in zip(self.params, kept) if keep]
-        # statistics the inner optimizer has not created yet are averaged as zeros with zero effect on us
-        self._stat_templates = [torch.zeros_like(p, dtype=state_dtype(p)) for _ in self.average_optimizer_state
-                                for p in self.shared]
+        self._statistics = OptimizerStatistics.named(inner, self.shared, self.average_optimizer_state)
         if self.peer_dp is not None:
             self.peer_dp.bind(self.shared)
         if self.select is not None:
@@ -106,17 +101,7 @@ class LocalUpdates(Strategy):
         """The live tensors a round averages as they are: the shared parameters, then the averaged optimizer
         statistics (the first entries of ``buffer_templates``, ``write_round`` and ``result.averaged``; with
         ``peer_dp``'s adaptive clipping one more small tensor follows them)."""
-        return list(self.shared) + self._optimizer_statistics()
-
-    def _optimizer_statistics(self) -> List[torch.Tensor]:
-        stats, i = [], 0
-        for name in self.average_optimizer_state:
-            for p in self.shared:
-                value = self.inner.state.get(p, {}).get(name)
-                stats.append(value if isinstance(value, torch.Tensor) and value.shape == p.shape
-                             else self._stat_templates[i])
-                i += 1
-        return stats
+        return list(self.shared) + self._statistics.tensors()
 
     def buffer_templates(self) -> List[torch.Tensor]:
         """``averaged_state()``, then the options' small tensors: ``peer_dp``'s (adaptive clipping), ``select``'s

@@ -29,6 +29,12 @@ class StrategyInfo:
         return self.make(model) if self.needs_model else self.make()
 
 
+def _in_groups(strategy: swarm_opt.Strategy) -> swarm_opt.Strategy:
+    """``strategy`` as ``Optimizer(groups=Groups(size=4))`` makes it (before binding)."""
+    strategy.use_groups(swarm_opt.Groups(size=4))
+    return strategy
+
+
 def _outer(p):
     return torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -46,6 +52,11 @@ STRATEGIES = {
     "grad+momentum+overlap": StrategyInfo(
         lambda: swarm_opt.GradientAveraging(momentum=swarm_opt.WorkerMomentum(0.5), overlap=swarm_opt.Overlap()),
         inner=lambda p: torch.optim.SGD(p, lr=0.5)),
+    "grad+groups": StrategyInfo(lambda: _in_groups(swarm_opt.GradientAveraging())),
+    "grad+groups+overlap+momentum": StrategyInfo(  # Adam's statistics (a scalar step among them) in the rounds
+        lambda: _in_groups(swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap(),
+                                                       momentum=swarm_opt.WorkerMomentum(0.5))),
+        inner=lambda p: torch.optim.Adam(p, lr=0.01)),
     "local": StrategyInfo(
         lambda: swarm_opt.LocalUpdates(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.LocalUpdates(average_optimizer_state="exp_avg"), TypeError, "sequence"),)),

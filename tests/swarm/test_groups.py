@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.swarm.peer import LSQ_DIM, lsq_problem
+
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 
 @pytest.mark.extended  # ~30 s on this machine under load, mostly starting four peers
-@pytest.mark.parametrize("strategy", ["local", "diloco"])
+@pytest.mark.parametrize("strategy", ["local", "diloco", "grad"])
 def test_groups_of_two_commit_partial_rounds_and_mix_four_peers_to_one_value(swarm, strategy):
     """Peers start at 0, 1, 2, 3 and do not train (lr 0): only averaging moves them. Rounds average in groups of
     two of the four live peers, along the grid's two dimensions in turn, and commit (a majority of a line of two);
@@ -29,3 +31,42 @@ def test_groups_of_two_commit_partial_rounds_and_mix_four_peers_to_one_value(swa
     finals = torch.stack([r["w"] for r in results])
     assert float(finals.max() - finals.min()) < 1e-2, finals  # one value (from a spread of 3)
     assert 0.0 < float(finals.mean()) < 3.0
+
+
+def test_gradient_averaging_in_groups_leaves_each_group_identical_and_mixes_the_groups(swarm):
+    """Four peers in groups of two that start apart (0, 1, 2, 3: founders that forgot their seed) and train on
+    different least-squares problems with gradient averaging: rounds carry the parameters with the gradients, so
+    the two members of every committed round leave it with bit-identical parameters while the two groups hold
+    different ones (partial rounds), and the next rounds, along the grid's other dimension, mix the groups: the
+    peers end close together although each group stepped on its own mean gradient."""
+    n = 4
+    for rank in range(n):
+        swarm.start(rank, task="lsq", strategy="grad", groups=2, init_by_rank=True, lsq_lr=0.05, expect_peers=n,
+                    batch_size=16, target_batch_size=n * 16 * 5, epochs=12, step_sleep=0.02, matchmaking_time=1.0,
+                    averaging_timeout=10.0)
+    swarm.wait(timeout=240)
+    results = [swarm.result(r) for r in range(n)]
+    assert all(r["epoch"] >= 12 for r in results), [r["epoch"] for r in results]
+    committed = [(r["rank"], rnd) for r in results for rnd in r["rounds"] if not rnd["caught_up"]]
+    assert len(committed) >= 2 * n, swarm.round_events()
+    assert all(rnd["group_size"] == 2 for _, rnd in committed), committed  # never a group of the whole swarm
+    for rank, rnd in committed:
+        mates = [other for other, o in committed
+                 if other != rank and o["epoch"] == rnd["epoch"] and torch.equal(o["w"], rnd["w"])]
+        assert len(mates) == 1, (rank, rnd["epoch"], mates)  # exactly its groupmate holds what it holds
+    partial = [e for e in {rnd["epoch"] for _, rnd in committed}
+               if len({tuple(rnd["w"].tolist()) for _, rnd in committed if rnd["epoch"] == e}) > 1]
+    assert len(partial) >= 3, "the groups of a round hold different parameters"
+    alone = []  # where each peer would end training on its own problem: at its own optimum, far from the others
+    for rank in range(n):
+        a, b = lsq_problem(rank)
+        w = torch.full((LSQ_DIM,), float(rank), dtype=torch.float64)
+        for _ in range(12):
+            w = w - 0.05 * a.T @ (a @ w - b)
+        alone.append(w)
+    finals = torch.stack([r["w"] for r in results])
+    assert _spread(finals) < 0.5 * _spread(torch.stack(alone)), (finals, _spread(torch.stack(alone)))
+
+
+def _spread(weights: torch.Tensor) -> float:
+    return float((weights.max(0).values - weights.min(0).values).max())

@@ -169,12 +169,12 @@ def test_random_grid_with_churn_decays_geometrically_to_the_swarm_mean():
     assert all(b < a for a, b in zip(spreads, spreads[1:])), spreads  # every round: fewer than a few groups fail
 
 
-def test_only_parameter_averaging_strategies_accept_groups():
+def test_every_strategy_but_fednova_accepts_groups():
+    """GradientAveraging's rounds then carry the parameters too (tests/unit/test_grad_averaging_groups.py)."""
     groups = Groups(size=8)
-    for strategy in (LocalUpdates(), FedProx(mu=0.1), Scaffold(), DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7))):
+    for strategy in (GradientAveraging(), LocalUpdates(), FedProx(mu=0.1), Scaffold(),
+                     DiLoCo(lambda p: torch.optim.SGD(p, lr=0.7))):
         strategy.use_groups(groups)
-    with pytest.raises(ConfigError, match="sync-equivalence.*LocalUpdates"):
-        GradientAveraging().use_groups(groups)
     with pytest.raises(ConfigError, match="anchor x.*LocalUpdates.*DiLoCo.*groups=None"):
         FedNova().use_groups(groups)
 

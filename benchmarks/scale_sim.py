@@ -15,15 +15,20 @@ moshpit_round``: each peer's ``swarm_opt.groups.Grid`` names its line, lines spl
    as many join: a newcomer downloads a random live peer's parameters (what ``load_state_from_peers`` does), draws
    a new shard and starts at new grid coordinates. Compared: one group of the whole swarm (``groups=None``) against
    ``Groups(size=16)`` and ``Groups(size=32)``. Reported: test accuracy of 20 sampled peers' own models (mean), per
-   round; the fraction of peers whose group committed.
+   round; the fraction of peers whose group committed. ``--strategy grad``: ``GradientAveraging`` instead (each
+   peer accumulates ``--steps`` batches' gradients, one inner step per round on its group's mean; in groups the
+   rounds carry the parameters and the inner optimizer's momentum too; newcomers download the optimizer's state
+   with the parameters), with ``--momentum``.
 
     python benchmarks/scale_sim.py                 # 1,000 peers, 30 rounds, sizes none/16/32 (minutes)
     python benchmarks/scale_sim.py --peers 200 --rounds 10
+    python benchmarks/scale_sim.py --strategy grad --lr 0.5 --momentum 0.9 --sizes none,16,32
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import time
 from typing import Dict, List, Optional
@@ -32,9 +37,10 @@ import numpy as np
 import torch
 from _common import RESULTS_DIR, code_version, command_line, load_mnist, machine, table, write_json
 
+from swarm_opt import Groups
 from swarm_opt.groups import Grid, grid_shape
 from swarm_opt.simulation import moshpit_round
-from swarm_opt.strategies import LocalUpdates
+from swarm_opt.strategies import GradientAveraging, LocalUpdates
 
 
 class _Holder(LocalUpdates):
@@ -88,11 +94,19 @@ def mean_error(n: int, size: int, rounds: int, churn: float, complete: bool, see
 
 
 class Peer:
-    def __init__(self, model_state: Dict[str, torch.Tensor], shard: torch.Tensor, lr: float, seed: int) -> None:
+    """One simulated peer: its model, inner SGD and strategy (``args.strategy``, in groups of ``size``), started
+    from a donor's ``state`` (model, optimizer) or from ``model_state``."""
+
+    def __init__(self, args: argparse.Namespace, size: Optional[int], model_state: Dict[str, torch.Tensor],
+                 shard: torch.Tensor, seed: int, optimizer_state: Optional[dict] = None) -> None:
         self.model = torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
         self.model.load_state_dict(model_state)
-        self.inner = torch.optim.SGD(self.model.parameters(), lr=lr)
-        self.strategy = LocalUpdates()
+        self.inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum)
+        if optimizer_state is not None:
+            self.inner.load_state_dict(copy.deepcopy(optimizer_state))
+        self.strategy = {"local": LocalUpdates, "grad": GradientAveraging}[args.strategy]()
+        if size is not None:
+            self.strategy.use_groups(Groups(size=size))
         self.strategy.bind(list(self.model.parameters()), self.inner)
         self.shard = shard
         self.gen = torch.Generator().manual_seed(seed)
@@ -120,7 +134,7 @@ def train(args: argparse.Namespace, size: Optional[int], seed: int) -> dict:
     pick = random.Random(seed)
     torch.manual_seed(seed)
     start = torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)).state_dict()
-    peers = [Peer(start, draw_shard(by_class, args.alpha, args.shard, rng), args.lr, seed * 100_003 + i)
+    peers = [Peer(args, size, start, draw_shard(by_class, args.alpha, args.shard, rng), seed * 100_003 + i)
              for i in range(args.peers)]
     ids = list(range(args.peers))
     grids = [Grid(size, i) for i in ids]
@@ -138,8 +152,8 @@ def train(args: argparse.Namespace, size: Optional[int], seed: int) -> dict:
             accuracy.append(float(np.mean([(p.model(x_test).argmax(1) == y_test).float().mean() for p in sample])))
         for i in pick.sample(range(args.peers), int(args.churn * args.peers)):  # leave, and a newcomer joins
             donor = peers[pick.randrange(args.peers)]
-            peers[i] = Peer(donor.model.state_dict(), draw_shard(by_class, args.alpha, args.shard, rng), args.lr,
-                            seed * 100_003 + next_id)
+            peers[i] = Peer(args, size, donor.model.state_dict(), draw_shard(by_class, args.alpha, args.shard, rng),
+                            seed * 100_003 + next_id, optimizer_state=donor.inner.state_dict())
             ids[i], grids[i] = next_id, Grid(size, next_id)
             next_id += 1
         print(f"  size={size} seed={seed} round {r + 1}: accuracy {accuracy[-1]:.4f}, "
@@ -164,7 +178,8 @@ def plot(runs: List[dict], path) -> Optional[str]:
         ax.plot(range(1, curves.shape[1] + 1), curves.mean(0) * 100, label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy, % (20 sampled peers)")
-    ax.set_title(f"{runs[0]['peers']} peers, 10 % churn per round, MNIST-5k label skew")
+    strategy = {"local": "LocalUpdates", "grad": "GradientAveraging"}[runs[0]["strategy"]]
+    ax.set_title(f"{runs[0]['peers']} peers, {strategy}, 10 % churn, MNIST-5k label skew")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -184,6 +199,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument("--strategy", choices=["local", "grad"], default="local")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sizes = [None if s == "none" else int(s) for s in args.sizes.split(",")]
@@ -207,7 +224,7 @@ def main() -> None:
     for size in sizes:
         for seed in seeds:
             run = train(args, size, seed)
-            run["peers"] = args.peers
+            run["peers"], run["strategy"] = args.peers, args.strategy
             runs.append(run)
     rows = []
     for size in sizes:
@@ -217,9 +234,10 @@ def main() -> None:
                      f"{np.mean([np.mean(run['committed_share']) for run in mine]):.0%}",
                      f"{np.mean([run['seconds_per_round'] for run in mine]):.1f}"])
     print(table(["averaging", "accuracy % (last 5 rounds)", "peers committed / round", "s / round (sim)"], rows))
-    png = plot(runs, RESULTS_DIR / "scale_sim.png")
+    name = "scale_sim" if args.strategy == "local" else f"scale_sim_{args.strategy}"
+    png = plot(runs, RESULTS_DIR / f"{name}.png")
     print(f"plot: {png}" if png else "plot: matplotlib is not installed, no PNG")
-    path = write_json("scale_sim", {"command": command_line(), "code": code_version(), "machine": machine(),
+    path = write_json(name, {"command": command_line(), "code": code_version(), "machine": machine(),
                                     "args": vars(args), "mean_error": errors, "runs": runs, "plot": png})
     print(f"results: {path}\nreproduce: {command_line()}")
 

@@ -28,8 +28,9 @@ peers declared under the line's matchmaking key this round, and a group needs a 
 lower (``line_peers``). Leaders that count the same declarations still let at most one group per line commit.
 Every member computes the rule from the same count of live peers (``swarm_opt.round.swarm_size_seen_by``) and the
 same leader's count (both travel in the matchmaking gather), so a group commits on all its members or on none.
-Only strategies whose rounds average the parameters themselves accept groups (``Strategy.use_groups``): peers of
-different lines hold different parameters until the next rounds mix them.
+Only strategies whose rounds average the parameters themselves accept groups (``Strategy.use_groups``;
+``GradientAveraging``'s rounds carry them in groups): peers of different lines hold different parameters until the
+next rounds mix them.
 """
 
 from __future__ import annotations

@@ -108,8 +108,9 @@ class Optimizer(torch.optim.Optimizer):
         default ``None``: hivemind's path. Carries ``NoCompression()``, ``Float16()`` and ``PowerSGD(...)``.
     :param groups: ``Groups(size=16)`` averages each round in groups of at most that many peers over a Moshpit grid
         of the live peers (``swarm_opt.groups``: the groups mix the swarm over log_size(N) rounds) instead of in one
-        group of the whole swarm; a swarm of at most ``size`` peers is one group. For the strategies that average
-        parameters (``LocalUpdates``, ``FedProx``, ``Scaffold``); default ``None``: one group.
+        group of the whole swarm; a swarm of at most ``size`` peers is one group. Every strategy but ``FedNova``
+        (``GradientAveraging``'s rounds then carry the parameters and optimizer statistics too: see its docstring);
+        default ``None``: one group.
     """
 
     def __init__(

@@ -53,9 +53,9 @@ def test_bad_arguments_raise_errors_that_name_the_fix(dht):
     with pytest.raises(ConfigTypeError, match=r"Groups\(size=...\)"):
         swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
                             strategy=swarm_opt.LocalUpdates(), groups=16)
-    with pytest.raises(ConfigError, match="sync-equivalence.*LocalUpdates"):
+    with pytest.raises(ConfigError, match="without groups.*groups=None"):  # groups send parameters, not low-rank
         swarm_opt.Optimizer(dht=dht, run_id="bad", target_batch_size=8, optimizer=sgd, params=model.parameters(),
-                            groups=swarm_opt.Groups(size=16))  # the default strategy, GradientAveraging
+                            groups=swarm_opt.Groups(size=16), compression=swarm_opt.PowerSGD(rank=2))
 
 
 def test_a_peer_alone_with_groups_is_one_group_and_steps_its_epochs(dht):

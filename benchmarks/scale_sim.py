@@ -22,7 +22,7 @@ moshpit_round``: each peer's ``swarm_opt.groups.Grid`` names its line, lines spl
 
     python benchmarks/scale_sim.py                 # 1,000 peers, 30 rounds, sizes none/16/32 (minutes)
     python benchmarks/scale_sim.py --peers 200 --rounds 10
-    python benchmarks/scale_sim.py --strategy grad --lr 0.5 --momentum 0.9 --sizes none,16,32
+    python benchmarks/scale_sim.py --strategy grad --lr 0.2 --momentum 0.9 --rounds 60 --sizes none,16,32
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from _common import RESULTS_DIR, code_version, command_line, load_mnist, machine
 from swarm_opt import Groups
 from swarm_opt.groups import Grid, grid_shape
 from swarm_opt.simulation import moshpit_round
-from swarm_opt.strategies import GradientAveraging, LocalUpdates
+from swarm_opt.strategies import STRATEGIES, STRATEGY_NAMES, LocalUpdates
 
 
 class _Holder(LocalUpdates):
@@ -95,7 +95,7 @@ def mean_error(n: int, size: int, rounds: int, churn: float, complete: bool, see
 
 class Peer:
     """One simulated peer: its model, inner SGD and strategy (``args.strategy``, in groups of ``size``), started
-    from a donor's ``state`` (model, optimizer) or from ``model_state``."""
+    from ``model_state`` and, for a newcomer, its donor's ``optimizer_state`` (what a state download gives it)."""
 
     def __init__(self, args: argparse.Namespace, size: Optional[int], model_state: Dict[str, torch.Tensor],
                  shard: torch.Tensor, seed: int, optimizer_state: Optional[dict] = None) -> None:
@@ -104,7 +104,7 @@ class Peer:
         self.inner = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=args.momentum)
         if optimizer_state is not None:
             self.inner.load_state_dict(copy.deepcopy(optimizer_state))
-        self.strategy = {"local": LocalUpdates, "grad": GradientAveraging}[args.strategy]()
+        self.strategy = STRATEGIES[args.strategy]()
         if size is not None:
             self.strategy.use_groups(Groups(size=size))
         self.strategy.bind(list(self.model.parameters()), self.inner)
@@ -178,8 +178,7 @@ def plot(runs: List[dict], path) -> Optional[str]:
         ax.plot(range(1, curves.shape[1] + 1), curves.mean(0) * 100, label=label)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy, % (20 sampled peers)")
-    strategy = {"local": "LocalUpdates", "grad": "GradientAveraging"}[runs[0]["strategy"]]
-    ax.set_title(f"{runs[0]['peers']} peers, {strategy}, 10 % churn, MNIST-5k label skew")
+    ax.set_title(f"{runs[0]['peers']} peers, {STRATEGY_NAMES[runs[0]['strategy']]}, 10 % churn, MNIST-5k label skew")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

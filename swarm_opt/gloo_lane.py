@@ -160,8 +160,10 @@ class LaneFailure(RuntimeError):
 
 class GlooLane:
     """One peer's end of the lane. Built in the host process (it binds the listening socket, so that the address is
-    known to announce), used in the averager process after the fork: the store, the gloo device, the cached process
-    groups and the one thread that waits on gloo all live there."""
+    known to announce) before the averager process forks; then started in the process that runs the rounds (the
+    host, where the round's tensors are written; PowerSGD's averager process, where its factors are computed), and
+    released in the other. The store, the gloo device and the cached process groups live in the process that started
+    it."""
 
     def __init__(self, config: Gloo, *, wire_dtype: torch.dtype, timeout: float, key: bytes, namespace: str) -> None:
         self.config = config
@@ -176,16 +178,17 @@ class GlooLane:
         self._device: Any = None
         self._stores: OrderedDict[Tuple[str, int], Any] = OrderedDict()
         self._groups: OrderedDict[Tuple[bytes, ...], Tuple[str, Any]] = OrderedDict()  # -> (token, group)
-        self._executor: Optional[ThreadPoolExecutor] = None
+        self._executor: Optional[ThreadPoolExecutor] = None  # for ``submit``, made at its first call
         self._lock = threading.Lock()
 
-    def release_in_host(self) -> None:
-        """The host process's copy of the listening socket: the averager process (forked) serves it."""
+    def release(self) -> None:
+        """Close this process's copy of the listening socket: the other process (of the fork) serves it."""
         if self._listener is not None:
             self._listener.close()
             self._listener = None
 
-    def start(self) -> None:  # averager process
+    def start(self) -> None:
+        """Serve the rendezvous store on the listening socket, in this process."""
         from torch.distributed import ProcessGroupGloo, TCPStore
 
         assert self._listener is not None
@@ -194,9 +197,8 @@ class GlooLane:
         self._listener.detach()  # the store owns the socket now, and closes it
         self._listener = None
         self._device = ProcessGroupGloo.create_device(hostname=self.config.host)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo_lane")
 
-    def close(self) -> None:  # averager process
+    def close(self) -> None:
         with self._lock:
             groups, self._groups = list(self._groups.values()), OrderedDict()
             self._stores.clear()
@@ -214,8 +216,12 @@ class GlooLane:
             _abort(entry[1])
 
     def submit(self, *args: Any) -> Any:
-        """Run ``all_reduce(*args)`` in the lane's thread (a ``concurrent.futures.Future``)."""
-        assert self._executor is not None, "start() runs in the averager process first"
+        """Run ``all_reduce(*args)`` in the lane's thread (a ``concurrent.futures.Future``): for an event loop, which
+        must not wait on gloo itself."""
+        assert self._store is not None, "start() runs first, in this process"
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo_lane")
         return self._executor.submit(self.all_reduce, *args)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], peer_ids: Sequence[bytes], own_id: bytes,

@@ -5,7 +5,9 @@ tensors it averages. A round is scheduled ahead of time (matchmaking runs while 
 triggered: the caller writes its values straight into the buffers and gets the group's average back as views of
 them (``AveragingResult.averaged``), so nothing is copied that the caller does not need. The result says who took
 part; a round that failed or produced non-finite numbers returns ``None`` and the caller's own tensors were never
-touched.
+touched. A group that formed for the gloo lane (``swarm_opt.gloo_lane``) averages in the caller's process: the
+averager process hands it the group as it forms (``LaneCall``), so that no hand-off between processes lies on the
+round's critical path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import random
 import signal
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -74,6 +77,7 @@ _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
 _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
+_MOST_UNHEARD = 64  # what the averager process keeps of steps whose watch has not come (it always comes)
 _ASSEMBLY_POLL = 0.01  # seconds between a leader's checks whether its group is complete before its deadline
 CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
 DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
@@ -92,6 +96,18 @@ MAX_UPLOADS_AT_ONCE = 4
 #: how long a peer named a lying reducer (``Audited``) is left out of this peer's groups the first time; each new
 #: offence doubles it, up to a day (``swarm_opt.trust.Suspensions``): a peer named by mistake comes back
 LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS = 600.0, 86400.0
+
+
+class LaneCall(NamedTuple):
+    """A group that formed for the gloo lane, as the averager process hands it to the host process, which runs the
+    round itself (``_Engine.lane_in_host``): nothing crosses between the processes on the round's critical path."""
+
+    group_id: bytes
+    peer_ids: List[bytes]
+    addresses: List[Tuple[str, int]]
+    start_timeout: float  # seconds every member may take to begin (as hivemind's path allows them)
+    gathered: Dict[PeerID, Any]  # every member's gather
+    outcome: MPFuture  # the host's verdict, for the averager's step: None once averaged, else why the round failed
 
 
 class Uploads(NamedTuple):
@@ -130,6 +146,10 @@ class _Engine(DecentralizedAverager):
     aggregation: Aggregation = Mean()  # how this peer's reducer combines the parts it receives (set before the fork)
     dies_with_parent = False  # set before the fork by a host that forks from its main thread
     lane: Optional[GlooLane] = None  # the gloo fast lane, if this peer offers it (set before the fork)
+    #: where lane rounds run: in the host process, which wrote the round's tensors (the averager process only forms
+    #: the group and hands it over: ``LaneCall``); PowerSGD's engine computes its factors in the averager process and
+    #: runs its lane rounds there
+    lane_in_host = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,12 +169,17 @@ class _Engine(DecentralizedAverager):
         self._helpers_seen = 0  # auxiliary members of this peer's last group (averager process)
         #: groups a step's matchmaking assembled that have not begun to average yet, by step (averager process)
         self._unstarted: Dict[StepControl, Any] = {}
+        #: the host's futures that say how each step goes on (``watch``), by step; and what was to be said of a step
+        #: before its future arrived (averager process)
+        self._watches: Dict[int, MPFuture] = {}
+        self._unheard: OrderedDict[int, Tuple[Tuple[str, Any], bool]] = OrderedDict()
+        self._host_lanes: Dict[bytes, MPFuture] = {}  # the verdicts of lane rounds the host runs, by group id
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
             die_with_parent(signal.SIGKILL, self._parent_pid)
         if self.lane is not None:
-            self.lane.start()
+            self.lane.release() if self.lane_in_host else self.lane.start()
         _write_near(self.dht)
         try:
             super().run()
@@ -192,6 +217,41 @@ class _Engine(DecentralizedAverager):
             # matched, then cancelled or failed before sending anything (a lane round has its own start timeout)
             if unstarted is not None and self._lane_addresses(unstarted) is None:
                 self._say_goodbye(unstarted)
+            if unstarted is not None:
+                self._host_lanes.pop(unstarted.group_id, None)
+            self._tell_host(step, "done", None)
+
+    # --- what the host hears of a step: ("lane", LaneCall) when it runs the round, then ("done", None) ---------------
+    def watch(self, step: StepControl) -> MPFuture:  # host process
+        """A future that the averager process sets once the host has something to do for ``step``: ``("lane",
+        LaneCall)``, the group formed for the lane (run the round, then set the call's ``outcome``), or ``("done",
+        None)``, the step ended (its result is ready)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_watch", [_step_key(step), future], {}))
+        return future
+
+    async def _watch(self, key: int, future: MPFuture) -> None:
+        unheard = self._unheard.pop(key, None)
+        if unheard is not None:
+            news, done = unheard
+            future.set_result(news)
+            if done:
+                return
+        self._watches[key] = future  # until the step is done
+
+    def _tell_host(self, step: StepControl, what: str, call: Optional[LaneCall]) -> None:
+        """Tell the host what became of ``step``: the first news reaches it, ``"done"`` ends the step's watch."""
+        key, done = _step_key(step), what == "done"
+        future = self._watches.pop(key, None) if done else self._watches.get(key)
+        if future is not None:
+            if not future.done():
+                future.set_result((what, call))
+            return
+        # the step's watch is still on its way from the host: keep the first news, and whether the step is done
+        news, was_done = self._unheard.pop(key, ((what, call), False))
+        self._unheard[key] = (news, was_done or done)
+        while len(self._unheard) > _MOST_UNHEARD:
+            self._unheard.popitem(last=False)
 
     def _remember_groups(self, matchmaking: Any) -> None:
         """Keep the group each step's matchmaking assembled until it begins to average (``_aggregate_with_group``).
@@ -204,6 +264,9 @@ class _Engine(DecentralizedAverager):
             group_info = await look_for_group(step)
             if group_info is not None:
                 self._unstarted[step] = group_info
+                addresses = self._lane_addresses(group_info)
+                if addresses is not None and self.lane_in_host:
+                    self._hand_lane_to_host(step, group_info, addresses)
             return group_info
 
         matchmaking.look_for_group = remembered
@@ -368,18 +431,42 @@ class _Engine(DecentralizedAverager):
             return None
         return lane_addresses([_member_info(self.serializer, data) for data in group_info.gathered])
 
+    def _hand_lane_to_host(self, step: StepControl, group_info: Any, addresses: List[Tuple[str, int]]) -> None:
+        """Tell the host the group it will average with over the lane, as soon as the group formed: a step matched
+        ahead of its round finds the call waiting when the host triggers it."""
+        infos = [_member_info(self.serializer, data) for data in group_info.gathered]
+        outcome = MPFuture()
+        self._host_lanes[group_info.group_id] = outcome
+        self._tell_host(step, "lane", LaneCall(
+            group_id=group_info.group_id, peer_ids=[peer.to_bytes() for peer in group_info.peer_ids],
+            addresses=addresses, start_timeout=_start_allowance(info.get("step_period") for info in infos),
+            gathered=self._gathered(group_info), outcome=outcome))
+
+    def _gathered(self, group_info: Any) -> dict:
+        """Every member's gather, by peer: what a round's step returns."""
+        return {peer: self.serializer.loads(self.serializer.loads(data)[2])
+                for peer, data in zip(group_info.peer_ids, group_info.gathered)}
+
     async def _lane_round(self, group_info: Any, addresses: List[Tuple[str, int]], infos: List[dict],
                           **kwargs: Any) -> dict:
         """The round over the gloo lane: every member chose it from the same gather, so nobody takes hivemind's path.
-        Members get as long to begin as ``_first_failure`` gives them on hivemind's path. The all-reduces of the
+        Members get as long to begin as ``_first_failure`` gives them on hivemind's path. With the lane in the host,
+        the host runs the round (``LaneCall``) and this step waits for its verdict; otherwise the all-reduces of the
         round (PowerSGD runs two) go through ``_run_allreduce_inplace_`` as on hivemind's path, with ``lane=``."""
+        if self.lane_in_host:
+            outcome = self._host_lanes.pop(group_info.group_id)
+            self._running_groups[group_info.group_id].set_result(
+                _LaneRound(self.lane, [peer.to_bytes() for peer in group_info.peer_ids]))
+            failure = await outcome
+            if failure is not None:
+                raise AllreduceException(f"gloo lane: {failure}")
+            return self._gathered(group_info)
         start_timeout = _start_allowance(info.get("step_period") for info in infos)
         async with self._tensors_now() as tensors:
             await self._run_allreduce_inplace_(tensors, group_info, lane=(addresses, start_timeout), **kwargs)
         with self._lane_rounds.get_lock():
             self._lane_rounds.value += 1
-        return {peer: self.serializer.loads(self.serializer.loads(data)[2])
-                for peer, data in zip(group_info.peer_ids, group_info.gathered)}
+        return self._gathered(group_info)
 
     @contextlib.asynccontextmanager
     async def _tensors_now(self) -> AsyncIterator[Sequence[torch.Tensor]]:
@@ -764,6 +851,11 @@ class _LaneRound:
             self._lane.drop(self._peer_ids)
 
 
+def _step_key(step: StepControl) -> int:
+    """What names a step in both processes: the id of hivemind's future that a ``StepControl`` is."""
+    return step._uid
+
+
 def _reason(error: BaseException) -> str:
     """A failed round's exception in a few words (hivemind wraps the all-reduce's own in 'Unable to run ...')."""
     text = str(error).strip() or type(error).__name__
@@ -1019,8 +1111,9 @@ class TensorAverager:
         try:
             _start_child(self._engine)
         finally:
-            if self._engine.lane is not None:
-                self._engine.lane.release_in_host()
+            lane = self._engine.lane
+            if lane is not None:
+                lane.start() if self._engine.lane_in_host and self._engine.is_alive() else lane.release()
         self._engine.wait_until_ready(timeout=60)
         #: announced in every round's gather: groups whose every member offers the lane average over it
         self.lane_address = None if self._engine.lane is None else self._engine.lane.address
@@ -1028,6 +1121,7 @@ class TensorAverager:
             logger.info(f"Offering the gloo lane at {self.lane_address} (trusted networks only: gloo neither "
                         f"authenticates nor encrypts)")
         self._scheduled: Optional[StepControl] = None
+        self._scheduled_watch: Optional[MPFuture] = None  # what the averager process says of it (_Engine.watch)
         self._scheduled_round = -1
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
         self.last_failure = ""  # why the last all_reduce() returned None, in a few words
@@ -1097,6 +1191,7 @@ class TensorAverager:
                         "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
+            self._scheduled_watch = self._engine.watch(self._scheduled)
 
     def matched(self, round_id: int) -> bool:
         """Whether this peer's matchmaking for ``round_id``, scheduled ahead, found a group that now waits for it."""
@@ -1112,7 +1207,10 @@ class TensorAverager:
         (the swarm completed it without us: waiting on would only find the swarm's next round)."""
         with self._engine.get_tensors() as buffers:
             write(buffers)
-            finite = all_finite(buffers)
+            # a group formed ahead for the lane sends unchecked: every member checks the sum, which a non-finite value
+            # from anyone poisons, and nobody is banned for it there (hivemind's reducers would ban the sender)
+            lane_ahead = self._lane_formed(round_id)
+            finite = lane_ahead or all_finite(buffers)
             if finite and self._feedback is not None:
                 self._feedback.select(buffers, weight, round_id)
         if not finite:
@@ -1124,24 +1222,32 @@ class TensorAverager:
         self.schedule(get_dht_time(), round_id)
         with self._lock:
             control, self._scheduled = self._scheduled, None
+            watch, self._scheduled_watch = self._scheduled_watch, None
             self._running = control
-        assert control is not None
+        assert control is not None and watch is not None
         try:
             control.weight = float(weight)
-            control.allow_allreduce()
+            if not lane_ahead:  # (a lane round formed ahead triggers its step once done: see below)
+                control.allow_allreduce()
             # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
             # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
             # the averager completes anyway, with our values in the groupmates' average and not in ours
             deadline = time.monotonic() + 2 * self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
             while True:
                 try:
-                    gathered = control.result(timeout=0.2)
+                    what, call = watch.result(timeout=0.2)
                     break
                 except concurrent.futures.TimeoutError:
                     if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
                         raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
                     if time.monotonic() > deadline:
                         raise
+            if what == "lane":
+                gathered = self._lane_round(call, weight)
+                if lane_ahead:  # the averager process slept through the round, leaving the cores to it
+                    control.allow_allreduce()
+            else:
+                gathered = control.result(timeout=max(0.0, deadline - time.monotonic()))
         except (Exception, asyncio.CancelledError) as e:  # matchmaking or all-reduce failed, or the round was
             # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
             logger.debug("Averaging round failed: %r", e)
@@ -1174,11 +1280,36 @@ class TensorAverager:
             return self._failed(f"the group mixed aggregations {others + [self._aggregation]}")
         with self._engine.get_tensors() as buffers:
             if not all_finite(buffers):
-                logger.warning("A peer sent non-finite values; the round is discarded and retried")
+                logger.warning("A peer (over the gloo lane: possibly this one) sent non-finite values; the round is "
+                               "discarded and retried")
                 return self._failed("non-finite averaged values")
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
                                helpers=helpers)
+
+    def _lane_formed(self, round_id: int) -> bool:
+        """Whether the group of round ``round_id``, scheduled ahead, formed for the lane."""
+        with self._lock:
+            watch = self._scheduled_watch if self._scheduled_round == round_id else None
+        return watch is not None and watch.done() and watch.result()[0] == "lane"
+
+    def _lane_round(self, call: LaneCall, weight: float) -> Dict[PeerID, Any]:
+        """Average the buffers over the lane with the group of ``call``, here in the host process; tell the averager
+        process's step how it went. Returns the members' gathers; raises when the round failed."""
+        lane = self._engine.lane
+        assert lane is not None and self._engine.lane_in_host
+        try:
+            with self._engine.get_tensors() as buffers:
+                setup = lane.all_reduce(buffers, call.peer_ids, self.peer_id.to_bytes(), call.group_id,
+                                        call.addresses, weight, call.start_timeout)
+        except LaneFailure as e:
+            call.outcome.set_result(str(e))
+            raise RuntimeError(f"gloo lane: {e}") from None
+        call.outcome.set_result(None)
+        with self._engine._lane_rounds.get_lock():
+            self._engine._lane_rounds.value += 1
+        self._engine._lane_setup.value = setup
+        return call.gathered
 
     def _failed(self, reason: str) -> None:
         """``all_reduce``'s result for a round that failed: ``None``, with ``reason`` kept in ``last_failure``."""
@@ -1195,7 +1326,7 @@ class TensorAverager:
 
     def cancel_scheduled(self) -> None:
         with self._lock:
-            control, self._scheduled = self._scheduled, None
+            control, self._scheduled, self._scheduled_watch = self._scheduled, None, None
         if control is not None and not control.done():
             cancel_step(control)
 
@@ -1234,5 +1365,7 @@ class TensorAverager:
         if running is not None and not running.done():
             cancel_step(running)  # an all_reduce() in another thread returns None at once
         self._engine.state_provider = None
+        if self._engine.lane is not None and self._engine.lane_in_host:
+            self._engine.lane.close()  # a lane round in another thread fails at once
         if self._engine.is_alive():
             self._engine.shutdown()

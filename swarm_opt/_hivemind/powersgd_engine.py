@@ -64,6 +64,8 @@ class PowerSGDEngine(_Engine):
     Host process: ``step`` tags each round with an attempt number and this peer's Q lineage; ``commit`` records the
     round the host applied. Averager process: ``_run_allreduce_inplace_`` runs the round on the shared buffers."""
 
+    lane_in_host = False  # its lane rounds carry factors that this process computes between its two all-reduces
+
     def __init__(self, averaged_tensors: Sequence[torch.Tensor], dht: Any, *, compression: PowerSGD,
                  **kwargs: Any) -> None:
         tensors = tuple(averaged_tensors)

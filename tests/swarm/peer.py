@@ -434,7 +434,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
             if cfg.get("record_sent"):
                 after[last_report.epoch] = [p.detach().clone() for p in model.parameters()]
-            if cfg.get("count_resources"):  # the averager process's (the lane lives there) and ours, per epoch
+            if cfg.get("count_resources"):  # ours (the lane runs its rounds here) and the averager process's, per epoch
                 resources[opt.local_epoch] = dict(averager=_resources(opt._averager._engine.pid),
                                                   host=_resources(os.getpid()))
             if journal is not None:

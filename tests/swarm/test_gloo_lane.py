@@ -1,5 +1,6 @@
 """The gloo fast lane in real loopback swarms: equivalence with one process, a member killed mid-round, a swarm
-with a client-mode peer (hivemind's path for its groups), and no threads or sockets leaked over many rounds."""
+with a client-mode peer (hivemind's path for its groups), no threads or sockets leaked over many rounds, and two
+averagers whose host processes run the lane's rounds."""
 
 from __future__ import annotations
 
@@ -83,8 +84,9 @@ def test_a_member_killed_inside_a_lane_all_reduce_stalls_nobody_beyond_one_round
 
 @pytest.mark.extended
 def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
-    """Two lane peers average many rounds; the averager process (where the lane lives) and the user's process hold
-    as many threads and file descriptors at the end as after the first rounds."""
+    """Two lane peers average many rounds; the user's process (where the lane runs its rounds) and the averager
+    process (which forms the groups) hold as many threads and file descriptors at the end as after the first
+    rounds."""
     epochs = 40
     for rank in range(2):
         swarm.start(rank, batch_size=16, target_batch_size=32, inner="sgd", epochs=epochs, expect_peers=2,
@@ -130,3 +132,66 @@ def test_a_private_run_averages_over_the_lane_under_keys_derived_from_its_secret
         assert_quiet(swarm.log(r["rank"]))
     for got, want in zip(results[1]["params"], results[0]["params"]):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poisoned_one_at_once():
+    """Two ``TensorAverager``s on two real DHTs, each with the lane: the host process runs the round (its lane
+    serves the rendezvous here, the averager process only forms the group). A round matched ahead for the lane
+    sends unchecked: one member's NaN reaches the sum, both discard that round at once (not after a start
+    timeout) and the next round, in the same cached process group, is the weighted mean again."""
+    import threading
+
+    import hivemind
+    from hivemind.utils import get_dht_time
+
+    from swarm_opt import Gloo, NoCompression
+    from swarm_opt._hivemind.averager import TensorAverager
+    from swarm_opt.config import Timeouts
+
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    second = hivemind.DHT(initial_peers=first.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    timeouts = Timeouts(matchmaking_time=1.0, averaging_timeout=10.0)
+    averagers = []
+    try:
+        averagers = [TensorAverager(dht, prefix="host_lane", templates=[torch.zeros(300_000), torch.zeros(5)],
+                                    timeouts=timeouts, compression=NoCompression(), lane=Gloo(host="127.0.0.1"))
+                     for dht in (first, second)]
+        assert all(a._engine.lane._store is not None for a in averagers)  # served by this (the host) process
+
+        def average(round_id: int, values: list) -> list:
+            for averager in averagers:  # matched ahead, as a peer that schedules its next round while it computes
+                averager.schedule(get_dht_time(), round_id)
+            deadline = time.monotonic() + 30
+            while not all(a.matched(round_id) for a in averagers) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert all(a.matched(round_id) for a in averagers), [a.last_failure for a in averagers]
+            results: list = [None, None]
+
+            def run(i: int) -> None:
+                started = time.monotonic()
+                result = averagers[i].all_reduce(lambda buffers: [b.fill_(values[i]) for b in buffers], i + 1.0,
+                                                 round_id)
+                results[i] = (result, time.monotonic() - started, averagers[i].last_failure)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            return results
+
+        for result, _, failure in average(1, [1.0, 4.0]):
+            assert result is not None and len(result.peers) == 2, failure
+            assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in result.averaged)  # (1·1 + 2·4) / 3
+        for result, seconds, failure in average(2, [float("nan"), 4.0]):
+            assert result is None and failure == "non-finite averaged values" and seconds < 2.0, (failure, seconds)
+        for result, _, failure in average(3, [2.0, 5.0]):
+            assert result is not None, failure
+            assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in result.averaged)
+        assert [a.lane_rounds for a in averagers] == [3, 3]
+        assert all(len(a._engine.lane._groups) == 1 for a in averagers)  # one process group served all three
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        second.shutdown()
+        first.shutdown()

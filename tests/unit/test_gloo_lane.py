@@ -3,6 +3,7 @@ in one process, each in its own thread, as two averager processes would run them
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from typing import List
@@ -182,3 +183,41 @@ def test_a_groupmates_share_of_a_round_is_checked():
     for raw in hostile:
         with pytest.raises(LaneFailure, match="malformed"):
             _Share.parse(raw, 0)
+
+
+@pytest.mark.parametrize("order", [
+    ["watch", "lane", "done"], ["lane", "watch", "done"], ["lane", "done", "watch"], ["watch", "done"],
+    ["done", "watch"],
+])
+def test_the_host_hears_first_what_the_averager_process_said_first_of_a_step_and_nothing_is_kept(order):
+    """The averager process tells the host how a step goes on (``_Engine._tell_host``) through a future that the host
+    sends it (``_Engine.watch``): whichever arrives first, the host hears the first news, and once the step is done
+    and watched, the averager process keeps nothing of it."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from hivemind.utils import MPFuture
+
+    from swarm_opt._hivemind.averager import _Engine
+
+    engine = SimpleNamespace(_watches={}, _unheard=OrderedDict())
+    step, call, watch = SimpleNamespace(_uid=7), object(), MPFuture()
+    for event in order:
+        if event == "watch":
+            asyncio.run(_Engine._watch(engine, 7, watch))
+        else:
+            _Engine._tell_host(engine, step, event, call if event == "lane" else None)
+    assert watch.result(timeout=0) == (order[1 if order[0] == "watch" else 0], call if "lane" in order else None)
+    assert not engine._watches and not engine._unheard
+
+
+def test_news_of_steps_whose_watch_never_comes_is_bounded():
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from swarm_opt._hivemind.averager import _MOST_UNHEARD, _Engine
+
+    engine = SimpleNamespace(_watches={}, _unheard=OrderedDict())
+    for uid in range(3 * _MOST_UNHEARD):
+        _Engine._tell_host(engine, SimpleNamespace(_uid=uid), "done", None)
+    assert len(engine._unheard) == _MOST_UNHEARD and 3 * _MOST_UNHEARD - 1 in engine._unheard

@@ -73,6 +73,7 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
     import threading
 
     import torch
+    from hivemind.utils import MPFuture
 
     from swarm_opt.config import Timeouts
 
@@ -80,7 +81,14 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
     control = _cancelled_control()
     averager._engine = type("E", (), {"get_tensors": lambda self: contextlib.nullcontext([torch.zeros(2)])})()
     averager._lock, averager._running, averager.timeouts = threading.Lock(), None, Timeouts()
-    averager.schedule = lambda when, round_id: setattr(averager, "_scheduled", control)
+    averager._scheduled_round = -1  # nothing scheduled ahead
+    watch = MPFuture()
+    watch.set_result(("done", None))  # what the averager process says as the cancelled step ends
+
+    def schedule(when, round_id):
+        averager._scheduled, averager._scheduled_watch, averager._scheduled_round = control, watch, round_id
+
+    averager.schedule = schedule
     assert averager.all_reduce(lambda buffers: None, 1.0, round_id=3) is None
     assert averager.last_failure == "the round was cancelled" and control.cancelled()
 

@@ -34,6 +34,7 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from swarm_opt.buffers import all_finite, scale_and_check
 from swarm_opt.errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger(__name__)
@@ -226,11 +227,12 @@ class GlooLane:
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], peer_ids: Sequence[bytes], own_id: bytes,
                    group_id: bytes, addresses: Sequence[Tuple[str, int]], weight: float, start_timeout: float
-                   ) -> float:
+                   ) -> Tuple[float, bool]:
         """Replace ``tensors`` with the group's weighted mean, identical on every member; raises ``LaneFailure``
         (the membership's process group is dropped) when the round cannot complete. ``start_timeout``: seconds to
         wait for every member to begin the round. Returns the seconds the round's setup took (the rendezvous, and
-        the process group unless it was cached)."""
+        the process group unless it was cached), and whether every value of the mean is finite (anyone's NaN/inf
+        poisons the sum: the members need not check what they send)."""
         members = tuple(sorted(peer_ids))
         try:
             # with fp16, one scale per tensor for the whole group (from its largest magnitude): nothing can overflow
@@ -245,9 +247,12 @@ class GlooLane:
                 raise LaneFailure(f"the group's weights sum to {total}")
             scales = [_fp16_scale(max(share.absmax[i] for share in shares)) for i in range(len(tensors))] \
                 if absmax else [1.0] * len(tensors)
-            self._reduce(held.group, tensors, float(weight) / total, scales)
+            # equal weights (every member decides alike, from the same shares): divide after summing, as a plain
+            # all-reduce does, in the pass that checks the sum
+            equal = len({share.weight for share in shares}) == 1
+            finite = self._reduce(held.group, tensors, float(weight) / total, scales, equal)
             held.finish()
-            return setup
+            return setup, finite
         except Exception as e:
             self.drop(members)
             self._forget_store(addresses[0])
@@ -303,18 +308,23 @@ class GlooLane:
                 _abort(self._groups.popitem(last=False)[1][1])
         return _Held(group, store, hello), shares
 
-    def _reduce(self, group: Any, tensors: Sequence[torch.Tensor], share: float, scales: Sequence[float]) -> None:
+    def _reduce(self, group: Any, tensors: Sequence[torch.Tensor], share: float, scales: Sequence[float],
+                equal: bool) -> bool:
         """Every tensor times this member's share of the group's weight (and its fp16 scale), summed over the group:
-        the weighted mean. Large tensors in place when the wire carries their dtype; small ones coalesced into one
-        flat buffer."""
+        the weighted mean; returns whether it is finite. Large tensors in place when the wire carries their dtype
+        (with ``equal`` weights, summed first and then scaled by the share, in the pass that checks them); small
+        ones coalesced into one flat buffer."""
         small = [i for i, t in enumerate(tensors) if t.numel() < _SMALL_TENSOR]
+        large = [i for i, t in enumerate(tensors) if t.numel() >= _SMALL_TENSOR]
+        after = [i for i in large if equal and scales[i] == 1.0 and tensors[i].dtype == self.wire_dtype]
         pending = []
         if small:
             flat = torch.cat([(tensors[i].flatten() * (share * scales[i])).to(self.wire_dtype) for i in small])
             pending.append((small, flat, group.allreduce([flat])))
-        for i in sorted(set(range(len(tensors))) - set(small)):
-            # the buffers are the lane's to overwrite: scaled in place, then sent as they are or cast for the wire
-            wire = tensors[i].mul_(share * scales[i])
+        for i in large:
+            # the buffers are the lane's to overwrite: scaled in place (or after the sum), then sent as they are or
+            # cast for the wire
+            wire = tensors[i] if i in after else tensors[i].mul_(share * scales[i])
             if wire.dtype != self.wire_dtype:
                 wire = wire.to(self.wire_dtype)
             pending.append(([i], wire, group.allreduce([wire])))
@@ -329,6 +339,8 @@ class GlooLane:
                 if scales[i] != 1.0:
                     tensors[i].div_(scales[i])
                 offset += numel
+        finite = scale_and_check([tensors[i] for i in after], share)
+        return all_finite([t for i, t in enumerate(tensors) if i not in set(after)]) and finite
 
 
 def _absmax(tensor: torch.Tensor) -> float:

@@ -491,7 +491,9 @@ class _Engine(DecentralizedAverager):
         future = self.lane.submit(tensors, peer_ids, self.peer_id.to_bytes(), group_id, addresses, weight,
                                   start_timeout)
         try:
-            self._lane_setup.value = await asyncio.wrap_future(future)
+            # (a non-finite mean fails no lane round here: the host checks the buffers the round left, as on
+            # hivemind's path)
+            self._lane_setup.value, _ = await asyncio.wrap_future(future)
         except LaneFailure as e:
             raise AllreduceException(f"gloo lane: {e}") from None
         except asyncio.CancelledError:
@@ -1242,8 +1244,9 @@ class TensorAverager:
                         raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
                     if time.monotonic() > deadline:
                         raise
+            finite = None  # not checked yet
             if what == "lane":
-                gathered = self._lane_round(call, weight)
+                gathered, finite = self._lane_round(call, weight)
                 if lane_ahead:  # the averager process slept through the round, leaving the cores to it
                     control.allow_allreduce()
             else:
@@ -1279,7 +1282,7 @@ class TensorAverager:
                              f"every peer of a run must pass the same aggregation=; rounds with them are discarded")
             return self._failed(f"the group mixed aggregations {others + [self._aggregation]}")
         with self._engine.get_tensors() as buffers:
-            if not all_finite(buffers):
+            if not (all_finite(buffers) if finite is None else finite):
                 logger.warning("A peer (over the gloo lane: possibly this one) sent non-finite values; the round is "
                                "discarded and retried")
                 return self._failed("non-finite averaged values")
@@ -1293,15 +1296,16 @@ class TensorAverager:
             watch = self._scheduled_watch if self._scheduled_round == round_id else None
         return watch is not None and watch.done() and watch.result()[0] == "lane"
 
-    def _lane_round(self, call: LaneCall, weight: float) -> Dict[PeerID, Any]:
+    def _lane_round(self, call: LaneCall, weight: float) -> Tuple[Dict[PeerID, Any], bool]:
         """Average the buffers over the lane with the group of ``call``, here in the host process; tell the averager
-        process's step how it went. Returns the members' gathers; raises when the round failed."""
+        process's step how it went. Returns the members' gathers and whether the mean is finite (the lane checks it
+        in a pass it makes anyway); raises when the round failed."""
         lane = self._engine.lane
         assert lane is not None and self._engine.lane_in_host
         try:
             with self._engine.get_tensors() as buffers:
-                setup = lane.all_reduce(buffers, call.peer_ids, self.peer_id.to_bytes(), call.group_id,
-                                        call.addresses, weight, call.start_timeout)
+                setup, finite = lane.all_reduce(buffers, call.peer_ids, self.peer_id.to_bytes(), call.group_id,
+                                                call.addresses, weight, call.start_timeout)
         except LaneFailure as e:
             call.outcome.set_result(str(e))
             raise RuntimeError(f"gloo lane: {e}") from None
@@ -1309,7 +1313,7 @@ class TensorAverager:
         with self._engine._lane_rounds.get_lock():
             self._engine._lane_rounds.value += 1
         self._engine._lane_setup.value = setup
-        return call.gathered
+        return call.gathered, finite
 
     def _failed(self, reason: str) -> None:
         """``all_reduce``'s result for a round that failed: ``None``, with ``reason`` kept in ``last_failure``."""

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from swarm_opt.buffers import AveragingResult
+from swarm_opt.buffers import AveragingResult, scale_and_check
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
@@ -184,12 +184,5 @@ def state_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 
 def grads_are_finite(grads: List[torch.Tensor]) -> bool:
-    """One fused pass over the gradients (the kernel GradScaler uses), falling back to a plain check."""
-    if not grads:
-        return True
-    found_inf = torch.zeros(1, device=grads[0].device)
-    try:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=grads[0].device))
-    except (RuntimeError, TypeError, NotImplementedError):  # e.g. dtypes the fused kernel does not take
-        return all(bool(torch.isfinite(g).all()) for g in grads)
-    return not bool(found_inf.item())
+    """One fused pass over the gradients (the kernel GradScaler uses), scaling them by 1."""
+    return scale_and_check(grads, 1.0)

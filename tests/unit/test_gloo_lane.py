@@ -98,8 +98,9 @@ def _lanes(n: int, dtype: torch.dtype = torch.float32) -> List[GlooLane]:
     return lanes
 
 
-def _round(lanes, tensors, weights, group_id: bytes, order=None) -> list:
-    """One round of every lane end at once; returns what each raised (None if nothing)."""
+def _round(lanes, tensors, weights, group_id: bytes, order=None, finite=None) -> list:
+    """One round of every lane end at once; returns what each raised (None if nothing); ``finite`` (a list) gets
+    what each said of the mean's finiteness."""
     peer_ids = [f"peer{i}".encode() for i in range(len(lanes))]
     order = list(range(len(lanes))) if order is None else order
     ordered = [peer_ids[i] for i in order]
@@ -108,7 +109,9 @@ def _round(lanes, tensors, weights, group_id: bytes, order=None) -> list:
 
     def run(i: int) -> None:
         try:
-            lanes[i].all_reduce(tensors[i], ordered, peer_ids[i], group_id, addresses, weights[i], 5.0)
+            _, ok = lanes[i].all_reduce(tensors[i], ordered, peer_ids[i], group_id, addresses, weights[i], 5.0)
+            if finite is not None:
+                finite.append(ok)
         except LaneFailure as e:
             errors[i] = e
 
@@ -141,6 +144,31 @@ def test_lane_ends_get_the_same_weighted_mean_and_reuse_their_process_group(dtyp
                     assert (peer[k] - expected).abs().max() <= tol * scale
         # the first round's process groups served every round, whoever hosted the rendezvous
         assert [id(group) for lane in lanes for _, group in lane._groups.values()] == first and len(first) == 3
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
+def test_equal_weights_are_divided_after_the_sum_and_anyones_nan_shows_in_every_members_check():
+    """With equal weights the lane sums first and divides in the pass that checks the mean: the same mean as
+    scaling first; a member that sends NaN (unchecked, as a round matched ahead sends) is seen by everyone."""
+    lanes = _lanes(3)
+    try:
+        shapes = [(700, 1000), (3,)]
+        inputs = [[torch.randn(s, generator=torch.Generator().manual_seed(i)) * 100 for s in shapes] for i in range(3)]
+        tensors, finite = [[t.clone() for t in peer] for peer in inputs], []
+        assert _round(lanes, tensors, [2.0] * 3, b"e" * 8, finite=finite) == [None] * 3 and finite == [True] * 3
+        for k in range(len(shapes)):
+            expected = sum(peer[k] for peer in inputs) / 3
+            for peer in tensors:
+                assert torch.equal(peer[k], tensors[0][k])
+                assert (peer[k] - expected).abs().max() <= 1e-6 * expected.abs().max()
+        for poisoned in (0, 1):  # the large tensor (divided after the sum), then a small one (scaled first)
+            tensors, finite = [[t.clone() for t in peer] for peer in inputs], []
+            tensors[2][poisoned].view(-1)[1] = float("nan")
+            weights = [2.0] * 3 if poisoned == 0 else [1.0, 2.0, 3.0]
+            assert _round(lanes, tensors, weights, bytes([poisoned]) * 8, finite=finite) == [None] * 3
+            assert finite == [False] * 3
     finally:
         for lane in lanes:
             lane.close()

@@ -1228,8 +1228,8 @@ class TensorAverager:
             self._running = control
         assert control is not None and watch is not None
         try:
-            control.weight = float(weight)
-            if not lane_ahead:  # (a lane round formed ahead triggers its step once done: see below)
+            if not lane_ahead:  # (a lane round formed ahead needs no weight, and triggers its step once done: below)
+                control.weight = float(weight)
                 control.allow_allreduce()
             # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
             # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
@@ -1248,7 +1248,7 @@ class TensorAverager:
             if what == "lane":
                 gathered, finite = self._lane_round(call, weight)
                 if lane_ahead:  # the averager process slept through the round, leaving the cores to it
-                    control.allow_allreduce()
+                    self._engine.lane.later(control.allow_allreduce)
             else:
                 gathered = control.result(timeout=max(0.0, deadline - time.monotonic()))
         except (Exception, asyncio.CancelledError) as e:  # matchmaking or all-reduce failed, or the round was
@@ -1309,7 +1309,7 @@ class TensorAverager:
         except LaneFailure as e:
             call.outcome.set_result(str(e))
             raise RuntimeError(f"gloo lane: {e}") from None
-        call.outcome.set_result(None)
+        lane.later(call.outcome.set_result, None)  # nobody waits for it: its pipe message is off the critical path
         with self._engine._lane_rounds.get_lock():
             self._engine._lane_rounds.value += 1
         self._engine._lane_setup.value = setup

@@ -138,7 +138,8 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
     """Two ``TensorAverager``s on two real DHTs, each with the lane: the host process runs the round (its lane
     serves the rendezvous here, the averager process only forms the group). A round matched ahead for the lane
     sends unchecked: one member's NaN reaches the sum, both discard that round at once (not after a start
-    timeout) and the next round, in the same cached process group, is the weighted mean again."""
+    timeout) and the next round, in the same cached process group, is the weighted mean again. Each round's step in
+    the averager process ends once the host told it the verdict."""
     import threading
 
     import hivemind
@@ -165,6 +166,7 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
             while not all(a.matched(round_id) for a in averagers) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert all(a.matched(round_id) for a in averagers), [a.last_failure for a in averagers]
+            steps = [a._scheduled for a in averagers]  # each averager process's step of this round
             results: list = [None, None]
 
             def run(i: int) -> None:
@@ -178,6 +180,8 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
                 t.start()
             for t in threads:
                 t.join(30)
+            for step in steps:  # the host told it the verdict (after returning): it ended, not at its timeout
+                assert isinstance(step.result(timeout=2), dict)
             return results
 
         for result, _, failure in average(1, [1.0, 4.0]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from typing import List
 
 import pytest
@@ -199,6 +200,27 @@ def test_a_member_that_never_comes_fails_the_round_for_the_others_and_drops_thei
     finally:
         for lane in lanes:
             lane.close()
+
+
+def test_a_rounds_handshake_keys_are_deleted_after_it_in_the_lanes_thread_and_chores_after_close_run_at_once():
+    """What no member waits for after a round (deleting its handshake keys from the host's store) runs in the lane's
+    thread once the round returned; a chore handed to a closed lane runs at once."""
+    lanes = _lanes(2)
+    try:
+        group_id = b"k" * 8
+        assert _round(lanes, [[torch.ones(10)] for _ in lanes], [1.0, 1.0], group_id) == [None, None]
+        keys = [f"{lanes[0].namespace}/{group_id.hex()}/hello/{rank}" for rank in range(2)]
+        deadline = time.monotonic() + 5
+        while lanes[0]._store.check(keys[:1]) or lanes[0]._store.check(keys[1:]):
+            assert time.monotonic() < deadline, "the round's handshake keys were never deleted"
+            time.sleep(0.01)
+        assert lanes[0]._executor is not None  # (they were deleted there: no round ran in it)
+    finally:
+        for lane in lanes:
+            lane.close()
+    done: list = []
+    lanes[0].later(done.append, "now")
+    assert done == ["now"]
 
 
 def test_a_groupmates_share_of_a_round_is_checked():

@@ -23,9 +23,11 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
 def peer_env(**extra: str) -> Dict[str, str]:
     """The environment of a local peer: this process's, importing this swarm_opt, one thread per peer (peers share
-    the machine's cores), unbuffered output (a log shows what happened up to a kill)."""
+    the machine's cores), unbuffered output (a log shows what happened up to a kill), and Python's stacks in the log
+    of a process that dies of a fatal signal (a C++ abort in a forked averager process names itself)."""
     path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def start(argv: Sequence[str], *, log: Path, stderr_log: Optional[Path] = None, env: Optional[Dict[str, str]] = None,

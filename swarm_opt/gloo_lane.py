@@ -180,7 +180,6 @@ class GlooLane:
         self._stores: OrderedDict[Tuple[str, int], Any] = OrderedDict()
         self._groups: OrderedDict[Tuple[bytes, ...], Tuple[str, Any]] = OrderedDict()  # -> (token, group)
         self._executor: Optional[ThreadPoolExecutor] = None  # the lane's thread, made at its first use
-        self._closed = False
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -204,12 +203,11 @@ class GlooLane:
         with self._lock:
             groups, self._groups = list(self._groups.values()), OrderedDict()
             self._stores.clear()
-            self._closed = True
+            self._store = None
         for _, group in groups:
             _abort(group)
         if self._executor is not None:
             self._executor.shutdown(wait=False)  # what it still holds runs (``later``'s chores: nothing waits)
-        self._store = None
 
     def drop(self, peer_ids: Sequence[bytes]) -> None:
         """Forget the process group of this membership (its last round failed or was cancelled)."""
@@ -228,9 +226,9 @@ class GlooLane:
     def later(self, chore: Callable[..., Any], *args: Any) -> None:
         """Run ``chore(*args)`` in the lane's thread, after what it runs now: for the work after a round that no
         member waits for (deleting its handshake key, telling the averager process's step the verdict), which would
-        otherwise add a few tenths of a millisecond to every round. After ``close``, at once."""
+        otherwise add a few tenths of a millisecond to every round. Once closed (no store served), at once."""
         with self._lock:
-            if not self._closed:
+            if self._store is not None:
                 self._thread().submit(chore, *args).add_done_callback(_report_chore)
                 return
         chore(*args)

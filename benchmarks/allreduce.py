@@ -6,6 +6,10 @@ and one gloo process group; the gloo group also serves as the barrier that lines
 For each tensor size they time, taking turns within each repetition:
 
 * gloo: ``dist.all_reduce(t); t.div_(world)`` (the average, in place);
+* gloo+copy: the same after ``t.copy_(values)`` in the timed call: the copy that a data-parallel trainer makes of its
+  gradients into a flat bucket (torch DDP, and torchft on top of it) and that swarm_opt's ``write`` makes (a failed
+  round leaves the strategy's values as they were); "vs gloo+copy" is swarm_opt's median throughput over this one's
+  (context only: the goals are set against gloo alone);
 * swarm_opt: matchmaking is started ahead (``TensorAverager.schedule``) and timed separately until the group is
   formed; then ``TensorAverager.all_reduce(write, weight=1)`` is timed: ``write`` copies ``t`` into the averager's
   shared buffer (as a strategy's ``write_round`` does), then the finiteness checks and the butterfly all-reduce
@@ -295,10 +299,15 @@ def worker(args: argparse.Namespace) -> None:
         def write(buffers: List[torch.Tensor]) -> None:  # what a strategy's write_round does
             buffers[0].copy_(original)
 
-        def gloo_round() -> float:
-            tensor.copy_(original)
+        def gloo_round(copy: bool = False) -> float:
+            """gloo's average in place; with ``copy``, of a copy of the values made in the timed call, as a
+            data-parallel trainer copies its gradients into a flat bucket (DDP) and swarm_opt's ``write`` does."""
+            if not copy:
+                tensor.copy_(original)
             dist.barrier()
             start = time.perf_counter()
+            if copy:
+                tensor.copy_(original)
             dist.all_reduce(tensor)
             tensor.div_(world)
             return slowest(time.perf_counter() - start)
@@ -321,7 +330,7 @@ def worker(args: argparse.Namespace) -> None:
         stats = {name: {"mm": [], "ar": [], "groups": [], "failures": 0, "windows": [], "paired": {}, "setup": [],
                         "lane_rounds": 0}
                  for name, _ in variants}
-        gloo_times = []
+        gloo_times, gloo_copy_times = [], []
         try:
             for name, options in variants:
                 averagers[name] = make_averager(dht, world, size, name, options, engine_opts, timeouts, tensor,
@@ -337,8 +346,10 @@ def worker(args: argparse.Namespace) -> None:
                 elapsed = gloo_round()
                 if i == 0:
                     entry["gloo_max_error"] = float((tensor - base - expected_shift).abs().max())
+                copied = gloo_round(copy=True)
                 if i >= args.warmup:
                     gloo_times.append(elapsed)
+                    gloo_copy_times.append(copied)
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     st = stats[name]
                     lane_rounds = averagers[name].lane_rounds
@@ -369,7 +380,8 @@ def worker(args: argparse.Namespace) -> None:
         gloo_by_rep = dict(zip(range(args.warmup, args.warmup + args.reps), gloo_times))
         for name, options in variants:
             st = stats[name]
-            e = dict(entry, variant=name, engine_opts={**engine_opts, **options}, gloo_s=quantiles(gloo_times))
+            e = dict(entry, variant=name, engine_opts={**engine_opts, **options}, gloo_s=quantiles(gloo_times),
+                     gloo_copy_s=quantiles(gloo_copy_times))
             e["swarm_matchmaking_s"] = quantiles(st["mm"]) if st["mm"] else None
             e["swarm_allreduce_s"] = quantiles(st["ar"]) if st["ar"] else None
             e["swarm_group_sizes"] = st["groups"]
@@ -541,12 +553,14 @@ def main() -> None:
         e["gloo_mb_s"] = e["mb"] / gloo
         e["swarm_mb_s"] = e["mb"] / swarm
         e["throughput_ratio_to_gloo"] = e["swarm_mb_s"] / e["gloo_mb_s"]
+        e["throughput_ratio_to_gloo_copy"] = e["gloo_copy_s"]["median"] / swarm
         paired = e["paired_ratio_to_gloo"]["median"] if e["paired_ratio_to_gloo"] else nan
         vs_first = e["paired_time_vs_first"]["median"] if e["paired_time_vs_first"] else nan
         rows.append([e["world"], e["helpers"], f"{e['size'] / 1e6:g}M", f"{e['mb']:.0f}",
                      *([e["variant"]] if len(variants) > 1 else []), f"{gloo:.3f}", f"{e['gloo_mb_s']:.0f}",
                      f"{swarm:.3f}", f"{ar['iqr'] if ar else nan:.3f}", f"{e['swarm_mb_s']:.0f}",
                      f"{e['throughput_ratio_to_gloo']:.3f}", f"{paired:.3f}",
+                     f"{e['throughput_ratio_to_gloo_copy']:.3f}",
                      *([f"{vs_first:.2f}"] if len(variants) > 1 else []), f"{swarm / gloo:.1f}x", f"{mm:.2f}",
                      e["swarm_failed_rounds"], f"{e.get('swarm_max_error', nan):.1e}",
                      *([f"{e['lane_rounds']}", f"{e['lane_setup_s']['median'] * 1e3:.1f}" if e["lane_setup_s"]
@@ -559,7 +573,7 @@ def main() -> None:
     # the same repetition (robust to load that changes during the run); time vs first: the same against the first
     # variant
     print(table(["peers", "helpers", "params", "MB", *(["variant"] if len(variants) > 1 else []), "gloo s", "gloo MB/s",
-                 "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio",
+                 "swarm_opt s", "IQR s", "swarm_opt MB/s", "MB/s ratio", "paired ratio", "vs gloo+copy",
                  *([f"time vs {variants[0]}"] if len(variants) > 1 else []), "slowdown", "matchmaking s", "failed",
                  "max err", *(["lane rounds", "lane setup ms"] if lane else [])], rows))
     path = write_json(args.out, {"benchmark": "allreduce", "reps": args.reps, "warmup": args.warmup,

@@ -268,7 +268,8 @@ class GlooLane:
             return setup, finite
         except Exception as e:
             self.drop(members)
-            self._forget_store(addresses[0])
+            if _connection_broke(e):  # else the connection to the host's store serves the next round too
+                self._forget_store(addresses[0])
             raise LaneFailure(str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__) from None
 
     def _rendezvous(self, address: Tuple[str, int]) -> Any:
@@ -407,6 +408,16 @@ class _Held:
             self._store.delete_key(self._hello)
         except Exception as e:  # the round is complete; a stale key only costs the host a few bytes
             logger.debug("Lane handshake key not deleted: %r", e)
+
+
+def _connection_broke(error: Exception) -> bool:
+    """Whether ``error`` says the connection to a store broke (its host left or restarted), not that a wait timed
+    out (the connection stays in order) or a process group failed. Only then is a new connection worth its cost:
+    torch looks up the reverse DNS name of both ends of each new store connection, and a resolver that drops the
+    query stalls it for the resolver's timeout (5 s on this machine, 1 connection in ~12)."""
+    from torch.distributed import DistNetworkError
+
+    return isinstance(error, DistNetworkError)
 
 
 def _report_chore(future: Any) -> None:

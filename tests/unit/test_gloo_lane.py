@@ -4,10 +4,11 @@ in one process, each in its own thread, as two averager processes would run them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from typing import List
+from typing import Iterator, List
 
 import pytest
 import torch
@@ -92,11 +93,17 @@ def test_lane_addresses_need_every_member_to_announce_a_valid_one():
     assert lane_addresses([good[0], "not a dict"]) is None
 
 
-def _lanes(n: int, dtype: torch.dtype = torch.float32) -> List[GlooLane]:
+@contextlib.contextmanager
+def _lanes(n: int, dtype: torch.dtype = torch.float32) -> Iterator[List[GlooLane]]:
+    """``n`` started lane ends on loopback, closed afterwards."""
     lanes = [GlooLane(Gloo(), wire_dtype=dtype, timeout=5.0, key=b"", namespace="unit") for _ in range(n)]
-    for lane in lanes:
-        lane.start()
-    return lanes
+    try:
+        for lane in lanes:
+            lane.start()
+        yield lanes
+    finally:
+        for lane in lanes:
+            lane.close()
 
 
 def _round(lanes, tensors, weights, group_id: bytes, order=None, finite=None) -> list:
@@ -126,8 +133,7 @@ def _round(lanes, tensors, weights, group_id: bytes, order=None, finite=None) ->
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 3e-3)])
 def test_lane_ends_get_the_same_weighted_mean_and_reuse_their_process_group(dtype, tol):
-    lanes = _lanes(3, dtype)
-    try:
+    with _lanes(3, dtype) as lanes:
         shapes = [(700, 1000), (3,), (50, 2)]  # one large tensor (in place), two small ones (coalesced)
         for round_id, order in enumerate([[0, 1, 2], [2, 0, 1], [1, 2, 0]]):
             inputs = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * round_id + i)) * (100 + i)
@@ -145,16 +151,12 @@ def test_lane_ends_get_the_same_weighted_mean_and_reuse_their_process_group(dtyp
                     assert (peer[k] - expected).abs().max() <= tol * scale
         # the first round's process groups served every round, whoever hosted the rendezvous
         assert [id(group) for lane in lanes for _, group in lane._groups.values()] == first and len(first) == 3
-    finally:
-        for lane in lanes:
-            lane.close()
 
 
 def test_equal_weights_are_divided_after_the_sum_and_anyones_nan_shows_in_every_members_check():
     """With equal weights the lane sums first and divides in the pass that checks the mean: the same mean as
     scaling first; a member that sends NaN (unchecked, as a round matched ahead sends) is seen by everyone."""
-    lanes = _lanes(3)
-    try:
+    with _lanes(3) as lanes:
         shapes = [(700, 1000), (3,)]
         inputs = [[torch.randn(s, generator=torch.Generator().manual_seed(i)) * 100 for s in shapes] for i in range(3)]
         tensors, finite = [[t.clone() for t in peer] for peer in inputs], []
@@ -170,14 +172,10 @@ def test_equal_weights_are_divided_after_the_sum_and_anyones_nan_shows_in_every_
             weights = [2.0] * 3 if poisoned == 0 else [1.0, 2.0, 3.0]
             assert _round(lanes, tensors, weights, bytes([poisoned]) * 8, finite=finite) == [None] * 3
             assert finite == [False] * 3
-    finally:
-        for lane in lanes:
-            lane.close()
 
 
 def test_a_member_that_never_comes_fails_the_round_for_the_others_and_drops_their_group():
-    lanes = _lanes(3)
-    try:
+    with _lanes(3) as lanes:
         tensors = [[torch.ones(10)] for _ in range(3)]
         assert _round(lanes, tensors, [1.0] * 3, b"a" * 8) == [None] * 3
         peer_ids = [f"peer{i}".encode() for i in range(3)]
@@ -196,17 +194,32 @@ def test_a_member_that_never_comes_fails_the_round_for_the_others_and_drops_thei
         for t in threads:
             t.join(30)
         assert len(errors) == 2 and all(not lane._groups for lane in lanes[:2])
+        host = addresses[0]
+        kept = lanes[1]._stores[host]  # the connection to the host's store stays (only a wait timed out)
         assert _round(lanes, tensors, [1.0] * 3, b"c" * 8) == [None] * 3  # the next round builds a new group
-    finally:
-        for lane in lanes:
-            lane.close()
+        assert lanes[1]._stores[host] is kept
+
+
+def test_a_connection_to_a_store_whose_host_left_is_dropped():
+    with _lanes(2) as lanes:
+        tensors = [[torch.ones(10)] for _ in range(2)]
+        assert _round(lanes, tensors, [1.0] * 2, b"a" * 8) == [None] * 2
+        host = (lanes[0].config.host, lanes[0].port)
+        assert host in lanes[1]._stores
+        lanes[0].close()  # its store stops serving
+        peer_ids = [b"peer0", b"peer1"]
+        for round_id in (b"b", b"c"):  # (the first write after the host left may still be buffered)
+            with pytest.raises(LaneFailure):
+                lanes[1].all_reduce(tensors[1], peer_ids, b"peer1", round_id * 8, [host, host], 1.0, 1.0)
+            if host not in lanes[1]._stores:
+                break
+        assert host not in lanes[1]._stores
 
 
 def test_a_rounds_handshake_keys_are_deleted_after_it_in_the_lanes_thread_and_chores_after_close_run_at_once():
     """What no member waits for after a round (deleting its handshake keys from the host's store) runs in the lane's
     thread once the round returned; a chore handed to a closed lane runs at once."""
-    lanes = _lanes(2)
-    try:
+    with _lanes(2) as lanes:
         group_id = b"k" * 8
         assert _round(lanes, [[torch.ones(10)] for _ in lanes], [1.0, 1.0], group_id) == [None, None]
         keys = [f"{lanes[0].namespace}/{group_id.hex()}/hello/{rank}" for rank in range(2)]
@@ -215,9 +228,6 @@ def test_a_rounds_handshake_keys_are_deleted_after_it_in_the_lanes_thread_and_ch
             assert time.monotonic() < deadline, "the round's handshake keys were never deleted"
             time.sleep(0.01)
         assert lanes[0]._executor is not None  # (they were deleted there: no round ran in it)
-    finally:
-        for lane in lanes:
-            lane.close()
     done: list = []
     lanes[0].later(done.append, "now")
     assert done == ["now"]

@@ -413,8 +413,8 @@ class _Held:
 def _connection_broke(error: Exception) -> bool:
     """Whether ``error`` says the connection to a store broke (its host left or restarted), not that a wait timed
     out (the connection stays in order) or a process group failed. Only then is a new connection worth its cost:
-    torch looks up the reverse DNS name of both ends of each new store connection, and a resolver that drops the
-    query stalls it for the resolver's timeout (5 s on this machine, 1 connection in ~12)."""
+    torch looks up the reverse DNS name of both ends of each new store connection, so a slow resolver, or one that
+    drops the query, holds it up (5 s, the resolver's timeout, for a dropped one)."""
     from torch.distributed import DistNetworkError
 
     return isinstance(error, DistNetworkError)

@@ -213,12 +213,18 @@ def test_a_slow_peer_that_joins_late_gets_back_into_rounds_after_catching_up(swa
     epochs = 6
     common = dict(batch_size=16, target_batch_size=3000, inner="sgd", epochs=epochs, matchmaking_time=5.0,
                   averaging_timeout=AVERAGING_TIMEOUT)
-    for rank in range(2):
-        swarm.start(rank, step_sleep=0.03, expect_peers=2, **common)
+    for rank in range(2):  # held at epoch 1 until the slow peer caught up: under load its start-up (imports, DHT,
+        # download) can outlast the rest of the run, and it would join a finished swarm
+        (swarm.tmp / f"peer{rank}.pt.hold").touch()
+        swarm.start(rank, step_sleep=0.03, expect_peers=2, hold_at_epoch=1, **common)
     deadline = time.monotonic() + 120
     while "epoch 1:" not in swarm.log(0) and time.monotonic() < deadline:
         time.sleep(0.2)
     swarm.start(2, step_sleep=4.0, expect_peers=3, **common)
+    while "Loaded the swarm's state" not in swarm.log(2) and time.monotonic() < deadline + 120:
+        time.sleep(0.2)
+    for rank in range(2):
+        (swarm.tmp / f"peer{rank}.pt.hold").unlink()
     swarm.wait(timeout=240)
     results = [swarm.result(r) for r in range(3)]
     assert "Loaded the swarm's state" in swarm.log(2)  # it did join late

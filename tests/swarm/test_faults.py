@@ -214,9 +214,10 @@ def test_a_slow_peer_that_joins_late_gets_back_into_rounds_after_catching_up(swa
     common = dict(batch_size=16, target_batch_size=3000, inner="sgd", epochs=epochs, matchmaking_time=5.0,
                   averaging_timeout=AVERAGING_TIMEOUT)
     for rank in range(2):  # held at epoch 1 until the slow peer caught up: under load its start-up (imports, DHT,
-        # download) can outlast the rest of the run, and it would join a finished swarm
+        # download) can outlast the rest of the run, and it would join a finished swarm (a peer's max_seconds counts
+        # the hold)
         (swarm.tmp / f"peer{rank}.pt.hold").touch()
-        swarm.start(rank, step_sleep=0.03, expect_peers=2, hold_at_epoch=1, **common)
+        swarm.start(rank, step_sleep=0.03, expect_peers=2, hold_at_epoch=1, max_seconds=200, **common)
     deadline = time.monotonic() + 120
     while "epoch 1:" not in swarm.log(0) and time.monotonic() < deadline:
         time.sleep(0.2)

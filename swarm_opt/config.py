@@ -113,6 +113,13 @@ class TrackerConfig:
         local steps, SCAFFOLD's control variates); every round then lasts as long as its slowest peer takes, at
         most ``averaging_timeout`` past the others. Every peer of a run must use the same.
     :param trust: how far other peers' claims are believed (``TrustConfig``).
+    :param forget_after: a peer whose record vanished without its owner leaving (it crashed, or the network cut it
+        off from this peer) still counts in the swarm's size, which a round's majority is measured against, for this
+        many seconds. A peer cut off from the swarm (its Wi-Fi dropped, a VPN reconnects) therefore commits no epoch
+        without a majority of the peers it saw, and trains no second version of the run, for that long; the price is
+        that a swarm of which more than half crashed at once waits as long before the rest trains on. Peers that
+        leave cleanly (``Optimizer.shutdown``) say so and are forgotten at once. Small swarms only (a sharded view
+        is a sample: its count is used as it is).
     :param exact_up_to: swarms up to this many peers keep every record under one key and every peer reads them all
         at every refresh: exact tracking, which short epochs need. Larger swarms are sharded. A private run is never
         sharded (its donors admit a newcomer by its record under that key), so its tracking costs each peer O(N).
@@ -138,8 +145,10 @@ class TrackerConfig:
     shard_size: int = 8
     sample_horizon: float = 30.0
     sampled_period: float = 3.0
+    forget_after: float = 60.0
 
     def __post_init__(self) -> None:
+        _positive_float("forget_after", self.forget_after)
         _positive_float("heartbeat_period", self.heartbeat_period)
         _positive_float("record_ttl", self.record_ttl)
         _positive_float("refresh_period", self.refresh_period)

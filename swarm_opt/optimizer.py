@@ -38,7 +38,7 @@ from swarm_opt.groups import Grid
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.round import RoundInFlight, RoundRunner
+from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
@@ -178,6 +178,7 @@ class Optimizer(torch.optim.Optimizer):
         self._step_returned: Optional[float] = None  # when step() last returned (monotonic)
         self._closed = False
         self._resync_donors: Tuple[Any, ...] = ()  # set when a round showed our parameters outside the majority's
+        self._cut_off_said = False  # whether the last ``_cut_off`` said this peer is cut off
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
         self.model_schema = strategy_schema(self._params, strategy)
@@ -186,7 +187,8 @@ class Optimizer(torch.optim.Optimizer):
         tracker = tracker or TrackerConfig()
         if access is not None:  # a private run's donors admit peers by their record under the run's one key
             tracker = replace(tracker, exact_up_to=PRIVATE_RUN_EXACT_UP_TO)  # (RunAccess): it is never sharded
-        self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker)
+        self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker,
+                                        digest_tolerance=self._digest_tolerance)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
@@ -197,12 +199,12 @@ class Optimizer(torch.optim.Optimizer):
         self._grid = Grid(None if groups is None else groups.size, self._averager.peer_id)
         self._averager.group_key = lambda round_id: self._grid.plan(round_id, self._tracker.progress.num_peers).cell
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
-                                   await_target=self._await_target, grid=self._grid)
+                                   await_target=self._await_target, agrees=self._agrees, grid=self._grid)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
         self._tracker.report(0, 0, params_digest=self._params_digest())
         self._tracker.start()
         # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
-        # their first round's digests tell them apart and all but one group download (see _check_agreement)
+        # their first round's digests tell them apart: it commits on none, and all but one group download (_agrees)
         # (a newcomer publishes no record, and its epoch is no evidence, until it holds a state: see mark_joined)
         if self._tracker.progress.epoch == 0:
             self._mark_synced()
@@ -275,11 +277,18 @@ class Optimizer(torch.optim.Optimizer):
         progress = self._tracker.progress
         if self._rounds.in_flight:  # a round in the background: nothing else starts until it is concluded
             self._rounds.poll()
+        elif (version := self._tracker.other_version) is not None:
+            self._take_other_version(*version)
         elif progress.epoch > self._epoch:
             self._catch_up(progress.epoch)
             self._look_ahead(self._tracker.progress, contributes=stepped)
         elif progress.ready or self._reached_share(progress, batch_size):
-            self._run_round(progress)  # the swarm reached the global batch, or will without another step of ours
+            # the swarm reached the global batch, or will without another step of ours
+            progress = self._await_settled(progress)
+            if progress.epoch <= self._epoch and self._cut_off(progress):
+                self._averager.cancel_scheduled()  # keeps accumulating; leaves no group waiting for this peer
+            elif progress.epoch <= self._epoch:
+                self._run_round(progress)
             ahead = self._tracker.progress.epoch
             if not self._rounds.in_flight and ahead > self._epoch:
                 # the swarm completed the round without us: catching up now spares a step computed at parameters
@@ -338,7 +347,6 @@ class Optimizer(torch.optim.Optimizer):
                                       flight.round.weight, time.monotonic() - flight.started, caught_up=False,
                                       helpers=len(result.helpers))
         self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
-        self._check_agreement(result)
 
     def _look_ahead(self, progress: SwarmProgress, *, contributes: bool) -> None:
         """Start looking for the next round's group if the swarm is due to reach its target within
@@ -347,10 +355,52 @@ class Optimizer(torch.optim.Optimizer):
         for each of its members to send, and one that has nothing (all its steps skipped, e.g. non-finite gradients)
         would never start. Right after a catch-up too: a peer whose steps are slower than the swarm's rounds that
         waited for its next step would always arrive after the next round had formed, and catch up again."""
-        if self._rounds.in_flight or progress.epoch > self._epoch or not contributes or progress.num_peers <= 1:
+        if self._rounds.in_flight or progress.epoch > self._epoch or not contributes or progress.num_peers <= 1 \
+                or self._cut_off(progress) or (self._epoch == 0 and not self._tracker.settled):
             return
         if progress.eta - get_dht_time() <= self.timeouts.matchmaking_time:
             self._averager.schedule(progress.eta, self._epoch + 1)
+
+    def _await_settled(self, progress: SwarmProgress) -> SwarmProgress:
+        """Before the run's first round or a round alone, wait (not computing) until this peer's view of the swarm
+        has settled (``ProgressTracker.settled``), at most ``averaging_timeout``: peers that start together must
+        see each other first, or each would commit its own version of the epoch. Returns the progress then."""
+        if not (self._epoch == 0 or progress.num_peers <= 1) or self._tracker.settled:
+            return progress
+        deadline = time.monotonic() + self.timeouts.averaging_timeout
+        while not self._tracker.settled and time.monotonic() < deadline and not self._closed:
+            time.sleep(0.02)
+        return self._tracker.progress
+
+    def _cut_off(self, progress: SwarmProgress) -> bool:
+        """Whether this peer sees fewer than a majority of the peers it saw within ``TrackerConfig.forget_after``
+        (the network cut it off from the swarm, or more than half of it crashed): it must not begin a round, which
+        would commit a second version of the run; it keeps accumulating. Says so once, and once when it is over."""
+        cut_off = progress.recent_peers > 0 and not is_majority(progress.num_peers, progress.recent_peers)
+        if cut_off != self._cut_off_said:
+            self._cut_off_said = cut_off
+            if cut_off:
+                logger.info(f"This peer sees {progress.num_peers} of the {progress.recent_peers} peers it saw in the "
+                            f"last {self._tracker.config.forget_after:.0f} s: it commits no epoch until it sees a "
+                            f"majority of them again, or has not seen the others for that long")
+            else:
+                logger.info(f"This peer sees {progress.num_peers} of the {progress.max_peers} peers it saw lately "
+                            f"again: training on with the swarm")
+        return cut_off
+
+    def _take_other_version(self, epoch: int, donors: Sequence[bytes]) -> None:
+        """More peers hold another version of the run than ours (``ProgressTracker.other_version``: peers that
+        started apart, or a part of the swarm cut off by the network, trained on alone): take their state, dropping
+        this peer's work since the versions parted."""
+        logger.info(f"{len(donors)} peer(s) hold another version of the run (epoch {epoch}) than this peer "
+                    f"(epoch {self._epoch}) and outnumber it (the swarm was split: peers that started apart, or a "
+                    f"network partition); taking their state")
+        self._averager.cancel_scheduled()
+        try:
+            self.load_state_from_peers(timeout=self.timeouts.averaging_timeout, _min_epoch=epoch,
+                                       _donors=tuple(random.sample(list(donors), len(donors))))
+        except StateDownloadError as e:
+            logger.warning(f"{e}; training on, and trying again at the next read of the swarm's progress")
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
@@ -385,26 +435,37 @@ class Optimizer(torch.optim.Optimizer):
                 info["digest"] = parameter_digest(self._params)
         return info
 
-    def _check_agreement(self, result: AveragingResult) -> None:
-        """After a committed round: if this peer's parameters (as they were before the round) differ from those of
-        its group's majority, download a majority member's state at the next opportunity (``_resync``)."""
+    def _agrees(self, result: AveragingResult) -> bool:
+        """Before a round is applied: whether its members held the same parameters (the digests they sent in the
+        gather), where the strategy needs it. A round that mixed two versions of the run (founders seeded
+        differently, or peers that trained apart met again) is given back on every member (each decides from the
+        same gather): its mean would hold gradients computed at other parameters. Members outside the largest
+        group of agreeing digests (``swarm_opt.digest.majority``) then download a majority member's state
+        (``_resync``); the others retry without them."""
         if not self.strategy.shares_parameters:
-            return
+            return True
         digests = {peer: digest for peer, info in result.gathered.items()
-                   if isinstance(info, dict) and (digest := valid_digest(info.get("digest"))) is not None}
-        me = self._averager.peer_id
-        if me not in digests or len(digests) < 2:
-            return
+                   if peer in result.peers and isinstance(info, dict)
+                   and (digest := valid_digest(info.get("digest"))) is not None}
         agreeing = majority(digests, self._digest_tolerance)
-        if me in agreeing:
-            return
-        self._resync_donors = tuple(random.sample(agreeing, len(agreeing)))  # spread the downloads
-        if self._epoch == 1:  # founders that were not seeded identically: expected, said once
-            logger.info(f"This peer's initial parameters differ from those of {len(agreeing)} of its "
-                        f"{len(digests) - 1} groupmates (founders seeded differently); downloading theirs")
+        if len(agreeing) == len(digests):
+            return True
+        me = self._averager.peer_id
+        if me not in agreeing:
+            self._resync_donors = tuple(random.sample(agreeing, len(agreeing)))  # spread the downloads
+        if self._epoch == 0:  # founders that were not seeded identically: expected, said once
+            if me not in agreeing:
+                logger.info(f"This peer's initial parameters differ from those of {len(agreeing)} of its "
+                            f"{len(digests) - 1} groupmates (founders seeded differently); downloading theirs")
+        elif me not in agreeing:
+            logger.warning(f"This peer's parameters before epoch {self._epoch + 1} differed from those of its group's "
+                           f"majority ({len(agreeing)} of {len(digests)} members agree): the round commits on no "
+                           f"member; downloading their state")
         else:
-            logger.warning(f"This peer's parameters before epoch {self._epoch} differed from those of its group's "
-                           f"majority ({len(agreeing)} of {len(digests)} members agree); downloading their state")
+            logger.info(f"Round for epoch {self._epoch + 1}: {len(digests) - len(agreeing)} member(s) held other "
+                        f"parameters than this peer and {len(agreeing) - 1} other(s); it commits on no member, and "
+                        f"they download the majority's state")
+        return False
 
     def _resync(self) -> None:
         """Replace our state with that of a member of the majority of our last round (it applied the same round)."""

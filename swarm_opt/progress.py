@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -30,6 +30,7 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt._hivemind.dht_cache import read_latest_only
 from swarm_opt._hivemind.near_store import store_near
+from swarm_opt._hivemind.neighbours import knows_other_nodes
 from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
@@ -124,7 +125,9 @@ class SwarmProgress:
     every record was read (a small swarm), above it by the sampling error when the view is a sample
     (``swarm_opt.sharding.peers_upper_bound``). ``share``: the samples this peer computes in the epoch before it
     waits for the round (``TrackerConfig.shares``); ``None`` while it knows no other peer's speed (and for an
-    observer)."""
+    observer). ``recent_peers``: the live peers this peer saw within ``TrackerConfig.forget_after`` that did not
+    leave, itself included (0 for a sampled view): a round's majority is measured against at least this many, so
+    that a peer cut off from the swarm does not train a second version of the run (``max_peers`` includes it)."""
 
     epoch: int
     samples_accumulated: int
@@ -137,6 +140,7 @@ class SwarmProgress:
     epsilon: Optional[float] = None
     max_peers: int = 0
     share: Optional[float] = None
+    recent_peers: int = 0
 
     @property
     def eta_seconds(self) -> float:
@@ -150,7 +154,7 @@ class SwarmProgress:
 def aggregate_progress(
     records: Iterable[ProgressRecord], local: Optional[ProgressRecord], target_batch_size: int, now: float,
     epoch_started: Optional[float] = None, max_extrapolation: float = 2.0, scale: float = 1.0, ahead: int = 0,
-    shares: str = "speed",
+    shares: str = "speed", recent_peers: int = 0,
 ) -> SwarmProgress:
     """Combine validated records of other peers with this peer's own into a global view.
 
@@ -165,7 +169,7 @@ def aggregate_progress(
     the round; with equal shares the ETA is when the last of them will have computed its share. Without ``local``
     (an observer such as the monitor), only the records count. Each record stands for ``scale`` peers (a sample of a
     sharded swarm, ``swarm_opt.sharding``); ``local`` for one. ``ahead``: other live peers whose records stand ahead
-    of the swarm's epoch (``swarm_opt.trust``): in ``num_peers`` only.
+    of the swarm's epoch (``swarm_opt.trust``): in ``num_peers`` only. ``recent_peers``: see ``SwarmProgress``.
     """
     peers = [r for r in records if local is None or r.instance != local.instance]
     if local is not None:
@@ -229,9 +233,38 @@ def aggregate_progress(
         samples_per_second=throughput,
         eta=eta,
         time=now,
-        max_peers=max(num_peers, math.ceil((local is not None) + peers_upper_bound(others, 1.0 / scale))),
+        max_peers=max(num_peers, recent_peers,
+                      math.ceil((local is not None) + peers_upper_bound(others, 1.0 / scale))),
         share=own_share,
+        recent_peers=recent_peers,
     )
+
+
+def other_version(records: Iterable[ProgressRecord], me: Tuple[bytes, str], epoch: int, digest: Sequence[float],
+                  tolerance: float, published_after: float) -> Optional[Tuple[int, List[bytes]]]:
+    """The version of the run that outnumbers this peer's, as (its epoch, the peer ids that hold it), or None.
+
+    Peers publish the digest of their parameters at each epoch (where every peer at an epoch holds the same ones),
+    so two versions of an epoch show as two digests. At our ``epoch``: the largest group of agreeing digests, ours
+    included, if we are not in it (``swarm_opt.digest.majority``: a tie goes to the group holding the smallest
+    peer, so exactly one side of a tie moves). At an earlier epoch (a part of the swarm that trained on alone, cut
+    off, is ahead of the rest): a strict majority of all the live peers, each of whose records holds the same
+    digest at that epoch and was published after ``published_after`` (DHT time: a while after we reached our
+    epoch), so that peers that merely have not published our round yet never count."""
+    records = list(records)
+    same = {(r.peer_id, r.instance): d for r in records
+            if r.epoch == epoch and (d := valid_digest(r.params_digest)) is not None}
+    if same:
+        winners = majority({**same, me: tuple(digest)}, tolerance)
+        if me not in winners:
+            return epoch, [peer for peer, _ in winners]
+    for earlier in sorted({r.epoch for r in records if r.epoch < epoch}, reverse=True):
+        at = {(r.peer_id, r.instance): d for r in records if r.epoch == earlier and r.time > published_after
+              and (d := valid_digest(r.params_digest)) is not None}
+        winners = majority(at, tolerance)
+        if 2 * len(winners) > len(records) + 1:
+            return earlier, [peer for peer, _ in winners]
+    return None
 
 
 def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> float:
@@ -247,10 +280,10 @@ def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> f
     return typical if fresh and record.epoch >= epoch - 1 else 0.0
 
 
-def parse_records(raw: object, *, model_schema: Optional[str], now: float,
-                  shard: Shard = (0, 0)) -> tuple[List[ProgressRecord], int]:
+def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard: Shard = (0, 0),
+                  departed: Optional[set] = None) -> tuple[List[ProgressRecord], int]:
     """Validate what the DHT returned for ``shard``. Returns the usable records and how many came from a different
-    model.
+    model; the instance of each peer that withdrew its record (it left) is added to ``departed``.
 
     Anything malformed, out of range, from the far future, stored under a shard its signer's key does not hash to
     or (unless ``model_schema`` is None: an observer) from a peer with another model is dropped.
@@ -261,6 +294,8 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float,
     for subkey, entry in raw.value.items():
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
         if value is None:
+            if departed is not None and isinstance(entry, ValueWithExpiration) and isinstance(subkey, bytes):
+                departed.add(subkey.rsplit(b"/", 1)[-1].decode(errors="replace"))
             continue
         if shard[0] > 0:
             owner = owner_hash(subkey)
@@ -282,6 +317,8 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float,
     return records, mismatched
 
 
+#: bounds on how long a peer's view of the swarm must stay unchanged before it counts as settled (``settled``)
+_MIN_SETTLE, _MAX_SETTLE = 2.0, 30.0
 #: seconds between two reads while this peer computes and no peer's speed is measured yet (a run's first steps)
 _UNMEASURED_PERIOD = 0.2
 #: seconds between two reads once the swarm reached the target: the round is being formed, and a read only tells
@@ -357,6 +394,7 @@ class SampledRecords:
         self._latest: List[ProgressRecord] = []  # the records of the shard read last
         self._burst_epoch = -1  # the newest epoch a burst of reads was for (see ``confirm``)
         self._burst = 0  # reads left in the current burst
+        self.departed: set = set()  # the instances of the peers whose withdrawn records were read (they left)
 
     @property
     def max_extrapolation(self) -> float:
@@ -432,7 +470,8 @@ class SampledRecords:
         return self.dht.get(shard_key(self.run_id, shard), latest=True, return_future=True, **beam)
 
     def _parse(self, shard: Shard, raw: object, now: float) -> Tuple[List[ProgressRecord], int]:
-        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now, shard=shard)
+        records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now, shard=shard,
+                                            departed=self.departed)
         return [r for r in records if r.instance != self._exclude], mismatched
 
     def _hold(self, shard: Shard, records: List[ProgressRecord], now: float) -> None:
@@ -457,8 +496,10 @@ class ProgressTracker:
         *,
         model_schema: str,
         config: TrackerConfig = TrackerConfig(),
+        digest_tolerance: float = 0.0,
     ) -> None:
         self.dht, self.target_batch_size, self.config = dht, target_batch_size, config
+        self._digest_tolerance = digest_tolerance
         self.key = progress_key(run_id)
         self.model_schema = model_schema
         self.client_mode = bool(dht.client_mode)
@@ -493,6 +534,15 @@ class ProgressTracker:
         self._reads_started = self._reads_done = 0
         self._last_read = -math.inf  # monotonic
         self._watched_until = -math.inf  # monotonic: see ``epoch_reached``
+        # what this peer saw of the swarm (monotonic times): see ``recent_peers``, ``settled`` and ``other_version``
+        self._memory: Dict[Tuple[bytes, str], float] = {}  # peers seen live, and when last
+        self._quiet_since = math.inf  # when our record was first stored, or a read that saw a new peer began
+        self._last_read_began = -math.inf
+        self._view_size, self._reads_since_growth = 0, 0
+        self._read_seconds = 0.0  # how long reads take: the slowest recent one, decaying
+        self._lonely = False  # at the last read, nobody else's record was seen and our DHT node knew no other node
+        self._version: Optional[Tuple[int, List[bytes]]] = None
+        self._version_streak = 0
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
@@ -509,6 +559,7 @@ class ProgressTracker:
                 self._throughput.restart()
                 self._epoch_started = get_dht_time()
                 self._params_digest = None
+                self._version, self._version_streak = None, 0
                 self._wake.set()
             if params_digest is not None:
                 self._params_digest = params_digest
@@ -527,6 +578,27 @@ class ProgressTracker:
             if not self._joined:
                 self._joined = True
                 self._wake.set()
+
+    @property
+    def settled(self) -> bool:
+        """Whether this peer's view of the swarm has settled: its last two reads showed no new peer, and the last
+        one began three reads' time (at least ``_MIN_SETTLE`` seconds) after its own record was first stored and
+        after the read that last showed a new peer began; or it is alone in the world: it saw nobody's record and
+        its DHT node knows no other node (the first peer of a run, before anybody joined through it). Peers that
+        start (publish) within that time of each other see each other before either settles; until then a peer
+        does not commit the run's first epoch, nor any epoch alone (``Optimizer``), or each of several peers that
+        have not yet seen the others would commit its own version of it."""
+        with self._lock:
+            settle = min(_MAX_SETTLE, max(_MIN_SETTLE, 3 * self._read_seconds))
+            quiet = self._last_read_began - self._quiet_since
+            return self._lonely or (self._reads_since_growth >= 2 and quiet >= settle)
+
+    @property
+    def other_version(self) -> Optional[Tuple[int, List[bytes]]]:
+        """Another version of the run that outnumbers this peer's, as (its epoch, the peer ids that hold it), when
+        two reads in a row showed it (``other_version``, the function): this peer should take their state."""
+        with self._lock:
+            return self._version if self._version_streak >= 2 else None
 
     @property
     def sampled(self) -> bool:
@@ -578,9 +650,10 @@ class ProgressTracker:
         with self._lock:
             local, others, ahead, scale = self._local_record(), self._others, self._ahead, self._scale
             started = self._epoch_started if self._epoch_started is not None else self._first_step
+            recent = self._recent_peers()
         return aggregate_progress(others, local, self.target_batch_size, get_dht_time(), started,
                                   max_extrapolation=self._records.max_extrapolation, scale=scale, ahead=ahead,
-                                  shares=self.config.shares)
+                                  shares=self.config.shares, recent_peers=recent)
 
     def refresh(self, timeout: float = 10.0) -> SwarmProgress:
         """Publish and read right now (blocking), e.g. before deciding whether to download state."""
@@ -596,8 +669,10 @@ class ProgressTracker:
             self._thread.join(timeout)
         try:
             now = get_dht_time()
-            self._store([level for level, until in self._stored_until.items() if until > now], None, now + 1.0,
-                        timeout)
+            # an empty record, kept for a record's lifetime: readers forget us at once (``parse_records``'s
+            # ``departed``), where a record that merely vanished counts for ``TrackerConfig.forget_after``
+            self._store([level for level, until in self._stored_until.items() if until > now], None,
+                        now + self.config.record_ttl, timeout)
         except Exception as e:  # the DHT may already be gone; leaving is best effort
             logger.debug("Could not withdraw the progress record: %r", e)
 
@@ -625,6 +700,42 @@ class ProgressTracker:
             return 0.0
         return read_interval(self.progress, self._samples, self.sampled, self.config, self._records.filling,
                              watched=time.monotonic() < self._watched_until)
+
+    def _knows_other_nodes(self, timeout: float) -> bool:
+        try:
+            return knows_other_nodes(self.dht, timeout)
+        except Exception as e:  # the DHT is shutting down, or slow: not lonely, as far as we know
+            logger.debug("Could not count the DHT's known nodes: %r", e)
+            return True
+
+    def _remember(self, live: frozenset, present: set, departed: set, began: float, took: float) -> None:
+        """After a read (under the lock): the peers seen live now are remembered (``recent_peers``) until they leave,
+        are ignored (``swarm_opt.trust``) or stay unseen for ``TrackerConfig.forget_after``; the view's growth and
+        the read's duration go into ``settled``."""
+        now = time.monotonic()
+        self._memory.update(dict.fromkeys(live, now))
+        for key, seen in list(self._memory.items()):
+            if key[1] in departed or (key in present and key not in live) or now - seen > self.config.forget_after:
+                del self._memory[key]
+        if len(live) > self._view_size:
+            self._quiet_since, self._reads_since_growth = max(self._quiet_since, began), 0
+        else:
+            self._reads_since_growth += 1
+        self._view_size, self._last_read_began = len(live), began
+        self._read_seconds = max(took, 0.8 * self._read_seconds)
+
+    def _recent_peers(self) -> int:
+        return 0 if self.sampled else 1 + len(self._memory)
+
+    def _judge_versions(self) -> None:
+        """After a read (under the lock): whether another version of the run outnumbers ours (``other_version``)."""
+        own = valid_digest(self._params_digest)
+        found = None
+        if own is not None and self._joined and not self.sampled and self._epoch_started is not None:
+            found = other_version(self._others, (self._peer_id, self._instance), self._epoch, own,
+                                  self._digest_tolerance, self._epoch_started + 2 * self.config.heartbeat_period)
+        same = found is not None and self._version is not None and found[0] == self._version[0]
+        self._version, self._version_streak = found, (self._version_streak + 1 if same else int(found is not None))
 
     def _local_record(self) -> ProgressRecord:
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
@@ -656,6 +767,9 @@ class ProgressTracker:
         if not force and state == self._published and not moving and now - self._last_publish < heartbeat:
             return
         expiration = get_dht_time() + self.config.record_ttl * heartbeat / self.config.heartbeat_period
+        if self._quiet_since == math.inf:
+            with self._lock:
+                self._quiet_since = now  # others may see this peer from now on (see ``settled``)
         self._store(levels, record.dict(), expiration, timeout)
         self._published, self._published_samples, self._last_publish = state, record.samples, now
         self._stored_until.update(dict.fromkeys(levels, expiration))
@@ -670,7 +784,9 @@ class ProgressTracker:
             future.result(timeout=timeout)
 
     def _fetch(self, *, timeout: float) -> None:
+        began = time.monotonic()
         records, mismatched = self._records.read(timeout)
+        took = time.monotonic() - began
         now = get_dht_time()
         if mismatched and not self._mismatch_reported:
             self._mismatch_reported = True
@@ -680,10 +796,18 @@ class ProgressTracker:
             )
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
+        # a founder's epoch 0 is no evidence against a peer ahead (it trained its first rounds alone while this
+        # peer started): it follows a majority of the others, as a newcomer does, until its own first round
+        checked = self._checker.check(records, local, now, self.target_batch_size, started,
+                                      local_votes=joined and local.epoch > 0)
         scale = self._records.sample.scale
+        departed, self._records.departed = self._records.departed, set()
+        lonely = not checked.live and not self._knows_other_nodes(timeout)
         with self._lock:
             self._others, self._ahead, self._scale = checked.records, checked.ahead, scale
+            self._remember(checked.live, {(r.peer_id, r.instance) for r in records}, departed, began, took)
+            self._lonely = lonely
+            self._judge_versions()
         self._records.sample.observe(1 + scale * (len(checked.records) + checked.ahead))
         self._last_read = time.monotonic()
         self._records.confirm(self.progress.epoch)

@@ -10,7 +10,8 @@ end in ``RoundRunner._conclude``, the single place of the commit protocol:
 * an error raised inside the round (a bug: network failures make ``all_reduce`` return ``None``) gives the round
   back and is raised from ``step()``, whichever thread ran the round;
 * a round that failed, or whose group holds no majority of the live peers (with Moshpit groups: of the peers its
-  line of the grid is expected to hold, or counted in it if fewer, ``swarm_opt.groups``), is given back;
+  line of the grid is expected to hold, or counted in it if fewer, ``swarm_opt.groups``), or whose members held
+  different versions of the run (``agrees``: every member decides it from the same gather), is given back;
 * otherwise the round is applied, committed and reported as one step under the optimizer's state lock, so that a
   peer downloading our state never sees the new parameters with the old epoch.
 """
@@ -124,13 +125,17 @@ class RoundRunner:
     """Runs the optimizer's rounds over ``averager``, one at a time, and concludes each by the protocol of the
     module docstring. ``on_commit(flight, result, num_peers)`` (called under ``lock`` once a round was applied and
     committed, with the swarm size its majority was measured against) moves the optimizer's epoch;
-    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round. ``grid``: this
-    peer's place on the Moshpit grid (default: one group of everyone); a committed round moves it."""
+    ``await_target(round_id)`` runs before each all-reduce, in the thread that runs the round. ``agrees(result)``
+    (in the training loop's thread, before a round is applied): whether the group's members held the same version
+    of the run; if not, the round is given back on every member. ``grid``: this peer's place on the Moshpit grid
+    (default: one group of everyone); a committed round moves it."""
 
     def __init__(self, averager: TensorAverager, *, lock: ContextManager,
                  on_commit: Callable[[RoundInFlight, AveragingResult, int], None],
-                 await_target: Callable[[int], None] = lambda round_id: None, grid: Optional[Grid] = None) -> None:
+                 await_target: Callable[[int], None] = lambda round_id: None,
+                 agrees: Callable[[AveragingResult], bool] = lambda result: True, grid: Optional[Grid] = None) -> None:
         self._averager, self._lock, self._on_commit, self._await_target = averager, lock, on_commit, await_target
+        self._agrees = agrees
         self._grid = Grid(None, 0) if grid is None else grid
         self._flight: Optional[RoundInFlight] = None
 
@@ -189,8 +194,9 @@ class RoundRunner:
         result = flight.result
         num_peers = flight.num_peers if result is None else swarm_size_seen_by(result, flight.num_peers)
         line = line_peers(num_peers, flight.plan) if result is None else line_seen_by(result, flight.plan, num_peers)
-        if flight.error is not None or result is None or not is_majority(result.group_size, line):
-            if flight.error is None:
+        reached = result is not None and is_majority(result.group_size, line)
+        if flight.error is not None or not reached or not self._agrees(result):  # (``agrees`` says why it did not)
+            if flight.error is None and not reached:
                 outcome = (f"failed: {self._averager.last_failure}" if result is None
                            else f"group of {result.group_size}")
                 of_line = f" in its line of the averaging grid ({num_peers} live)" if line < num_peers else ""

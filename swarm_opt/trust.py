@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Dict, FrozenSet, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -118,10 +118,12 @@ def lower_median(values: List[float]) -> float:
 class Checked(NamedTuple):
     """What ``ClaimChecker.check`` found: the ``records`` that count toward the swarm's epoch (samples and
     throughput bounded), and how many other peers are live but stand ahead of that epoch (``ahead``; within the
-    grace): live peers all the same, so they count wherever the swarm's size matters."""
+    grace): live peers all the same, so they count wherever the swarm's size matters. ``live``: the (peer id,
+    instance) of every peer counted in either."""
 
     records: list
     ahead: int
+    live: FrozenSet[Tuple[bytes, str]] = frozenset()
 
 
 @dataclass
@@ -163,7 +165,7 @@ class ClaimChecker:
         epoch = believed_epoch(votes, local_epoch)
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
 
-        counted, ahead = [], 0
+        counted, ahead = [], []
         for record in live:
             key = _key(record)
             if record.epoch > epoch + 1:
@@ -171,11 +173,11 @@ class ClaimChecker:
                 if now - since >= self.config.ahead_grace:
                     self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}")
                 else:
-                    ahead += 1
+                    ahead.append(key)
                 continue
             self._ahead_since.pop(key, None)
             if record.epoch > epoch:  # one ahead: plausible (see the module docstring), not counted in ours
-                ahead += 1
+                ahead.append(key)
                 continue
             counted.append(record)
 
@@ -189,8 +191,8 @@ class ClaimChecker:
             self._reference_rate = median
         if self._reference_rate == 0:  # no speed to bound by yet (first steps): count reported samples only
             self._forget_absent({_key(r) for r in records}, now)
-            return Checked([r.copy(update={"samples": min(r.samples, target_batch_size), "samples_per_second": 0.0})
-                            for r in counted], ahead)
+            return _checked([r.copy(update={"samples": min(r.samples, target_batch_size), "samples_per_second": 0.0})
+                             for r in counted], ahead)
         rate_cap = self.config.max_rate_vs_median * self._reference_rate
 
         bounded = []
@@ -217,7 +219,7 @@ class ClaimChecker:
             bounded.append(record.copy(update={"samples": int(min(record.samples, allowed)),
                                                "samples_per_second": min(record.samples_per_second, rate_cap)}))
         self._forget_absent({_key(r) for r in records}, now)
-        return Checked(bounded, ahead)
+        return _checked(bounded, ahead)
 
     def _note_epoch(self, epoch: int, now: float, local_epoch: Optional[int], local_started: Optional[float]) -> None:
         """Remember when the swarm's epoch began, if we saw it begin: the epoch became the believed one after our
@@ -241,6 +243,10 @@ class ClaimChecker:
                 del table[key]
         for key in [k for k in self._ignored.remembered() if k not in present]:
             self._ignored.forget(key, now)
+
+
+def _checked(records: list, ahead: List[Tuple[bytes, str]]) -> Checked:
+    return Checked(records, len(ahead), frozenset(ahead).union(_key(r) for r in records))
 
 
 def _key(record) -> Tuple[bytes, str]:

@@ -51,12 +51,12 @@ def test_a_perturbed_peer_is_resynced_within_one_round(swarm):
     _assert_one_model(results)
     log = swarm.log(1)
     assert log.count("differed from those of its group's majority") == 1, swarm.round_events()
-    # the first round after the perturbation (epoch 3) showed it; with all three in it, the perturbed peer is the
-    # minority and downloads at once
+    # the first round after the perturbation (for epoch 3) showed it: with all three in it, the perturbed peer is
+    # the minority; that round commits on no member (its mean would mix gradients computed at other parameters), and
+    # the perturbed peer downloads the others' state before it commits any epoch past the perturbation
     reports = results[1]["reports"]
-    first = next(i for i, rep in enumerate(reports) if rep["epoch"] == perturbed_at + 1)
-    if not reports[first]["caught_up"] and reports[first]["group_size"] == 3:
-        assert reports[first + 1]["caught_up"] and reports[first + 1]["epoch"] >= perturbed_at + 1, reports
+    after = [rep for rep in reports if rep["epoch"] >= perturbed_at][1:]  # the report of epoch 2's own round first
+    assert after[0]["caught_up"] and after[0]["epoch"] >= perturbed_at, reports
 
 
 def test_a_peer_of_local_updates_that_keeps_missing_rounds_downloads_instead_of_drifting(swarm):

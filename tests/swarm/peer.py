@@ -115,7 +115,24 @@ def install_fault(cfg: dict) -> None:
     * ``lie_in_reduce``: a lying reducer: every mean it reduces for its groupmates is sent with this offset added
       (the same wrong values to every member; its own share is not changed).
     * ``never_averages``: a peer always too late for its group: each of its rounds fails once the swarm completed it
-      without this peer (or after ``averaging_timeout``), as a peer starved of CPU does."""
+      without this peer (or after ``averaging_timeout``), as a peer starved of CPU does.
+    * ``slow_reads``: every read of the swarm's progress records returns that many seconds after the DHT answered
+      (a loaded machine, or a DHT over slow links): this peer sees the others late, and what it sees is that old."""
+    if cfg.get("slow_reads"):
+        from swarm_opt.progress import SampledRecords
+
+        original_request, delay = SampledRecords._request, float(cfg["slow_reads"])
+
+        class LateAnswer:
+            def __init__(self, future) -> None:
+                self.future = future
+
+            def result(self, timeout=None):
+                value = self.future.result(timeout=timeout)
+                time.sleep(delay)
+                return value
+
+        SampledRecords._request = lambda self, shard: LateAnswer(original_request(self, shard))
     if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
         from swarm_opt._hivemind.averager import TensorAverager
 

@@ -77,7 +77,7 @@ def write_json(name: str, payload: Dict[str, Any]) -> Path:
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table, so that the output pastes into RESULTS.md unchanged."""
+    """A GitHub-flavoured markdown table, so that the output pastes into benchmarks/README.md unchanged."""
     rows = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     def line(cells: Sequence[str]) -> str:

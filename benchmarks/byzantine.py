@@ -362,7 +362,7 @@ def real_worker(args: argparse.Namespace) -> None:
 def real(args: argparse.Namespace) -> None:
     """Seconds per round of each aggregation in a real loopback swarm of ``--peers`` processes, fresh processes for
     each aggregation and pass (an averager process forked from a worker that had already run other optimizers
-    segfaulted twice in audited rounds: see RESULTS)."""
+    segfaulted twice in audited rounds: see NOTEBOOK.md)."""
     started = time.monotonic()
     results: Dict[str, dict] = {}
     seconds_of: Dict[str, List[float]] = {setting: [] for setting in args.aggregations}

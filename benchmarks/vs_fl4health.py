@@ -33,7 +33,7 @@ own DP-SGD steps; the largest over peers).
     python benchmarks/vs_fl4health.py --algorithms fedavg --rounds 3     # a quick look
 
 FL4Health 0.4.2 declares Python < 3.11 and torch == 2.6.0; this machine has Python 3.11 and torch 2.13, so it is
-installed without its dependencies (see benchmarks/RESULTS.md, "swarm_opt vs FL4Health", for the exact commands).
+installed without its dependencies (see benchmarks/NOTEBOOK.md, "swarm_opt vs FL4Health", for the exact commands).
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class Reputation(Aggregation):
 
     What it does not contain: attackers that come with new identities every few rounds (use an allow-list:
     ``docs/security.md``), or a majority of attackers in a group. An attacker whose shift changes sign from value
-    to value evades the shift score, and costs far less (``benchmarks/RESULTS.md``). Costs a sort of each value's
+    to value evades the shift score, and costs far less (``benchmarks/README.md``). Costs a sort of each value's
     distances and a few passes over the copies per part (about ``CenteredClip``'s compute), and a few numbers per
     sender in memory. Works with the strategies and codecs its aggregation works with (not ``PowerSGD``, whose
     factors need the plain mean, nor ``TopK``, whose sparse copies need ``Mean``).

@@ -10,9 +10,9 @@ and create a new one under the round's group id unless they all hold the same. A
 group. Each round's handshake keys are deleted once it completed; a new process group leaves a few small keys in the
 host's store (one set per group created, not per round).
 
-gloo neither authenticates nor encrypts: the lane is opt-in, for trusted networks only (README). In a private run its
-store keys derive from the run secret, so that an outsider cannot predict them; anyone who can reach the ports can
-still list the keys, read the traffic or disturb a round.
+gloo neither authenticates nor encrypts: the lane is opt-in, for trusted networks only (docs/gloo-lane.md). In a
+private run its store keys derive from the run secret, so that an outsider cannot predict them; anyone who can reach
+the ports can still list the keys, read the traffic or disturb a round.
 """
 
 from __future__ import annotations

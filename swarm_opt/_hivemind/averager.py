@@ -1092,7 +1092,7 @@ class TensorAverager:
             allow_state_sharing=False,  # until offer_state()
             target_group_size=target_group_size,
             # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
-            # all-reduces of 10M-50M parameters (benchmarks/RESULTS.md); about 16 parts in all below 32 MiB (a part
+            # all-reduces of 10M-50M parameters (benchmarks/NOTEBOOK.md); about 16 parts in all below 32 MiB (a part
             # never spans two tensors: a model's small tensors add more), so that each member of a group of up
             # to 8 still reduces a share of a small model
             part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),

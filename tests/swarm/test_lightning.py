@@ -96,8 +96,7 @@ def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, histor
     for rank in range(PEERS):
         model = make_model(torch.float64)
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        inner.register_step_pre_hook(
-            lambda opt, args, kwargs, params=list(model.parameters()): torch.nn.utils.clip_grad_norm_(params, clip))
+        inner.register_step_pre_hook(_clipping(list(model.parameters()), clip))
         strategy = GradientAveraging()
         strategy.bind(list(model.parameters()), inner)
         x, y = make_data()
@@ -118,6 +117,13 @@ def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, histor
             peers[rank][1].load_state_dict(peers[donor][1].state_dict())
             peers[rank][2].reset()
     return [p.detach() for p in peers[0][0].parameters()]
+
+
+def _clipping(params: list, clip: float):
+    """A step pre-hook that clips ``params``' gradients to norm ``clip`` before each step, as one process would."""
+    def hook(optimizer, args, kwargs) -> None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    return hook
 
 
 @pytest.mark.extended

@@ -148,13 +148,12 @@ class SwarmCallback(Callback):
                 f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: each process is "
                 f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
                 f"the same run_id")
-        if trainer.gradient_clip_val and _clips_by_norm(trainer):
+        if _norm_clipping(trainer) is not None:
             checked_max_norm(trainer.gradient_clip_val)  # the swarm optimizer's clip_grad_norm: refused now if bad
         elif self.offload is not None and trainer.gradient_clip_val:
-            raise ConfigError("SwarmCallback(offload=...) with gradient_clip_algorithm='value' and "
-                              "gradient_clip_val: Lightning would clip the host copies' gradients, not the model's. "
-                              "Clip by norm (the "
-                              "default algorithm, which the swarm optimizer does itself), or by value in the module "
+            raise ConfigError("SwarmCallback(offload=...) with gradient_clip_algorithm='value' and gradient_clip_val: "
+                              "Lightning would clip the host copies' gradients, not the model's. Clip by norm (the "
+                              "default algorithm, which the swarm optimizer does itself), by value in the module "
                               "(on_before_optimizer_step, torch.nn.utils.clip_grad_value_(self.parameters(), ...)), "
                               "or drop offload")
         if self.offload is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
@@ -166,7 +165,7 @@ class SwarmCallback(Callback):
         inner = _single_optimizer(trainer.strategy.optimizers)
         scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
         self._check_restored_identity()
-        clip = trainer.gradient_clip_val if trainer.gradient_clip_val and _clips_by_norm(trainer) else None
+        clip = _norm_clipping(trainer)
         self._dht = self._given_dht if self._given_dht is not None else start_dht(
             initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
         try:
@@ -269,9 +268,10 @@ class SwarmCallback(Callback):
             dht.shutdown()
 
 
-def _clips_by_norm(trainer: Trainer) -> bool:
-    """Whether the trainer's gradient clipping is by norm (Lightning's default algorithm)."""
-    return trainer.gradient_clip_algorithm in (None, "norm")
+def _norm_clipping(trainer: Trainer) -> Optional[float]:
+    """The trainer's ``gradient_clip_val`` if it clips by norm (Lightning's default algorithm), else None."""
+    clipping = trainer.gradient_clip_val
+    return clipping if clipping and trainer.gradient_clip_algorithm in (None, "norm") else None
 
 
 def _single_optimizer(optimizers: List[torch.optim.Optimizer]) -> torch.optim.Optimizer:

@@ -2,7 +2,9 @@
 
 An adapter over ``swarm_opt.Optimizer`` with no algorithm of its own. At ``on_fit_start`` it starts a DHT (unless it
 was given one) and replaces the module's optimizer with a ``swarm_opt.Optimizer`` around it, so that Lightning's
-loop, precision plugins, gradient clipping and checkpoints drive the swarm optimizer as they would any optimizer.
+loop, precision plugins and checkpoints drive the swarm optimizer as they would any optimizer. Lightning's norm
+clipping (``Trainer(gradient_clip_val=...)``) becomes the swarm optimizer's ``clip_grad_norm``, which clips the
+gradient of the global batch rather than that of each optimizer step.
 The module's LR scheduler moves to the swarm optimizer, which steps it once per global epoch. Lightning then
 checkpoints and restores the swarm optimizer's whole state (inner optimizer, global epoch, scheduler, strategy
 state) as its own optimizer state; the callback's own state names the run and strategy it belongs to.
@@ -30,6 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised by a test that hides li
 import torch
 
 from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt.clipping import checked_max_norm
 from swarm_opt.compression import Compression
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
@@ -56,8 +59,16 @@ class SwarmCallback(Callback):
     :param batch_size: samples per batch; by default read from each batch, as Lightning does for logging.
     :param offload: ``swarm_opt.Offload()`` keeps the inner optimizer's state and swarm_opt's buffers in host memory
         (the model stays on its device): the module's optimizer steps host copies of its parameters. Lightning's
-        gradient clipping and 16-bit loss scaling act on the optimizer's parameters, the host copies, so they are
-        refused with it (``precision="bf16-mixed"`` needs no scaling).
+        clipping by value and 16-bit loss scaling act on the optimizer's parameters, the host copies, so they are
+        refused with it (``precision="bf16-mixed"`` needs no scaling); clipping by norm is the swarm's (below).
+
+    **Gradient clipping.** ``Trainer(gradient_clip_val=...)`` with the norm algorithm (Lightning's default) is
+    routed to the swarm optimizer's ``clip_grad_norm``: Lightning no longer clips the gradient of each optimizer step
+    (a part of the global batch, different on every peer); the swarm clips the gradient the inner optimizer applies,
+    with ``GradientAveraging`` the global batch's mean gradient, the same on every peer, as one ``Trainer`` clips its
+    accumulated batch (with local updates, each local step's). A module's own ``configure_gradient_clipping`` is
+    then called with ``gradient_clip_val=None``. ``gradient_clip_algorithm="value"`` stays Lightning's, per optimizer
+    step. The swarm's norm before clipping is logged as ``swarm/grad_norm``.
 
     Nothing happens at construction (no DHT, no process; the callback pickles). Refused at setup, each with the
     alternative: manual optimization, several optimizers, Lightning's distributed strategies (DDP, FSDP, ...: run
@@ -110,6 +121,7 @@ class SwarmCallback(Callback):
         self._pending_samples = 0  # samples of the micro-batches since the last optimizer step
         self._logged_epoch = -1  # the swarm epoch last logged (on_train_batch_end)
         self._restored: Optional[Dict[str, Any]] = None
+        self._routed_clip: Optional[Any] = None  # the trainer whose gradient_clip_val the swarm optimizer took over
 
     # --- what a running fit exposes -------------------------------------------------------------------------------
     @property
@@ -136,10 +148,14 @@ class SwarmCallback(Callback):
                 f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: each process is "
                 f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
                 f"the same run_id")
-        if self.offload is not None and trainer.gradient_clip_val:
-            raise ConfigError("SwarmCallback(offload=...) with gradient_clip_val: Lightning would clip the host "
-                              "copies' gradients, not the model's. Clip in the module (on_before_optimizer_step, "
-                              "torch.nn.utils.clip_grad_norm_(self.parameters(), ...)) or drop offload")
+        if _norm_clipping(trainer) is not None:
+            checked_max_norm(trainer.gradient_clip_val)  # the swarm optimizer's clip_grad_norm: refused now if bad
+        elif self.offload is not None and trainer.gradient_clip_val:
+            raise ConfigError("SwarmCallback(offload=...) with gradient_clip_algorithm='value' and gradient_clip_val: "
+                              "Lightning would clip the host copies' gradients, not the model's. Clip by norm (the "
+                              "default algorithm, which the swarm optimizer does itself), by value in the module "
+                              "(on_before_optimizer_step, torch.nn.utils.clip_grad_value_(self.parameters(), ...)), "
+                              "or drop offload")
         if self.offload is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ConfigError("SwarmCallback(offload=...) with a loss scaler (precision='16-mixed'): Lightning would "
                               "unscale the host copies' gradients, not the model's. Use precision='bf16-mixed' (no "
@@ -149,6 +165,7 @@ class SwarmCallback(Callback):
         inner = _single_optimizer(trainer.strategy.optimizers)
         scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
         self._check_restored_identity()
+        clip = _norm_clipping(trainer)
         self._dht = self._given_dht if self._given_dht is not None else start_dht(
             initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
         try:
@@ -159,10 +176,12 @@ class SwarmCallback(Callback):
                     strategy=copy.deepcopy(self.strategy),
                     matchmaking_time=self.timeouts.matchmaking_time,
                     averaging_timeout=self.timeouts.averaging_timeout,
-                    compression=self.compression, tracker=self.tracker)
+                    compression=self.compression, tracker=self.tracker, clip_grad_norm=clip)
         except BaseException:
             self._leave()
             raise
+        if clip is not None:  # the swarm optimizer clips instead of Lightning (class docstring); given back at the end
+            trainer.gradient_clip_val, self._routed_clip = None, (trainer, clip)
         trainer.strategy.optimizers = [self._optimizer]
         trainer.strategy.lr_scheduler_configs = []  # the swarm optimizer steps it, on the global epoch
         self._pending_samples = 0
@@ -196,6 +215,8 @@ class SwarmCallback(Callback):
         pl_module.log("swarm/epoch", float(swarm.local_epoch), prog_bar=True, **log)
         pl_module.log("swarm/peers", float(progress.num_peers), prog_bar=True, **log)
         pl_module.log("swarm/samples_per_second", float(progress.samples_per_second), **log)
+        if swarm.grad_norm is not None:
+            pl_module.log("swarm/grad_norm", swarm.grad_norm, **log)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -238,10 +259,19 @@ class SwarmCallback(Callback):
         """Leave the swarm and stop what this callback started; safe to call twice."""
         swarm, self._optimizer = self._optimizer, None
         dht, self._dht = self._dht, None
+        routed, self._routed_clip = self._routed_clip, None
+        if routed is not None:
+            routed[0].gradient_clip_val = routed[1]
         if swarm is not None:
             swarm.shutdown()
         if dht is not None and dht is not self._given_dht:
             dht.shutdown()
+
+
+def _norm_clipping(trainer: Trainer) -> Optional[float]:
+    """The trainer's ``gradient_clip_val`` if it clips by norm (Lightning's default algorithm), else None."""
+    clipping = trainer.gradient_clip_val
+    return clipping if clipping and trainer.gradient_clip_algorithm in (None, "norm") else None
 
 
 def _single_optimizer(optimizers: List[torch.optim.Optimizer]) -> torch.optim.Optimizer:

@@ -28,9 +28,10 @@ class Offload:
     :param pin_memory: page-lock the host copies when CUDA is available (faster, asynchronous-capable transfers).
 
     Needs an optimizer factory (``optimizer=lambda p: torch.optim.AdamW(p, ...)``, ``params=model.parameters()``):
-    the inner optimizer is built over the host copies. Master copies keep the parameters' dtype. With a
-    ``torch.cuda.amp.GradScaler``, unscale the gradients on the model (``clip_grad_norm_`` on ``model.parameters()``)
-    rather than through the optimizer's ``param_groups``, which hold the host copies.
+    the inner optimizer is built over the host copies. Master copies keep the parameters' dtype. To clip gradients,
+    pass ``clip_grad_norm=`` to the swarm optimizer: it clips the host copies' gradients at the inner step
+    (``swarm_opt.clipping``). With a ``torch.cuda.amp.GradScaler``, unscale the gradients on the model rather than
+    through the optimizer's ``param_groups``, which hold the host copies.
     """
 
     pin_memory: bool = True

@@ -29,6 +29,7 @@ from swarm_opt._hivemind.averager import COUNTED_KEY, TensorAverager
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
+from swarm_opt.clipping import GradNormClipping, checked_max_norm
 from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
@@ -111,6 +112,11 @@ class Optimizer(torch.optim.Optimizer):
         group of the whole swarm; a swarm of at most ``size`` peers is one group. Every strategy but ``FedNova``
         (``GradientAveraging``'s rounds then carry the parameters and optimizer statistics too: see its docstring);
         default ``None``: one group.
+    :param clip_grad_norm: clip the gradient the inner optimizer applies to this L2 norm, all parameters together
+        (``swarm_opt.clipping``): with ``GradientAveraging`` the round's mean gradient, the same on every member, so
+        the swarm equals one process that clips its accumulated global batch; with local updates each local step's.
+        With a ``GradScaler``, ``scaler.step(opt)`` unscales before any clipping. Do not also clip before ``step()``:
+        that clips each micro-batch. Default ``None``: no clipping.
     """
 
     def __init__(
@@ -134,8 +140,10 @@ class Optimizer(torch.optim.Optimizer):
         transport: Optional[Gloo] = None,
         privacy: Optional[OpacusPrivacy] = None,
         groups: Optional[Groups] = None,
+        clip_grad_norm: Optional[float] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
+        max_norm = checked_max_norm(clip_grad_norm)
         self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
                                        averaging_timeout=averaging_timeout)
         if not isinstance(dht, DHT):
@@ -159,6 +167,10 @@ class Optimizer(torch.optim.Optimizer):
         self._params = [p for group in self.inner.param_groups for p in group["params"]]
         self.strategy = strategy
         self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
+        if self.privacy is not None and max_norm is not None:
+            raise ConfigError("clip_grad_norm with privacy=OpacusPrivacy(...): Opacus's DP-SGD clips each sample's "
+                              "gradient itself (make_private(..., max_grad_norm=...)) and replaces the gradient "
+                              "inside its step, so this clipping would do nothing; drop clip_grad_norm")
         self.strategy.bind(self._params, self.inner)
         compression = as_codec(compression, strategy)  # bound: what the strategy's rounds send is known
         if transport is not None and aggregation is not None:
@@ -209,6 +221,9 @@ class Optimizer(torch.optim.Optimizer):
         if self._tracker.progress.epoch == 0:
             self._mark_synced()
             self._averager.offer_state(self._epoch)
+        # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
+        # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
+        self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
     @property
@@ -236,6 +251,13 @@ class Optimizer(torch.optim.Optimizer):
         progress = self._tracker.progress
         epsilon = self.privacy.epsilon() if self.privacy is not None else self.strategy.epsilon()
         return progress if epsilon is None else replace(progress, epsilon=epsilon)
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """With ``clip_grad_norm``: the L2 norm, before clipping, of the gradient the inner optimizer applied last
+        (the round's mean gradient with ``GradientAveraging``, the last local step's with local updates); None
+        before the first step or without clipping."""
+        return None if self._clipping is None else self._clipping.last_norm
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise ConfigError("swarm_opt.Optimizer does not support add_param_group; pass all param groups at creation")
@@ -506,8 +528,10 @@ class Optimizer(torch.optim.Optimizer):
         peer_epsilon = self.strategy.epsilon()
         if peer_epsilon is not None:
             privacy += f", peer-level ε {peer_epsilon:.6g}"
+        norm = self.grad_norm
+        clipped = "" if norm is None else f", grad norm {norm:.3g}"
         logger.info(f"epoch {self._epoch}: averaged with {report.group_size} of {report.num_peers} peer(s), "
-                    f"{samples_per_second:.0f} samples/s{loss}{privacy}")
+                    f"{samples_per_second:.0f} samples/s{loss}{clipped}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
     def _catch_up(self, global_epoch: int) -> None:
@@ -709,6 +733,8 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.shutdown()
         self._averager.shutdown()  # a round in flight returns at once
         self._rounds.abandon(timeout=10.0)
+        if self._clipping is not None:  # the inner optimizer is the user's: it steps unclipped again
+            self._clipping.remove()
 
     def __enter__(self) -> Optimizer:
         return self

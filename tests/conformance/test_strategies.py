@@ -15,6 +15,7 @@ import torch
 
 import swarm_opt
 from swarm_opt.buffers import buffer_like
+from swarm_opt.clipping import GradNormClipping
 from swarm_opt.simulation import average_in_process, round_values
 
 
@@ -184,6 +185,29 @@ def test_rounds_keep_peers_finite_and_in_sync(name):
             assert not torch.allclose(a, b)
         else:
             torch.testing.assert_close(a, b)  # every strategy leaves the group with one model after a round
+
+
+@names
+def test_with_clipping_every_inner_step_applies_a_gradient_within_the_norm_and_peers_stay_in_sync(name):
+    """``clip_grad_norm`` hooks the inner optimizer's step, which every strategy goes through: whatever the strategy
+    steps on (a round's mean, each local step's gradient) is within the norm, and a round still leaves one model."""
+    max_norm = 1e-3  # below every gradient here: every step is clipped
+    peers = [Peer(STRATEGIES[name], seed) for seed in range(3)]
+    applied: List[float] = []
+    for p in peers:
+        clipping = GradNormClipping(p.inner, max_norm)
+        p.inner.register_step_pre_hook(  # runs after the clipping (hooks run in the order they were registered)
+            lambda opt, args, kwargs: applied.append(float(torch.nn.utils.get_total_norm(
+                [q.grad for group in opt.param_groups for q in group["params"] if q.grad is not None]))))
+    for _ in range(2):
+        for p in peers:
+            p.train(3)
+        average_in_process([p.strategy for p in peers])
+    assert applied and max(applied) <= max_norm * (1 + 1e-5) and clipping.last_norm > max_norm
+    personal = {id(p) for p in peers[0].strategy.personal_parameters()}
+    for param, a, b in zip(peers[0].model.parameters(), peers[0].snapshot(), peers[1].snapshot()):
+        if id(param) not in personal:
+            torch.testing.assert_close(a, b)
 
 
 @names

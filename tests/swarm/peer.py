@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -34,9 +35,34 @@ def make_inner(name: str):
     if name == "adam":
         # eps well above float32 round-off: Adam divides by |g|, so tiny gradients amplify summation-order noise
         return lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-6)
+    if name == "adamw":  # a transformer recipe's: weight decay on the weights only, through parameter groups
+        return lambda p: torch.optim.AdamW(decay_groups(p, 0.1), lr=0.01, eps=1e-6)
     if name == "sgd_plain":  # for peers that send their momentum (WorkerMomentum): lr 0.1 on an undampened one
         return lambda p: torch.optim.SGD(p, lr=1.0)
     return lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+
+def decay_groups(params, weight_decay: float) -> list:
+    """Parameter groups: ``weight_decay`` on the weights (matrices), none on the biases (vectors)."""
+    params = list(params)
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def make_scheduler(name, epochs: int):
+    """A scheduler factory stepped once per global epoch: ``True`` halves the lr each epoch (StepLR);
+    ``"warmup_cosine"``: linear warmup over the first third of ``epochs``, then cosine decay."""
+    if not name:
+        return None
+    if name == "warmup_cosine":
+        warmup = max(1, epochs // 3)
+
+        def factor(epoch: int) -> float:
+            if epoch < warmup:
+                return (epoch + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * (epoch - warmup) / (epochs - warmup + 1)))
+        return lambda o: torch.optim.lr_scheduler.LambdaLR(o, factor)
+    return lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)
 
 
 LSQ_DIM = 5
@@ -332,7 +358,8 @@ def main(config_path: str) -> None:
         strategy=make_strategy(cfg.get("strategy", "grad"), model),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0),
                                         **cfg.get("tracker", {})),  # e.g. {"shard_size": 2, "exact_up_to": 2}: sharded
-        scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5)) if cfg.get("scheduler") else None,
+        scheduler=make_scheduler(cfg.get("scheduler"), cfg["epochs"]),  # True (StepLR) or "warmup_cosine"
+        clip_grad_norm=cfg.get("clip_grad_norm"),
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
@@ -436,7 +463,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round
-            reports.append(dict(last_report.__dict__, time=time.time(),
+            reports.append(dict(last_report.__dict__, time=time.time(), grad_norm=opt.grad_norm,  # before clipping
                                 tracker_level=opt._tracker._records.sample.level))  # > 0: records sharded
             if not last_report.caught_up:
                 # the round's batches come first: later ones were computed while it averaged in the background

@@ -10,18 +10,22 @@ import time
 import pytest
 import torch
 
-from tests.swarm.peer import make_data, make_inner, make_model
+from tests.swarm.peer import make_data, make_inner, make_model, make_scheduler
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-def reference_params(results: list, inner: str, epochs: int, scheduler: bool = False, extra=()) -> list:
+def reference_params(results: list, inner: str, epochs: int, scheduler=None, extra=(), clip_grad_norm=None,
+                     norms=None) -> list:
     """One process applying the inner optimizer to the union of the batches every peer committed to each epoch
-    (plus the ``extra`` (epoch, batches) pairs)."""
+    (plus the ``extra`` (epoch, batches) pairs), with the peers' ``scheduler`` (``peer.make_scheduler``) stepped per
+    epoch, and with ``clip_grad_norm`` clipping the union's gradient before each step (``norms``: a list that gets
+    each epoch's norm before clipping)."""
     x, y = make_data()
     model = make_model()
     opt = make_inner(inner)(model.parameters())
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if scheduler else None
+    factory = make_scheduler(scheduler, epochs)
+    sched = factory(opt) if factory is not None else None
     for epoch in range(1, epochs + 1):
         batches = [b for r in results for b in r["committed"].get(epoch, [])]
         batches += [b for e, extra_batches in extra if e == epoch for b in extra_batches]
@@ -29,13 +33,17 @@ def reference_params(results: list, inner: str, epochs: int, scheduler: bool = F
         idx = torch.tensor([i for b in batches for i in b])
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        if clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if sched:
             sched.step()
     return [p.detach() for p in model.parameters()]
 
 
-def possible_references(results: list, inner: str, epochs: int):
+def possible_references(results: list, inner: str, epochs: int, **recipe):
     """A peer whose round failed on its side while its groupmates completed it (the last message of a round can
     always be lost) cannot know whether its gradients made it into that epoch; it drops them and downloads the
     result. Its batches since the last round it committed went into that average up to the attempt that reached the
@@ -45,7 +53,8 @@ def possible_references(results: list, inner: str, epochs: int):
     assert math.prod(len(c) for c in choices) <= 20_000, ambiguous
     for prefix in itertools.product(*choices):
         yield reference_params(results, inner, epochs,
-                               extra=[(epoch, batches[:k]) for (epoch, batches), k in zip(ambiguous, prefix)])
+                               extra=[(epoch, batches[:k]) for (epoch, batches), k in zip(ambiguous, prefix)],
+                               **recipe)
 
 
 def ambiguous_batches(results: list):
@@ -59,12 +68,13 @@ def ambiguous_batches(results: list):
                 yield version + 1, [b for b, v in zip(batches, versions) if v == version]
 
 
-def assert_one_process(results: list, inner: str, epochs: int) -> list:
+def assert_one_process(results: list, inner: str, epochs: int, **recipe) -> list:
     """Every peer holds the same parameters, those of one process on the union of each epoch's committed batches
-    (for one of the ``possible_references``); returns those references."""
+    (for one of the ``possible_references``, with the ``recipe``'s scheduler and clipping); returns those
+    references."""
     for r in results[1:]:
         assert _close(r["params"], results[0]["params"], 1e-6)  # one model in the swarm
-    references = list(possible_references(results, inner, epochs))
+    references = list(possible_references(results, inner, epochs, **recipe))
     assert any(_close(results[0]["params"], expected) for expected in references), \
         [max((a - b).abs().max().item() for a, b in zip(results[0]["params"], e)) for e in references]
     return references
@@ -103,6 +113,38 @@ def test_three_peers_equal_one_process_on_the_union_of_batches(swarm, inner, cli
     expected = assert_one_process(results, inner, epochs)[0]
     # the test is only meaningful if training moved the parameters
     assert any((a - b).abs().max() > 1e-3 for a, b in zip(expected, make_model().parameters()))
+
+
+#: a transformer recipe: AdamW with weight decay 0.1 on the weights only (``peer.make_inner("adamw")``), linear warmup
+#: then cosine decay over the global epochs, and the accumulated gradient clipped to a norm its global batches exceed
+RECIPE = dict(scheduler="warmup_cosine", clip_grad_norm=0.2)
+
+
+def test_three_peers_with_a_transformer_recipe_equal_one_process_that_clips_its_accumulated_batch(swarm):
+    """Peers of unequal batch sizes with ``RECIPE``: each clips the round's mean gradient, the same on every peer,
+    so they end with the parameters of one process that clips the gradient of the union of each epoch's batches
+    (``torch.nn.utils.clip_grad_norm_``) before its AdamW step, and whose schedule steps once per epoch."""
+    epochs = 6
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="adamw", epochs=epochs,
+                    expect_peers=3, step_sleep=0.03, **RECIPE)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    clip = RECIPE["clip_grad_norm"]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert all(rep["caught_up"] or rep["group_size"] >= 2 for rep in r["reports"]), r["reports"]
+        assert sum(rep["group_size"] == 3 for rep in r["reports"]) >= epochs // 2, r["reports"]
+        # the swarm's own evidence that clipping was active: the mean gradients it applied were above the norm
+        assert all(rep["grad_norm"] > clip for rep in r["reports"] if not rep["caught_up"]), r["reports"]
+        assert r["lrs"][epochs] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 4 / 5)))  # cosine, epoch 6
+        assert_quiet(swarm.log(r["rank"]))
+    expected = assert_one_process(results, "adamw", epochs, **RECIPE)[0]
+    norms: list = []
+    unclipped = reference_params(results, "adamw", epochs, scheduler=RECIPE["scheduler"], norms=norms,
+                                 clip_grad_norm=math.inf)
+    assert sum(n > clip for n in norms) >= epochs - 1, norms  # the one process clipped in (nearly) every epoch
+    assert max((a - b).abs().max() for a, b in zip(expected, unclipped)) > 1e-3  # and clipping changed the result
 
 
 def test_rounds_shorter_than_matchmaking_time_start_once_every_peer_joined(swarm):

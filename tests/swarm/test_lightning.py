@@ -88,12 +88,15 @@ def test_a_lightning_swarm_computes_what_the_plain_loop_computes(swarm, strategy
 
 def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, history: dict) -> list:
     """What the lockstep ``mlp`` peers of ``lightning_peer.py`` compute, as a plain loop with gradient averaging in
-    one process: per step ``batch_size`` consecutive samples of the peer's data, gradient clipping, ``local_step``;
-    per round one in-process average (``history``: the rounds where some peers caught up by downloading)."""
+    one process: per step ``batch_size`` consecutive samples of the peer's data, ``local_step``; per round one
+    in-process average (``history``: the rounds where some peers caught up by downloading), whose mean gradient the
+    inner step clips to norm ``clip`` (Lightning's ``gradient_clip_val``, which the swarm optimizer applies to the
+    global batch's gradient, as one Trainer clips its accumulated batch)."""
     peers = []
     for rank in range(PEERS):
         model = make_model(torch.float64)
         inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        inner.register_step_pre_hook(_clipping(list(model.parameters()), clip))
         strategy = GradientAveraging()
         strategy.bind(list(model.parameters()), inner)
         x, y = make_data()
@@ -105,7 +108,6 @@ def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, histor
                 lo = ((epoch - 1) * steps + step) * batch_size
                 inner.zero_grad()
                 torch.nn.functional.cross_entropy(model(x[lo:lo + batch_size]), y[lo:lo + batch_size]).backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
                 strategy.local_step(batch_size)
         members, downloaders = history.get(epoch, (list(range(PEERS)), []))
         average_in_process([s for _, _, s, _, _ in peers], groups=[members])
@@ -117,16 +119,24 @@ def plain_loop_mlp(rounds: int, steps: int, batch_size: int, clip: float, histor
     return [p.detach() for p in peers[0][0].parameters()]
 
 
+def _clipping(params: list, clip: float):
+    """A step pre-hook that clips ``params``' gradients to norm ``clip`` before each step, as one process would."""
+    def hook(optimizer, args, kwargs) -> None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    return hook
+
+
 @pytest.mark.extended
 def test_accumulating_four_batches_of_8_equals_the_plain_loop_with_batches_of_32(swarm):
     """One optimizer step over 4 micro-batches of 8 counts 32 samples and averages their gradient: in lockstep,
-    with gradient clipping on, the Lightning swarm ends with the parameters of the plain loop with batches of 32."""
+    with gradient clipping on (Lightning's ``gradient_clip_val``, which clips the global batch's mean gradient), the
+    Lightning swarm ends with the parameters of the plain loop with batches of 32."""
     results = run(swarm, module="mlp", float64=True, batch_size=8, accumulate=4, target_batch_size=PEERS * 32 * 4,
-                  epochs=3, gradient_clip_val=0.5, **LOCKSTEP)
+                  epochs=3, gradient_clip_val=0.3, **LOCKSTEP)
     history = _check_lockstep(results, 3)
     committed = [rnd for r in results for rnd in r["rounds"] if not rnd["caught_up"]]
     assert committed and all(rnd["samples"] == 4 * 32 for rnd in committed)  # 4 optimizer steps of 32 samples
-    expected = plain_loop_mlp(rounds=3, steps=4, batch_size=32, clip=0.5, history=history)
+    expected = plain_loop_mlp(rounds=3, steps=4, batch_size=32, clip=0.3, history=history)
     for r in results:
         for got, want in zip(r["final"], expected):
             torch.testing.assert_close(got, want, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32

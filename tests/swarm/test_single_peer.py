@@ -124,6 +124,37 @@ def test_grad_scaler_skips_non_finite_steps_consistently_and_unscales_first(dht)
         assert opt.progress.samples_accumulated == 8
 
 
+@pytest.mark.parametrize("scaled, offload", [(False, None), (True, None),
+                                              (False, swarm_opt.Offload(pin_memory=False))],
+                         ids=["plain", "grad_scaler", "offload"])
+def test_clip_grad_norm_clips_the_epochs_accumulated_gradient_once(dht, scaled, offload):
+    """Two steps of one epoch with gradients [3, 0] and [0, 4]: the inner step applies their mean [1.5, 2] (norm 2.5)
+    clipped to norm 1, [0.6, 0.8] (clipping each step's gradient would apply [0.5, 0.5]); a GradScaler's gradients
+    are unscaled before, and with offload the host copies' gradients are clipped. The user's optimizer steps
+    unclipped again once the swarm optimizer shut down."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt, _ = make(dht, f"clip_{scaled}_{offload is not None}", model=model, optimizer=inner, params=None,
+                  target=2, batch_size_per_step=1, clip_grad_norm=1.0, offload=offload)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
+    with opt:
+        for grad in ([3.0, 0.0], [0.0, 4.0]):
+            opt.zero_grad()
+            loss = (model.weight * torch.tensor([grad])).sum()  # its gradient: grad
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert opt.local_epoch == 1
+        torch.testing.assert_close(model.weight.detach(), torch.tensor([[-0.6, -0.8]]))
+        assert opt.grad_norm == pytest.approx(2.5)
+    assert not inner._optimizer_step_pre_hooks
+
+
 def test_weights_loaded_after_creation_take_effect(dht):
     model = torch.nn.Linear(4, 2)
     opt, _ = make(dht, "restore", model=model, optimizer=lambda p: torch.optim.SGD(p, lr=0.0), batch_size_per_step=64)

@@ -57,12 +57,14 @@ def _lockstep(swarm, tmp_path, strategy: str, name: str, **config) -> list:
         other.kill_all()
 
 
-def _simulate(strategy_cls, problems: list, rounds: int, steps, history=None) -> torch.Tensor:
+def _simulate(strategy_cls, problems: list, rounds: int, steps, history=None, clip=None) -> torch.Tensor:
     """The same strategy code, averaged in-process: what the swarm must compute. ``history`` maps an epoch to
     (members, downloaders): the peers whose tensors that round averaged, and those that ended it by downloading
     the result (a peer whose side of the round failed, whether or not the others averaged its tensors: the last
     message of a round can always be lost). A downloader starts the next round like a newcomer (zero controls).
-    ``steps``: local steps per round, one number for every peer or a list of one per peer."""
+    ``steps``: local steps per round, one number for every peer or a list of one per peer. ``clip``: each local
+    step's gradient is clipped to that norm first, as one process clips its steps (for ``LocalUpdates``, whose
+    ``local_step`` is the inner step)."""
     peers = []
     for problem in problems:
         w = torch.nn.Parameter(torch.zeros(1, 5, dtype=torch.float64))
@@ -77,6 +79,8 @@ def _simulate(strategy_cls, problems: list, rounds: int, steps, history=None) ->
             for _ in range(k):
                 inner.zero_grad()
                 (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_([w], clip)
                 strategy.local_step(16)
         members, downloaders = (history or {}).get(epoch, (everyone, []))
         strategies = [s for _, _, s, _ in peers]
@@ -111,6 +115,19 @@ def _check_lockstep(results: list, epochs: int) -> dict:
     assert all(r["epoch"] == epochs for r in results)
     assert sum(len(d) for _, d in history.values()) <= 2, history
     return history
+
+
+def test_a_lockstep_local_updates_swarm_clips_each_local_step_as_one_process_would(swarm, tmp_path):
+    """``clip_grad_norm`` with local updates: every local step's gradient is clipped (the real swarm follows the
+    in-process simulation that clips each step before it), and the norm was exceeded often enough to matter."""
+    epochs, clip = 5, 3.0
+    results = _lockstep(swarm, tmp_path, "local", "local_clip", epochs=epochs, clip_grad_norm=clip)
+    history = _check_lockstep(results, epochs)
+    expected = _simulate(LocalUpdates, range(4), rounds=epochs, steps=10, history=history, clip=clip)
+    unclipped = _simulate(LocalUpdates, range(4), rounds=epochs, steps=10, history=history)
+    assert (expected - unclipped).abs().max() > 1e-2
+    for r in results:
+        torch.testing.assert_close(r["w"], expected, atol=1e-6, rtol=0)  # hivemind's reducers sum in float32
 
 
 def test_a_lockstep_scaffold_swarm_computes_exactly_what_the_strategy_maths_says(swarm, tmp_path):

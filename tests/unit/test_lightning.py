@@ -264,11 +264,44 @@ def test_offload_moves_the_modules_optimizer_onto_host_copies_and_trains_the_sam
     assert not [w for w in recwarn if "swarm_opt" in str(w.filename) or "lr_scheduler" in str(w.message)]
 
 
-def test_offload_with_lightnings_gradient_clipping_is_refused_before_any_dht_starts(no_leftovers):
+def test_offload_with_lightnings_gradient_clipping_by_value_is_refused_before_any_dht_starts(no_leftovers):
+    """Clipping by value stays Lightning's, which would clip the host copies (clipping by norm is the swarm's)."""
     cb = callback(offload=swarm_opt.Offload(pin_memory=False))
     with pytest.raises(ConfigError, match="gradient_clip_val: Lightning would clip the host"):
-        trainer(cb, gradient_clip_val=1.0).fit(BoringModel())
+        trainer(cb, gradient_clip_val=1.0, gradient_clip_algorithm="value").fit(BoringModel())
     assert cb.dht is None
+
+
+@pytest.mark.parametrize("offload", [None, swarm_opt.Offload(pin_memory=False)], ids=["plain", "offload"])
+def test_lightnings_norm_clipping_becomes_the_swarm_optimizers(offload, no_leftovers):
+    """``gradient_clip_val`` (by norm) is the swarm optimizer's ``clip_grad_norm`` during the fit (Lightning clips
+    nothing itself), with or without offload (then no longer refused), and the trainer's own setting is given back
+    at the end. One epoch of 8 steps: the clipped fit differs from the unclipped one, and offload changes nothing."""
+    def fit(clip, offload):
+        L.seed_everything(0, verbose=False)
+        module, cb = BoringModel(), callback(offload=offload)
+        seen = {}
+
+        class Probe(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                opt = trainer.optimizers[0]
+                seen.update(lightning=trainer.gradient_clip_val, norm=opt.grad_norm,
+                            swarm=None if opt._clipping is None else opt._clipping.max_norm)
+
+        t = trainer(cb, max_steps=12, callbacks=[cb, Probe()], gradient_clip_val=clip)
+        t.fit(module)
+        assert t.gradient_clip_val == clip
+        return [p.detach().clone() for p in module.parameters()], seen, t
+
+    unclipped, _, _ = fit(None, None)
+    clipped, seen, t = fit(0.01, offload)
+    assert seen["lightning"] is None and seen["swarm"] == 0.01
+    assert seen["norm"] > 0.01 and t.callback_metrics["swarm/grad_norm"] == pytest.approx(seen["norm"])
+    assert max((a - b).abs().max() for a, b in zip(clipped, unclipped)) > 1e-4
+    if offload is not None:
+        plain, _, _ = fit(0.01, None)
+        for a, b in zip(plain, clipped):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_a_checkpoint_of_another_strategy_is_refused(tmp_path, no_leftovers):

@@ -180,3 +180,13 @@ def test_dp_scaffold_without_noise_or_clipping_is_scaffold_and_with_dp_still_cor
     assert max(float(d.abs().max()) for controls in plain_controls for d in controls) > 1e-3  # not FedAvg in disguise
     _, noisy_controls = _scaffold_peers(private=True, noise=1.0, clip=1.0)
     assert max(float(d.abs().max()) for controls in noisy_controls for d in controls) > 1e-3
+
+
+def test_clip_grad_norm_is_refused_with_opacus_which_clips_each_sample_itself():
+    engine, _, dp_sgd, _ = _private()
+    from hivemind import DHT
+
+    with pytest.raises(ConfigError, match="max_grad_norm=.*drop clip_grad_norm"):
+        swarm_opt.Optimizer(dht=create_autospec(DHT, instance=True), run_id="dp_check", target_batch_size=64,
+                            optimizer=dp_sgd, strategy=swarm_opt.LocalUpdates(),
+                            privacy=swarm_opt.OpacusPrivacy(engine, delta=1e-5), clip_grad_norm=1.0)

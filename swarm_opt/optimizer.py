@@ -447,11 +447,12 @@ class Optimizer(torch.optim.Optimizer):
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
         applies to, when the strategy needs every member to hold the same (``swarm_opt.digest``), how many live
         peers it sees, estimated and at most (``swarm_opt.round.swarm_size_seen_by``), and, where it read every
-        record, how many it counted (a leader assembles its group once that many joined: ``docs/hivemind.md``)."""
+        record, how many of them will contribute to the round (``SwarmProgress.contributors``: a leader assembles
+        its group once that many joined, ``docs/hivemind.md``)."""
         progress = self._tracker.progress
         info: Dict[str, Any] = {"peers": progress.num_peers, "bound": progress.max_peers}
-        if not self._tracker.sampled:
-            info[COUNTED_KEY] = progress.max_peers
+        if not self._tracker.sampled:  # a leader waits for these, not for live peers that sit the round out
+            info[COUNTED_KEY] = progress.contributors
         if self.strategy.shares_parameters:
             with self._state_lock:
                 info["digest"] = parameter_digest(self._params)

@@ -127,7 +127,10 @@ class SwarmProgress:
     waits for the round (``TrackerConfig.shares``); ``None`` while it knows no other peer's speed (and for an
     observer). ``recent_peers``: the live peers this peer saw within ``TrackerConfig.forget_after`` that did not
     leave, itself included (0 for a sampled view): a round's majority is measured against at least this many, so
-    that a peer cut off from the swarm does not train a second version of the run (``max_peers`` includes it)."""
+    that a peer cut off from the swarm does not train a second version of the run (``max_peers`` includes it).
+    ``contributors``: the live peers that will send something to the epoch's round, this peer included if it will:
+    those that computed samples in it, or whose compute speed is measured; a peer that sits every round out (all its
+    steps skipped: non-finite gradients) publishes neither, and a round's leader does not wait for it."""
 
     epoch: int
     samples_accumulated: int
@@ -141,6 +144,7 @@ class SwarmProgress:
     max_peers: int = 0
     share: Optional[float] = None
     recent_peers: int = 0
+    contributors: int = 0
 
     @property
     def eta_seconds(self) -> float:
@@ -237,6 +241,8 @@ def aggregate_progress(
                       math.ceil((local is not None) + peers_upper_bound(others, 1.0 / scale))),
         share=own_share,
         recent_peers=recent_peers,
+        contributors=round(sum(w for w, r, counted in zip(weights, peers, computing)
+                               if counted and (r.samples > 0 or r.samples_per_second > 0))),
     )
 
 

@@ -439,7 +439,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     g = torch.Generator().manual_seed(1000 + rank)
     # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
-    last_report, resources, after = None, {}, {}
+    last_report, resources, after, first_step, computed = None, {}, {}, None, 0
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
@@ -453,7 +453,9 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         loss = torch.nn.functional.cross_entropy(model(x[idx].to(dtype)).float(), y[idx])
         loss.backward()
         attack(cfg, model)
+        first_step = time.time() if first_step is None else first_step
         opt.step()
+        computed += bs
         if opt.local_epoch == cfg.get("perturb_at_epoch") and not os.path.exists(cfg["out"] + ".perturbed"):
             with torch.no_grad():  # stands for a bit flip or a bug: this peer alone now holds other parameters
                 for p in model.parameters():
@@ -498,6 +500,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                    discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
+                   first_step=first_step, samples_computed=computed,
                    peer_id=str(opt._averager.peer_id)))
 
 

@@ -1,0 +1,84 @@
+"""What a progress tracker remembers of the swarm, on real hivemind DHTs: a peer that left cleanly is forgotten at
+once, one whose record merely vanished (crashed, or cut off by the network) counts in the swarm's size for
+``TrackerConfig.forget_after``, and a lone first node of a run settles at once."""
+
+from __future__ import annotations
+
+import time
+
+import hivemind
+import pytest
+
+from swarm_opt.config import TrackerConfig
+from swarm_opt.progress import ProgressTracker
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
+
+
+def _wait(condition, timeout: float, what) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what()
+        time.sleep(0.05)
+
+
+def _tracker(dht, config: TrackerConfig) -> ProgressTracker:
+    tracker = ProgressTracker(dht, "memory_run", 1000, model_schema="m", config=config)
+    tracker.mark_joined()
+    tracker.report(0, 8)
+    tracker.start()
+    return tracker
+
+
+def test_a_vanished_peer_counts_for_forget_after_and_one_that_left_not_at_all():
+    config = TrackerConfig(record_ttl=2.5, forget_after=6.0)
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    others = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                           initial_peers=first.get_visible_maddrs()) for _ in range(2)]
+    trackers = []
+    try:
+        watcher, leaving, vanishing = trackers[:] = [_tracker(dht, config) for dht in [first, *others]]
+        view = lambda: watcher.progress  # noqa: E731
+        _wait(lambda: view().num_peers == 3, 20, view)
+        assert view().recent_peers == 3 and view().max_peers == 3
+
+        leaving.shutdown()  # leaves cleanly: withdraws its record, and is forgotten at once
+        _wait(lambda: view().num_peers == 2 and view().recent_peers == 2, 10, view)
+
+        vanishing._stop.set()  # stops publishing without a word (a crash, or a cut link): its record expires
+        _wait(lambda: view().num_peers == 1, 15, view)
+        vanished = time.monotonic()
+        assert view().recent_peers == 2 and view().max_peers == 2, view()  # still counted: maybe only cut off
+        _wait(lambda: view().recent_peers == 1, 15, view)
+        assert time.monotonic() - vanished >= config.forget_after - config.record_ttl - 1.0
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=2.0)
+        for dht in [*others, first]:
+            dht.shutdown()
+
+
+def test_the_lone_first_node_of_a_run_settles_at_once_and_a_new_peer_unsettles_it():
+    """A node that knows no other node cannot be missing anybody: its view is settled after its first reads. Once
+    another peer publishes its record, the view grew: it settles again only seconds later (peers that start together
+    see each other before either settles)."""
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    trackers = [_tracker(first, TrackerConfig())]
+    second = None
+    try:
+        started = time.monotonic()
+        _wait(lambda: trackers[0].settled, 10, lambda: "never settled")
+        assert time.monotonic() - started < 1.5
+        second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                              initial_peers=first.get_visible_maddrs())
+        trackers.append(_tracker(second, TrackerConfig()))
+        _wait(lambda: not trackers[0].settled, 10, lambda: "a new peer did not unsettle the view")
+        unsettled = time.monotonic()
+        _wait(lambda: trackers[0].settled and trackers[1].settled, 15, lambda: "never settled again")
+        assert time.monotonic() - unsettled >= 1.0
+        assert trackers[0].progress.num_peers == trackers[1].progress.num_peers == 2
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=2.0)
+        for dht in filter(None, [second, first]):
+            dht.shutdown()

@@ -17,6 +17,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -134,8 +135,9 @@ def start_dht(
     the main thread, the DHT and its p2p daemon run in a process group of their own
     (``swarm_opt._hivemind.dht_process``).
     With ``private_run``, only peers holding the same credentials can talk to it (``swarm_opt.auth``).
-    When none of ``initial_peers`` answers, it says which and why in one line and tries again with a growing pause
-    for up to ``join_timeout`` seconds (0: one try). The DHT re-bootstraps by itself whenever it later loses sight of
+    When none of ``initial_peers`` answers, it says which and why in one line and, while one of them cannot be
+    reached at all (it may be starting, or its link down), tries again with a growing pause for up to
+    ``join_timeout`` seconds (0: one try). The DHT re-bootstraps by itself whenever it later loses sight of
     the swarm (``swarm_opt._hivemind.rebootstrap``)."""
     from swarm_opt._hivemind.dht_process import OwnGroupDHT
     from swarm_opt._hivemind.rebootstrap import WatchedDHT, watch_dht
@@ -166,16 +168,21 @@ def start_dht(
             return dht
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)  # p2pd's own timestamp
             if not (initial_peers and _is_bootstrap_failure(reason)):
                 raise ConfigError(f"could not start the DHT node: {reason}{_hint(initial_peers, private_run)}") \
                     from None
-        unreachable = "; ".join(f"{maddr} ({why})" for maddr, why in probe_initial_peers(initial_peers))
+        probes = probe_initial_peers(initial_peers)
+        why = "; ".join(f"{maddr} ({answer})" for maddr, answer in probes)
         left = deadline - time.monotonic()
+        if all(answer == _LISTENING for _, answer in probes):  # all are up: waiting will not change their answer
+            raise ConfigError(f"could not start the DHT node: {reason}: {why}{_hint(initial_peers, private_run)}") \
+                from None
         if left <= 0:
-            raise ConfigError(f"could not join the swarm: none of the initial peers answered within "
-                              f"{join_timeout:.0f} s: {unreachable}{_hint(initial_peers, private_run)}") from None
+            raise ConfigError(f"could not start the DHT node: {reason} (tried for {join_timeout:.0f} s): "
+                              f"{why}{_hint(initial_peers, private_run)}") from None
         pause = min(pause, left)
-        logger.warning(f"none of the initial peers answered: {unreachable}; trying again in {pause:.0f} s "
+        logger.warning(f"none of the initial peers answered: {why}; trying again in {pause:.0f} s "
                        f"(for up to {left:.0f} s more)")
         time.sleep(pause)
         pause = min(pause * 2, 30.0)
@@ -204,6 +211,9 @@ def probe_initial_peers(maddrs: Sequence[str], timeout: float = 3.0) -> List[tup
         return list(zip(maddrs, pool.map(functools.partial(_probe, timeout=timeout), maddrs)))
 
 
+_LISTENING = "its port accepts connections, but no DHT peer with this peer id answered there"
+
+
 def _probe(value: str, timeout: float) -> str:
     from hivemind.utils.multiaddr import Multiaddr
 
@@ -215,7 +225,7 @@ def _probe(value: str, timeout: float) -> str:
     address = (maddr.value_for_protocol(host_protocol), int(maddr.value_for_protocol("tcp")))
     try:
         with socket.create_connection(address, timeout=timeout):
-            return "its port accepts connections, but no DHT peer with this peer id answered there"
+            return _LISTENING
     except TimeoutError:
         return f"no answer within {timeout:.0f} s"
     except OSError as e:

@@ -251,9 +251,16 @@ _watchers_lock = threading.Lock()
 
 
 def watch_dht(dht, initial_peers: Optional[Sequence[str]] = None,
-              config: Optional[WatchConfig] = None) -> DHTWatcher:
+              config: Optional[WatchConfig] = None) -> Optional[DHTWatcher]:
     """Start re-bootstrapping ``dht`` (a started ``hivemind.DHT``) whenever it loses sight of the swarm; once per
-    DHT: a second call returns the running watcher. ``initial_peers`` default to those the DHT was started with."""
+    DHT: a second call returns the running watcher. ``initial_peers`` default to those the DHT was started with.
+    A DHT whose process this process did not start, or that is not running, is not watched (None)."""
+    try:
+        running = dht.is_alive() is True  # also False for a test double
+    except (AssertionError, ValueError):  # another process's DHT: its parent watches it
+        running = False
+    if not running:
+        return None
     with _watchers_lock:
         watcher = _watchers.get(dht)
         if watcher is not None and watcher._thread.is_alive():

@@ -40,7 +40,8 @@ class Scripted(DHTWatcher):
 
 def test_a_node_that_loses_its_table_says_so_dials_everyone_it_knew_and_says_when_it_sees_them_again(caplog):
     full = {BOOT: ["/ip4/10.0.0.1/tcp/31337"], "B": ["/ip4/10.0.0.2/tcp/1"], "C": ["/ip4/10.0.0.3/tcp/1"]}
-    watcher = Scripted([(full, []), (full, []), ({}, []), ({}, []), ({}, [BOOT]), (full, [])], min_backoff=100, max_backoff=100)
+    looks = [(full, []), (full, []), ({}, []), ({}, []), ({}, [BOOT]), (full, [])]
+    watcher = Scripted(looks, min_backoff=100, max_backoff=100)
     with caplog.at_level(logging.INFO, logger="swarm_opt._hivemind.rebootstrap"):
         assert [watcher._look_once() for _ in range(2)] == [False, False]
         assert not caplog.records and not watcher.lost  # healthy: silent

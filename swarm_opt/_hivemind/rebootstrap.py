@@ -43,7 +43,7 @@ class WatchConfig:
 
     period: float = 3.0  # between two looks at the routing table
     min_backoff: float = 2.0  # first wait before dialling a missing peer again; doubles at each failure ...
-    max_backoff: float = 15.0  # ... up to this: a peer is dialled again at most this long after its link is back
+    max_backoff: float = 10.0  # ... up to this: a peer is dialled again at most this long after its link is back
     recent: float = 60.0  # "a moment ago": the largest table seen over this window is the reference
     forget_after: float = 900.0  # a peer missing this long is dialled no more (initial peers always are)
     dial_timeout: float = 5.0  # one dial, one ping

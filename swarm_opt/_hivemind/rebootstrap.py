@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import hivemind
 
 logger = logging.getLogger(__name__)
+MAX_DIALS_PER_LOOK = 16  # the longest-waiting first; the others at the next looks
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,10 @@ class DHTWatcher:
         return self
 
     def stop(self) -> None:
-        """Stop looking; waits for a look in flight (at most about ``dial_timeout``)."""
+        """Stop looking (a look in flight is abandoned)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.config.dial_timeout * 2 + self.config.period)
+            self._thread.join(5.0)
 
     @property
     def lost(self) -> bool:
@@ -129,8 +130,9 @@ class DHTWatcher:
     def _look_once(self) -> bool:
         """One look (and the dials that are due); True if the table was just found emptied (dial all at once)."""
         now = time.monotonic()
-        due = [(peer_id, known.addrs) for peer_id, known in self._known.items()
-               if known.next_try <= now and peer_id not in self._table]
+        due = sorted((known.next_try, peer_id) for peer_id, known in self._known.items()
+                     if known.next_try <= now and peer_id not in self._table)
+        due = [(peer_id, self._known[peer_id].addrs) for _, peer_id in due[:MAX_DIALS_PER_LOOK]]
         found = self._call(partial(_look, due=due, timeout=self.config.dial_timeout))
         if found is None:
             return False
@@ -189,10 +191,9 @@ class DHTWatcher:
             self._stop.set()
             return None
         limit = time.monotonic() + self.config.dial_timeout * 3 + 5.0
-        while not future.done():
-            if time.monotonic() > limit or not self._dht_alive():
+        while not future.done():  # a stop or the DHT's end abandons a look (its dials end with the DHT process)
+            if time.monotonic() > limit or not self._dht_alive() or self._stop.wait(0.05):
                 return None
-            time.sleep(0.05)
         return future.result()
 
 
@@ -272,7 +273,7 @@ def watch_dht(dht, initial_peers: Optional[Sequence[str]] = None,
 
 
 def stop_watching(dht) -> None:
-    """Stop ``dht``'s watcher, if it has one (before ``dht.shutdown()``, so that no look is cut short)."""
+    """Stop ``dht``'s watcher, if it has one (before ``dht.shutdown()``, so that it sends the DHT nothing more)."""
     with _watchers_lock:
         watcher = _watchers.pop(dht, None)
     if watcher is not None:
@@ -280,7 +281,8 @@ def stop_watching(dht) -> None:
 
 
 class WatchedDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose ``shutdown()`` first stops its watcher (``watch_dht``), so no look is cut short."""
+    """``hivemind.DHT`` whose ``shutdown()`` first stops its watcher (``watch_dht``), so that the watcher sends the
+    DHT process nothing after its pipe is closed."""
 
     def shutdown(self) -> None:
         stop_watching(self)

@@ -86,13 +86,14 @@ class DHTWatcher:
         self.config = config or WatchConfig()
         self.lost_since: Optional[float] = None  # monotonic time the watcher found the table emptied, None if not
         self._lost_reference = 0
+        self._announce: Optional[Tuple[int, int, int]] = None  # a loss not yet said: (size, reference, addresses)
+        self._level = logging.WARNING  # of the lines about the current loss
         self._history: List[Tuple[float, int]] = []  # (time, table size) over the last ``recent`` seconds
         self._known: Dict[str, _Known] = {}
         self._table: set = set()  # peer ids in the routing table at the last look
         for maddr in initial_peers:
             peer_id, addr = split_peer_maddr(str(maddr))
             self._known[peer_id] = _Known([addr], initial=True, next_try=time.monotonic() + self.config.period)
-        self._own_peer_id: Optional[str] = None
         self._pid = os.getpid()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="swarm_opt-dht-watcher", daemon=True)
@@ -128,7 +129,7 @@ class DHTWatcher:
                 break
 
     def _look_once(self) -> bool:
-        """One look (and the dials that are due); True if the table was just found emptied (dial all at once)."""
+        """One look (and the dials that are due); True if the table was just found lost (dial everyone at once)."""
         now = time.monotonic()
         due = sorted((known.next_try, peer_id) for peer_id, known in self._known.items()
                      if known.next_try <= now and peer_id not in self._table)
@@ -136,8 +137,8 @@ class DHTWatcher:
         found = self._call(partial(_look, due=due, timeout=self.config.dial_timeout))
         if found is None:
             return False
-        own_peer_id, table, responded = found
-        self._own_peer_id, self._table = own_peer_id, set(table)
+        own_peer_id, table, responded, refused = found
+        self._table = set(table)
         self._known.pop(own_peer_id, None)
         now = time.monotonic()
         for peer_id, addrs in table.items():
@@ -156,7 +157,19 @@ class DHTWatcher:
         for peer_id in [p for p, k in self._known.items()
                         if not k.initial and p not in table and now - k.last_seen > self.config.forget_after]:
             del self._known[peer_id]
+        if self._announce is not None and due:
+            self._say_lost(everyone_refused=bool(refused) and len(refused) == len(due))
         return self._judge(len(table), now)
+
+    def _say_lost(self, everyone_refused: bool) -> None:
+        """The first line of a loss, once its first dials are answered: a warning, unless every peer dialled refused
+        the connection (their hosts are up and nothing listens: the peers left, as at the end of a run)."""
+        size, reference, addresses = self._announce
+        self._announce, self._level = None, logging.INFO if everyone_refused else logging.WARNING
+        left = " (the peers it dialled refused the connection: they left)" if everyone_refused else ""
+        logger.log(self._level, f"Lost sight of the swarm's DHT (this node sees {size} of the {reference} peers it "
+                                f"saw in the last {self.config.recent:.0f} s){left}; re-bootstrapping from "
+                                f"{addresses} known addresses")
 
     def _judge(self, size: int, now: float) -> bool:
         """Track the table's size; say when it lost its contacts and when it has them again."""
@@ -168,19 +181,20 @@ class DHTWatcher:
             self.lost_since, self._lost_reference = now, reference
             for known in self._known.values():
                 known.next_try, known.backoff = now, 0.0
-            missing = sorted({addr for peer_id, known in self._known.items() for addr in known.addrs})
-            logger.warning(f"Lost sight of the swarm's DHT (this node sees {size} of the {reference} peers it saw "
-                           f"in the last {self.config.recent:.0f} s); re-bootstrapping from {len(missing)} known "
-                           f"addresses")
+            missing = {addr for peer_id, known in self._known.items() if peer_id not in self._table
+                       for addr in known.addrs}
+            self._announce = (size, reference, len(missing))  # said after the first dials (``_say_lost``)
             return True
         if not _too_few(size, self._lost_reference):
-            logger.warning(f"Found the swarm's DHT again: this node sees {size} peers "
-                           f"({now - self.lost_since:.0f} s after it lost sight of them)")
-            self.lost_since, self._history = None, [(now, size)]
+            if self._announce is None:  # else found again before anything was said: nothing to say
+                logger.log(self._level, f"Found the swarm's DHT again: this node sees {size} peers "
+                                        f"({now - self.lost_since:.0f} s after it lost sight of them)")
+            self.lost_since, self._history, self._announce = None, [(now, size)], None
         elif now - self.lost_since > self.config.forget_after:
-            logger.warning(f"The swarm's DHT still shows this node {size} of the {self._lost_reference} peers it "
-                           f"saw {self.config.forget_after:.0f} s ago; taking {size} as the swarm's size now")
-            self.lost_since, self._history = None, [(now, size)]
+            logger.log(self._level, f"The swarm's DHT still shows this node {size} of the {self._lost_reference} "
+                                    f"peers it saw {self.config.forget_after:.0f} s ago; taking {size} as the "
+                                    f"swarm's size now")
+            self.lost_since, self._history, self._announce = None, [(now, size)], None
         return False
 
     def _call(self, coroutine) -> Optional[tuple]:
@@ -210,9 +224,11 @@ async def _look(dht, node, *, due: List[Tuple[str, List[str]]], timeout: float):
     table = node.protocol.routing_table
     due = [(peer_id, addrs) for peer_id, addrs in due if PeerID.from_base58(peer_id) not in table.peer_id_to_uid]
     responded: List[str] = []
+    refused: List[str] = []
     if due:
         answers = await asyncio.gather(*(_reach(node, peer_id, addrs, timeout) for peer_id, addrs in due))
-        responded = [peer_id for (peer_id, _), answered in zip(due, answers) if answered]
+        responded = [peer_id for (peer_id, _), answer in zip(due, answers) if answer == _ANSWERED]
+        refused = [peer_id for (peer_id, _), answer in zip(due, answers) if answer == _REFUSED]
         if responded:
             await asyncio.sleep(0)  # the pings' routing-table updates run as tasks of their own
             try:  # DHTNode.create's last stage: find this node's nearest neighbours, which fills the table
@@ -226,25 +242,31 @@ async def _look(dht, node, *, due: List[Tuple[str, List[str]]], timeout: float):
     except Exception:
         pass
     peers = {peer_id.to_base58(): connected.get(peer_id.to_base58(), []) for peer_id in table.peer_id_to_uid}
-    return node.peer_id.to_base58(), peers, responded
+    return node.peer_id.to_base58(), peers, responded, refused
 
 
-async def _reach(node, peer_id: str, addrs: List[str], timeout: float) -> bool:
+_ANSWERED, _REFUSED, _UNREACHABLE = "answered", "refused", "unreachable"
+
+
+async def _reach(node, peer_id: str, addrs: List[str], timeout: float) -> str:
     """Dial ``peer_id`` at ``addrs`` (the daemon may also know others) and ping it, which adds each to the other's
-    routing table."""
+    routing table. Says whether it answered, whether its host refused the connection (it is up, the peer is gone),
+    or neither (a link down, a host off)."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
     peer = PeerID.from_base58(peer_id)
+    refused = False
     if addrs:
         try:
             await asyncio.wait_for(node.p2p._client.connect(peer, [Multiaddr(a) for a in addrs]), timeout)
-        except Exception:
-            pass  # the ping below still tries whatever addresses the daemon knows
+        except Exception as e:  # the ping below still tries whatever addresses the daemon knows
+            refused = "connection refused" in str(e)
     try:
-        return await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
+        answered = await asyncio.wait_for(node.protocol.call_ping(peer), timeout) is not None
     except Exception:
-        return False
+        answered = False
+    return _ANSWERED if answered else _REFUSED if refused else _UNREACHABLE
 
 
 _watchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -26,7 +26,8 @@ def test_split_peer_maddr():
 
 
 class Scripted(DHTWatcher):
-    """A watcher whose looks return what the test scripts: (table {peer: addrs}, peers that answered a dial)."""
+    """A watcher whose looks return what the test scripts: (table {peer: addrs}, peers that answered a dial[, peers
+    whose hosts refused the connection])."""
 
     def __init__(self, answers, **config):
         super().__init__(object(), [BOOT_MADDR], WatchConfig(**config))
@@ -34,8 +35,8 @@ class Scripted(DHTWatcher):
 
     def _call(self, coroutine):
         self.dialled.append(sorted(peer for peer, _ in coroutine.keywords["due"]))
-        table, responded = self.answers.pop(0)
-        return "me", table, responded
+        table, responded, *refused = self.answers.pop(0)
+        return "me", table, responded, refused[0] if refused else []
 
 
 def test_a_node_that_loses_its_table_says_so_dials_everyone_it_knew_and_says_when_it_sees_them_again(caplog):
@@ -45,11 +46,12 @@ def test_a_node_that_loses_its_table_says_so_dials_everyone_it_knew_and_says_whe
     with caplog.at_level(logging.INFO, logger="swarm_opt._hivemind.rebootstrap"):
         assert [watcher._look_once() for _ in range(2)] == [False, False]
         assert not caplog.records and not watcher.lost  # healthy: silent
-        assert watcher._look_once() is True and watcher.lost  # emptied: dial at once
+        assert watcher._look_once() is True and watcher.lost  # emptied: dial at once ...
+        watcher._look_once()
+        assert watcher.dialled[3] == sorted(full)  # ... every peer it knew, the initial one too, then say so
         assert "Lost sight of the swarm's DHT (this node sees 0 of the 3 peers" in caplog.text
         assert "re-bootstrapping from 3 known addresses" in caplog.text
-        watcher._look_once()
-        assert watcher.dialled[3] == sorted(full)  # every peer it knew, the initial one too
+        assert caplog.records[0].levelno == logging.WARNING
         watcher._look_once()
         assert watcher.dialled[4] == []  # all are within their backoff now
         watcher._look_once()
@@ -59,11 +61,22 @@ def test_a_node_that_loses_its_table_says_so_dials_everyone_it_knew_and_says_whe
 
 def test_two_cut_off_together_are_lost_though_each_sees_the_other(caplog):
     five = {p: [] for p in "ABCDE"}
-    watcher = Scripted([(five, []), ({"A": []}, [])])
+    watcher = Scripted([(five, []), ({"A": []}, []), ({"A": []}, [])])
     with caplog.at_level(logging.INFO, logger="swarm_opt._hivemind.rebootstrap"):
-        watcher._look_once()
-        watcher._look_once()
+        for _ in range(3):
+            watcher._look_once()
     assert watcher.lost and "sees 1 of the 5 peers" in caplog.text
+
+
+def test_peers_that_left_are_said_at_info_not_as_a_warning(caplog):
+    """At a run's end the others' hosts refuse connections (nothing listens): not a partition."""
+    two = {"A": ["/ip4/10.0.0.2/tcp/1"], "B": ["/ip4/10.0.0.3/tcp/1"]}
+    watcher = Scripted([(two, []), ({}, []), ({}, [], [BOOT, "A", "B"]), (two, [])])
+    with caplog.at_level(logging.INFO, logger="swarm_opt._hivemind.rebootstrap"):
+        for _ in range(4):
+            watcher._look_once()
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
+    assert "they left" in caplog.records[0].message and "Found the swarm's DHT again" in caplog.records[1].message
 
 
 def test_a_missing_initial_peer_is_dialled_again_with_a_growing_bounded_pause():

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 from swarm_opt.errors import ConfigError
 
@@ -204,7 +204,7 @@ def _hint(initial_peers: Sequence[str], private_run: Optional[PrivateRun]) -> st
     return ""
 
 
-def probe_initial_peers(maddrs: Sequence[str], timeout: float = 3.0) -> List[tuple]:
+def probe_initial_peers(maddrs: Sequence[str], timeout: float = 3.0) -> List[Tuple[str, str]]:
     """(address, why it did not answer) for each initial peer, from one TCP connection to each: the p2p daemon says
     only that none answered."""
     with ThreadPoolExecutor(max_workers=min(16, max(1, len(maddrs)))) as pool:

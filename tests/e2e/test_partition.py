@@ -229,15 +229,15 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
     started = time.monotonic()
     newcomer = subprocess.run([*hosts.prefix(1), sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
                                f"/ip4/{hosts.address(1)}/tcp/{PORT}", "--initial-peers", bootstrap,
-                               "--join-timeout", "8"], capture_output=True, text=True, timeout=90, cwd=tmp_path,
+                               "--join-timeout", "20"], capture_output=True, text=True, timeout=90, cwd=tmp_path,
                               env=cli_env(), start_new_session=True)
     took = time.monotonic() - started
     assert newcomer.returncode == 2, newcomer.stderr
-    assert took < 45, f"gave up after {took:.0f} s:\n{newcomer.stderr}"
+    assert took < 60, f"gave up after {took:.0f} s:\n{newcomer.stderr}"  # a try and a probe take ~3 s each
     retries = re.findall(r"none of the initial peers answered: (\S+) \(([^)]+)\); trying again in", newcomer.stderr)
     assert retries and retries[0][0] == bootstrap, newcomer.stderr
     error = [line for line in newcomer.stderr.splitlines() if "error:" in line]
-    assert len(error) == 1 and bootstrap in error[0] and "tried for 8 s" in error[0], newcomer.stderr
+    assert len(error) == 1 and bootstrap in error[0] and "tried for 20 s" in error[0], newcomer.stderr
     assert "Traceback" not in newcomer.stderr, newcomer.stderr
 
     # it joins once the link comes back within --join-timeout

@@ -178,7 +178,7 @@ def start_dht(
         if all(answer == _LISTENING for _, answer in probes):  # all are up: waiting will not change their answer
             raise ConfigError(f"could not start the DHT node: {reason}: {why}{_hint(initial_peers, private_run)}") \
                 from None
-        if left <= 0:
+        if left < 1.0:
             raise ConfigError(f"could not start the DHT node: {reason} (tried for {join_timeout:.0f} s): "
                               f"{why}{_hint(initial_peers, private_run)}") from None
         pause = min(pause, left)

@@ -169,7 +169,7 @@ class DHTWatcher:
         left = " (the peers it dialled refused the connection: they left)" if everyone_refused else ""
         logger.log(self._level, f"Lost sight of the swarm's DHT (this node sees {size} of the {reference} peers it "
                                 f"saw in the last {self.config.recent:.0f} s){left}; re-bootstrapping from "
-                                f"{addresses} known addresses")
+                                f"{addresses} known address{'' if addresses == 1 else 'es'}")
 
     def _judge(self, size: int, now: float) -> bool:
         """Track the table's size; say when it lost its contacts and when it has them again."""

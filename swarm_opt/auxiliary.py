@@ -29,6 +29,7 @@ import torch
 from hivemind.dht import DHT
 
 from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.compression import Compression, as_codec
@@ -80,6 +81,7 @@ class AuxiliaryPeer:
         if dht.client_mode:
             raise ConfigError("an auxiliary peer reduces parts that the trainers send to it, so it must accept "
                               "connections: start its DHT without client_mode")
+        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
         strategy = GradientAveraging() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")

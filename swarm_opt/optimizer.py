@@ -26,6 +26,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm_opt._hivemind.averager import COUNTED_KEY, TensorAverager
+from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
@@ -148,6 +149,7 @@ class Optimizer(torch.optim.Optimizer):
                                        averaging_timeout=averaging_timeout)
         if not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
         strategy = GradientAveraging() if strategy is None else strategy
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")

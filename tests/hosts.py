@@ -1,7 +1,11 @@
 """Test hosts on one machine: network namespaces on a bridge, with bandwidth-limited links (``tc tbf``).
 
-Used by the multi-host test (``tests/e2e/test_netns.py``) and the utilization benchmark. Needs root and iproute2;
-traffic stays between these namespaces.
+Used by the multi-host tests (``tests/e2e/test_netns.py``, ``tests/e2e/test_partition.py``) and the utilization
+benchmark. Needs root and iproute2; traffic stays between these namespaces.
+
+A partition (``Hosts.cut``) moves hosts' switch ports onto a bridge of their own, as a cable cut beyond a site's
+switch does: each host keeps its link up and its address, its packets to the other side are dropped silently (no
+"network unreachable" that would tell a program at once), and hosts cut together still reach each other.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Dict, Iterable, Union
 
 SUBNET = "10.213.{}.{}"
 
@@ -28,6 +33,9 @@ class Hosts:
 
     def __init__(self, n: int, rate: str = "50mbit", burst: str = "32kbit") -> None:
         tag = uuid.uuid4().hex[:6]
+        self.tag = tag
+        self._side: Dict[int, str] = {}  # host -> the island bridge it was cut onto (absent: on br0 with the rest)
+        self._islands = 0
         self.switch, self.names = f"so{tag}sw", [f"so{tag}h{i}" for i in range(n)]
         self.third_octet = int(tag[:2], 16)
         _sh("ip", "netns", "add", self.switch)
@@ -75,6 +83,42 @@ class Hosts:
                        timeout=60)
         out, _ = server.communicate(timeout=30)
         return float(out.strip())
+
+    def cut(self, hosts: Union[int, Iterable[int]]) -> None:
+        """Cut ``hosts`` (one index, or several that stay together on their side) off from every other host: their
+        switch ports move onto a bridge of their own. A host already cut elsewhere moves to this new side."""
+        group = sorted({hosts} if isinstance(hosts, int) else set(hosts))
+        if not group or not all(0 <= i < len(self.names) for i in group):
+            raise ValueError(f"host indices in 0..{len(self.names) - 1} expected, got {group}")
+        self._islands += 1
+        island = f"br{self._islands}"
+        self._in(self.switch, "ip", "link", "add", island, "type", "bridge")
+        self._in(self.switch, "ip", "link", "set", island, "up")
+        for i in group:
+            self._in(self.switch, "ip", "link", "set", self._port(i), "master", island)
+            self._side[i] = island
+        self._drop_empty_islands()
+
+    def heal(self, hosts: Union[int, Iterable[int], None] = None) -> None:
+        """Plug ``hosts`` (default: every cut host) back into the common bridge; healing a host that is not cut
+        does nothing."""
+        group = set(self._side) if hosts is None else ({hosts} if isinstance(hosts, int) else set(hosts))
+        for i in sorted(group & set(self._side)):
+            self._in(self.switch, "ip", "link", "set", self._port(i), "master", "br0")
+            del self._side[i]
+        self._drop_empty_islands()
+
+    def is_cut(self, i: int) -> bool:
+        return i in self._side
+
+    def _port(self, i: int) -> str:
+        return f"v{self.tag}{i}"
+
+    def _drop_empty_islands(self) -> None:
+        for k in range(1, self._islands + 1):
+            island = f"br{k}"
+            if island not in self._side.values():
+                _sh("ip", "netns", "exec", self.switch, "ip", "link", "del", island, check=False)
 
     @staticmethod
     def _in(namespace: str, *args: str) -> None:

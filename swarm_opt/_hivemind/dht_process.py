@@ -18,17 +18,17 @@ from __future__ import annotations
 import os
 import signal
 
-import hivemind
-
 from swarm_opt._hivemind.fork import die_with_parent
+from swarm_opt._hivemind.rebootstrap import WatchedDHT
 
 
 def _kill_own_group(signum: int, frame: object) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
-class OwnGroupDHT(hivemind.DHT):
-    """``hivemind.DHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent."""
+class OwnGroupDHT(WatchedDHT):
+    """``hivemind.DHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent.
+    Its ``shutdown()`` stops its re-bootstrapping watcher first (``swarm_opt._hivemind.rebootstrap``)."""
 
     def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
         # a SIGTERM before the handler is in place kills this process alone, before it has started the daemon

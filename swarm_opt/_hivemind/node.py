@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import logging
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
 
 from swarm_opt.errors import ConfigError
 
@@ -28,6 +33,8 @@ if TYPE_CHECKING:
     from swarm_opt.auth import PrivateRun
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+DEFAULT_JOIN_TIMEOUT = 60.0
+logger = logging.getLogger(__name__)
 
 
 def parse_maddrs(values: Optional[Sequence[str]], *, option: str, need_peer_id: bool = False) -> List[str]:
@@ -122,14 +129,18 @@ def start_dht(
     client_mode: bool = False,
     identity_path: Optional[str] = None,
     private_run: Optional[PrivateRun] = None,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
 ):
     """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start. Started from
     the main thread, the DHT and its p2p daemon run in a process group of their own
     (``swarm_opt._hivemind.dht_process``).
-    With ``private_run``, only peers holding the same credentials can talk to it (``swarm_opt.auth``)."""
-    import hivemind
-
+    With ``private_run``, only peers holding the same credentials can talk to it (``swarm_opt.auth``).
+    When none of ``initial_peers`` answers, it says which and why in one line and, while one of them cannot be
+    reached at all (it may be starting, or its link down), tries again with a growing pause for up to
+    ``join_timeout`` seconds (0: one try). The DHT re-bootstraps by itself whenever it later loses sight of
+    the swarm (``swarm_opt._hivemind.rebootstrap``)."""
     from swarm_opt._hivemind.dht_process import OwnGroupDHT
+    from swarm_opt._hivemind.rebootstrap import WatchedDHT, watch_dht
 
     initial_peers = parse_maddrs(initial_peers, option="--initial-peers", need_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, option="--host-maddrs")
@@ -147,20 +158,78 @@ def start_dht(
         kwargs.update(identity_path=str(Path(identity_path).expanduser()))
     if private_run is not None:
         kwargs.update(authorizer=private_run.authorizer())
+    deadline, pause = time.monotonic() + join_timeout, 2.0
+    while True:
+        try:
+            with children_ignore_sigint():
+                in_main_thread = threading.current_thread() is threading.main_thread()
+                dht = (OwnGroupDHT if in_main_thread else WatchedDHT)(**kwargs)
+            watch_dht(dht, initial_peers)
+            return dht
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", reason)  # p2pd's own timestamp
+            if not (initial_peers and _is_bootstrap_failure(reason)):
+                raise ConfigError(f"could not start the DHT node: {reason}{_hint(initial_peers, private_run)}") \
+                    from None
+        probes = probe_initial_peers(initial_peers)
+        why = "; ".join(f"{maddr} ({answer})" for maddr, answer in probes)
+        left = deadline - time.monotonic()
+        if all(answer == _LISTENING for _, answer in probes):  # all are up: waiting will not change their answer
+            raise ConfigError(f"could not start the DHT node: {reason}: {why}{_hint(initial_peers, private_run)}") \
+                from None
+        if left < 1.0:
+            raise ConfigError(f"could not start the DHT node: {reason} (tried for {join_timeout:.0f} s): "
+                              f"{why}{_hint(initial_peers, private_run)}") from None
+        pause = min(pause, left)
+        logger.warning(f"none of the initial peers answered: {why}; trying again in {pause:.0f} s "
+                       f"(for up to {left:.0f} s more)")
+        time.sleep(pause)
+        pause = min(pause * 2, 30.0)
+
+
+def _is_bootstrap_failure(reason: str) -> bool:
+    """Did a DHT fail to start only because none of its initial peers answered? p2pd says so when it cannot dial
+    any of them, ``DHTNode.create`` when none answers its ping."""
+    return "failed to connect to bootstrap peers" in reason or "none of the initial_peers responded" in reason
+
+
+def _hint(initial_peers: Sequence[str], private_run: Optional[PrivateRun]) -> str:
+    if initial_peers and private_run is not None:
+        return ("; check that --initial-peers are reachable and up, and that this peer holds the run's "
+                "credentials (the same --run-secret-file; its peer id in their --allow-peers)")
+    if initial_peers:
+        return ("; check that --initial-peers are reachable and up, and, if the run is private, pass its "
+                "secret with --run-secret-file")
+    return ""
+
+
+def probe_initial_peers(maddrs: Sequence[str], timeout: float = 3.0) -> List[Tuple[str, str]]:
+    """(address, why it did not answer) for each initial peer, from one TCP connection to each: the p2p daemon says
+    only that none answered."""
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(maddrs)))) as pool:
+        return list(zip(maddrs, pool.map(functools.partial(_probe, timeout=timeout), maddrs)))
+
+
+_LISTENING = "its port accepts connections, but no DHT peer with this peer id answered there"
+
+
+def _probe(value: str, timeout: float) -> str:
+    from hivemind.utils.multiaddr import Multiaddr
+
+    maddr = Multiaddr(value)
+    names = [p.name for p in maddr.protocols()]
+    host_protocol = next((name for name in ("ip4", "ip6", "dns", "dns4", "dns6") if name in names), None)
+    if host_protocol is None or "tcp" not in names:
+        return "no TCP address to probe"
+    address = (maddr.value_for_protocol(host_protocol), int(maddr.value_for_protocol("tcp")))
     try:
-        with children_ignore_sigint():
-            in_main_thread = threading.current_thread() is threading.main_thread()
-            return (OwnGroupDHT if in_main_thread else hivemind.DHT)(**kwargs)
-    except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ""
-        if initial_peers and private_run is not None:
-            hint = ("; check that --initial-peers are reachable and up, and that this peer holds the run's "
-                    "credentials (the same --run-secret-file; its peer id in their --allow-peers)")
-        elif initial_peers:
-            hint = ("; check that --initial-peers are reachable and up, and, if the run is private, pass its "
-                    "secret with --run-secret-file")
-        raise ConfigError(f"could not start the DHT node: {reason}{hint}") from None
+        with socket.create_connection(address, timeout=timeout):
+            return _LISTENING
+    except TimeoutError:
+        return f"no answer within {timeout:.0f} s"
+    except OSError as e:
+        return (e.strerror or str(e)).lower()
 
 
 class StopRequest:

@@ -225,6 +225,9 @@ _NETWORK = [
             metavar="FILE"),
 ]
 
+_JOIN = _Option("--join-timeout", "seconds to keep trying while none of --initial-peers can be reached (they may be "
+                "starting, or this host's link may be down)", type=non_negative_float, default=60.0)
+
 _PRIVATE = [
     _Option("--run-secret-file", "a private run: file holding the run's shared secret (make one with "
             "`openssl rand -hex 32 > run.secret`); peers without it cannot join", metavar="FILE"),
@@ -233,10 +236,11 @@ _PRIVATE = [
 ]
 
 OPTIONS: Dict[str, List[_Option]] = {
-    "dht": _NETWORK + _PRIVATE,
+    "dht": _NETWORK + [_JOIN] + _PRIVATE,
     "train": [
         _Option("--run-id", "peers with the same run id train together", type=run_id, required=True),
         *_NETWORK,
+        _JOIN,
         *_PRIVATE,
         _Option("--client-mode", "only dial out (behind NAT or a firewall); still averages", is_switch=True),
         _Option("--auxiliary", "help the run average without training: reduce a share of every round (a machine "
@@ -289,6 +293,7 @@ OPTIONS: Dict[str, List[_Option]] = {
                 metavar="MADDR"),
         *_PRIVATE,
         _NETWORK[-1],
+        _JOIN,
         _Option("--target-batch-size", "the run's global batch, to show progress toward the next epoch and an ETA",
                 type=positive_int),
         _Option("--once", "print one snapshot and exit (status 1 if the run has no live peers)", is_switch=True),
@@ -452,7 +457,7 @@ def run_dht(args: argparse.Namespace) -> int:
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                    private_run=private_run(args))
+                    private_run=private_run(args), join_timeout=args.join_timeout)
     stop = StopRequest().install()
     try:
         for maddr in dht.get_visible_maddrs():
@@ -480,7 +485,7 @@ def run_monitor(args: argparse.Namespace) -> int:
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
 
     dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
-                    private_run=private_run(args))
+                    private_run=private_run(args), join_timeout=args.join_timeout)
     stop = StopRequest()
     monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size)
     try:

@@ -152,7 +152,8 @@ def run_train(args: argparse.Namespace) -> int:
     stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
-                    identity_path=args.identity_path, private_run=private_run(args))
+                    identity_path=args.identity_path, private_run=private_run(args),
+                    join_timeout=args.join_timeout)
     if args.auxiliary:
         return _run_auxiliary(args, task, strategy, dht, stop)
     opt: Optional[swarm_opt.Optimizer] = None

@@ -30,7 +30,6 @@ from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt._hivemind.dht_cache import read_latest_only
 from swarm_opt._hivemind.near_store import store_near
-from swarm_opt._hivemind.neighbours import knows_other_nodes
 from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
@@ -546,7 +545,6 @@ class ProgressTracker:
         self._last_read_began = -math.inf
         self._view_size, self._reads_since_growth = 0, 0
         self._read_seconds = 0.0  # how long reads take: the slowest recent one, decaying
-        self._lonely = False  # at the last read, nobody else's record was seen and our DHT node knew no other node
         self._version: Optional[Tuple[int, List[bytes]]] = None
         self._version_streak = 0
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
@@ -589,15 +587,14 @@ class ProgressTracker:
     def settled(self) -> bool:
         """Whether this peer's view of the swarm has settled: its last two reads showed no new peer, and the last
         one began three reads' time (at least ``_MIN_SETTLE`` seconds) after its own record was first stored and
-        after the read that last showed a new peer began; or it is alone in the world: it saw nobody's record and
-        its DHT node knows no other node (the first peer of a run, before anybody joined through it). Peers that
-        start (publish) within that time of each other see each other before either settles; until then a peer
-        does not commit the run's first epoch, nor any epoch alone (``Optimizer``), or each of several peers that
-        have not yet seen the others would commit its own version of it."""
+        after the read that last showed a new peer began. Peers that start (publish) within that time of each other
+        see each other before either settles; until then a peer does not commit the run's first epoch, nor any epoch
+        alone (``Optimizer``), or each of several peers that have not yet seen the others would commit its own
+        version of it. A peer that really is alone pays that time once, at its first round."""
         with self._lock:
             settle = min(_MAX_SETTLE, max(_MIN_SETTLE, 3 * self._read_seconds))
             quiet = self._last_read_began - self._quiet_since
-            return self._lonely or (self._reads_since_growth >= 2 and quiet >= settle)
+            return self._reads_since_growth >= 2 and quiet >= settle
 
     @property
     def other_version(self) -> Optional[Tuple[int, List[bytes]]]:
@@ -707,13 +704,6 @@ class ProgressTracker:
         return read_interval(self.progress, self._samples, self.sampled, self.config, self._records.filling,
                              watched=time.monotonic() < self._watched_until)
 
-    def _knows_other_nodes(self, timeout: float) -> bool:
-        try:
-            return knows_other_nodes(self.dht, timeout)
-        except Exception as e:  # the DHT is shutting down, or slow: not lonely, as far as we know
-            logger.debug("Could not count the DHT's known nodes: %r", e)
-            return True
-
     def _remember(self, live: frozenset, present: set, departed: set, began: float, took: float) -> None:
         """After a read (under the lock): the peers seen live now are remembered (``recent_peers``) until they leave,
         are ignored (``swarm_opt.trust``) or stay unseen for ``TrackerConfig.forget_after``; the view's growth and
@@ -802,17 +792,12 @@ class ProgressTracker:
             )
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        # a founder's epoch 0 is no evidence against a peer ahead (it trained its first rounds alone while this
-        # peer started): it follows a majority of the others, as a newcomer does, until its own first round
-        checked = self._checker.check(records, local, now, self.target_batch_size, started,
-                                      local_votes=joined and local.epoch > 0)
+        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
         scale = self._records.sample.scale
         departed, self._records.departed = self._records.departed, set()
-        lonely = not checked.live and not self._knows_other_nodes(timeout)
         with self._lock:
             self._others, self._ahead, self._scale = checked.records, checked.ahead, scale
             self._remember(checked.live, {(r.peer_id, r.instance) for r in records}, departed, began, took)
-            self._lonely = lonely
             self._judge_versions()
         self._records.sample.observe(1 + scale * (len(checked.records) + checked.ahead))
         self._last_read = time.monotonic()

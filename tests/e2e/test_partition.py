@@ -269,8 +269,6 @@ def one_model(trainers: Dict[int, Proc], offsets: Dict[int, int]) -> Optional[in
 
 @pytest.mark.swarm
 @pytest.mark.extended
-@pytest.mark.xfail(reason="issue 48 items 2-3: a cut-off peer must not commit epochs alone, and after healing the "
-                          "minority must take the majority's state (optimizer and tracker)", strict=False)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("size,cut,seconds", [(5, {2}, 30), (6, {2, 5}, 30), (5, {2}, 180), (6, {2, 5}, 180)],
                          ids=["1of5-30s", "2of6-30s", "1of5-3min", "2of6-3min"])

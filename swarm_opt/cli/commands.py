@@ -88,6 +88,19 @@ def lane_address(text: str) -> Tuple[str, int]:
     return host, number
 
 
+def host_port(text: str) -> Tuple[str, int]:
+    """``[HOST:]PORT`` for a server of this process (``--metrics-port``, ``monitor --serve``): HOST defaults to
+    127.0.0.1 (this machine only); 0.0.0.0 serves every interface; port 0 picks a free one."""
+    host, _, port = str(text).rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ValueError(f"expected [HOST:]PORT, e.g. 9100 or 0.0.0.0:9100, got {text!r}")
+    return host or "127.0.0.1", number
+
+
 def positive_float(text: str) -> float:
     value = non_negative_float(text)
     if value == 0:
@@ -225,6 +238,10 @@ _NETWORK = [
             metavar="FILE"),
 ]
 
+_METRICS = _Option("--metrics-port", "serve Prometheus metrics of this peer on http://HOST:PORT/metrics (HOST "
+                   "default 127.0.0.1; 0.0.0.0 for a scraper on another machine)", type=host_port,
+                   metavar="[HOST:]PORT")
+
 _PRIVATE = [
     _Option("--run-secret-file", "a private run: file holding the run's shared secret (make one with "
             "`openssl rand -hex 32 > run.secret`); peers without it cannot join", metavar="FILE"),
@@ -233,7 +250,7 @@ _PRIVATE = [
 ]
 
 OPTIONS: Dict[str, List[_Option]] = {
-    "dht": _NETWORK + _PRIVATE,
+    "dht": _NETWORK + _PRIVATE + [_METRICS],
     "train": [
         _Option("--run-id", "peers with the same run id train together", type=run_id, required=True),
         *_NETWORK,
@@ -282,6 +299,9 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--checkpoint-dir", "save checkpoints (model and optimizer, DIR/epoch-NNNNNNNN.pt, "
                 "the last 3 kept) at exit and every --checkpoint-every epochs; resume from the latest", metavar="DIR"),
         _Option("--checkpoint-every", "global epochs between checkpoints", type=positive_int, default=10),
+        _METRICS,
+        _Option("--log-dir", "write TensorBoard scalars (loss, test metrics, epoch, samples/s, round seconds, group "
+                "size) to DIR, one point per global epoch", metavar="DIR"),
     ],
     "monitor": [
         _Option("--run-id", "the run to follow", type=run_id, required=True),
@@ -297,6 +317,8 @@ OPTIONS: Dict[str, List[_Option]] = {
                 default=5.0),
         _Option("--plot", "write the run's global epoch over time to this image when the monitor exits",
                 metavar="FILE.png"),
+        _Option("--serve", "serve a live web page of the run on http://HOST:PORT/ (HOST default 127.0.0.1; "
+                "0.0.0.0 for every interface)", type=host_port, metavar="[HOST:]PORT"),
     ],
 }
 
@@ -324,7 +346,8 @@ abandon the step.""",
 examples:
   swarm-opt monitor --run-id digits42 --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmBootstrap...
   swarm-opt monitor --run-id digits42 --initial-peers ... --once           # one snapshot, for scripts
-  swarm-opt monitor --config run.yaml --target-batch-size 512 --plot progress.png""",
+  swarm-opt monitor --config run.yaml --target-batch-size 512 --plot progress.png
+  swarm-opt monitor --run-id digits42 --initial-peers ... --serve 8080    # then open http://127.0.0.1:8080/""",
 }
 
 _CONFIG_HELP = """\
@@ -450,6 +473,7 @@ def run_dht(args: argparse.Namespace) -> int:
     from swarm_opt._hivemind.node import StopRequest, ensure_identity, start_dht
 
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
+    metrics = start_metrics(args)
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                     private_run=private_run(args))
@@ -457,6 +481,8 @@ def run_dht(args: argparse.Namespace) -> int:
     try:
         for maddr in dht.get_visible_maddrs():
             print(maddr, flush=True)
+        if metrics is not None:
+            metrics.watch(dht=dht)
         identity = f" (identity {args.identity_path}, peer id {peer_id})" if peer_id else ""
         print(f"{PROG} dht: running{identity}; share the addresses above with --initial-peers. "
               f"Ctrl-C to stop.", file=sys.stderr, flush=True)
@@ -479,12 +505,26 @@ def run_monitor(args: argparse.Namespace) -> int:
     from swarm_opt._hivemind.node import StopRequest, start_dht
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
 
+    page = None
+    if args.serve is not None:
+        if args.once:
+            raise ConfigError("--serve runs until stopped; drop --once (or --serve)")
+        from swarm_opt.monitor.web import MonitorPage
+
+        page = MonitorPage(*args.serve, run_id=args.run_id)  # a port in use fails here, before the DHT starts
     dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
                     private_run=private_run(args))
     stop = StopRequest()
-    monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size)
+    monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size, with_stats=page is not None)
     try:
         stop.install()
+        if page is not None:
+            from swarm_opt.monitor.web import serve_forever
+
+            print(f"{PROG} monitor: serving run '{args.run_id}' on {page.url} (Ctrl-C to stop)", file=sys.stderr,
+                  flush=True)
+            serve_forever(monitor, page, stop.event)
+            return EXIT_OK
         if args.once:
             deadline = time.monotonic() + args.wait
             snapshot = monitor.read()
@@ -514,6 +554,8 @@ def run_monitor(args: argparse.Namespace) -> int:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if page is not None:
+            page.close()
         dht.shutdown()
         if args.plot:
             if monitor.history:
@@ -522,6 +564,20 @@ def run_monitor(args: argparse.Namespace) -> int:
             else:
                 print(f"{PROG} monitor: nothing to plot (no records were seen); {args.plot} not written",
                       file=sys.stderr)
+
+
+def start_metrics(args: argparse.Namespace) -> Any:
+    """The Prometheus exporter of --metrics-port, already serving (None without the option); before any DHT starts,
+    so that a port in use costs nothing."""
+    if args.metrics_port is None:
+        return None
+    from swarm_opt.monitor.prometheus import PrometheusMetrics
+
+    host, port = args.metrics_port
+    metrics = PrometheusMetrics()
+    port = metrics.serve(port, host)
+    print(f"{PROG} {args.command}: Prometheus metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
+    return metrics
 
 
 def private_run(args: argparse.Namespace) -> Any:

@@ -126,21 +126,26 @@ class StatsPublisher(Metrics):
         self._lock = threading.Lock()
         self._published_epoch: Optional[int] = None
         self._published_at = -math.inf
+        self._loss: Optional[float] = None
 
     def round_concluded(self, outcome: str, seconds: float, group_size: int) -> None:
         with self._lock:
             self.rounds[outcome] = self.rounds.get(outcome, 0) + 1
 
-    def publish(self, epoch: int, loss: Optional[float] = None) -> None:
+    def publish(self, epoch: int, loss: Optional[float] = None, *, rounds: Optional[Dict[str, int]] = None) -> None:
+        """Publish if the epoch changed or a minute passed. ``loss``: the mean training loss of the steps that led to
+        ``epoch`` (kept for the heartbeats of the same epoch); ``rounds``: counts to publish instead of the rounds
+        observed (an auxiliary peer's rounds helped)."""
         now = time.monotonic()
+        if epoch != self._published_epoch or loss is not None:
+            self._loss = None if loss is None or not math.isfinite(loss) else float(loss)
         if epoch == self._published_epoch and now - self._published_at < _REPUBLISH_SECONDS:
             return
         self._published_epoch, self._published_at = epoch, now
         with self._lock:
-            rounds = dict(self.rounds)
+            counts = dict(self.rounds if rounds is None else rounds)
         record = PeerStats(peer_id=self._peer_id, time=float(get_dht_time()), role=self.role, epoch=int(epoch),
-                           loss=None if loss is None or not math.isfinite(loss) else float(loss), rounds=rounds,
-                           maddrs=self._maddrs, **self._versions)
+                           loss=self._loss, rounds=counts, maddrs=self._maddrs, **self._versions)
         try:
             self.dht.store(stats_key(self.run_id), subkey=self._subkey, value=record.dict(),
                            expiration_time=get_dht_time() + 3 * _REPUBLISH_SECONDS, return_future=True)

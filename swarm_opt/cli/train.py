@@ -227,7 +227,6 @@ def run_train(args: argparse.Namespace) -> int:
             loss.backward()
             losses.add(loss)
             opt.step(batch_size=len(y))
-            stats.publish(opt.local_epoch)  # a heartbeat: stores only once a minute within an epoch
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
                 test_metrics = evaluate(task)
@@ -240,6 +239,7 @@ def run_train(args: argparse.Namespace) -> int:
                     ckpt.maybe_save(opt, task.model, extra=_checkpoint_extra(args))
                 bar.update(opt, force=True)
             else:
+                stats.publish(last_epoch)  # a heartbeat: stores only once a minute within an epoch
                 bar.update(opt)
     except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
         pass

@@ -196,6 +196,7 @@ def run_train(args: argparse.Namespace) -> int:
                 transport=transport, aggregation=args.aggregation,
             )
         opt.observe(stats)
+        stats.watch(opt)
         if metrics is not None:
             metrics.watch(opt)
             opt.observe(metrics)
@@ -278,6 +279,7 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
                                              strategy=strategy, matchmaking_time=args.matchmaking_time,
                                              averaging_timeout=args.averaging_timeout,
                                              aggregation=args.aggregation)
+        stats.watch(helper)
         if metrics is not None:
             metrics.watch(helper)
         stop.install()

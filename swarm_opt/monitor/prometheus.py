@@ -28,6 +28,8 @@ METRIC_NAMES = {
     "swarm_opt_state_downloads_declined_total": "state downloads this peer declined, busy (the newcomer asked another)",
     "swarm_opt_records_refused_total": "progress records trust started ignoring, by reason",
     "swarm_opt_rounds_helped_total": "rounds an auxiliary peer helped",
+    "swarm_opt_bytes_sent_total": "bytes of tensor parts this peer sent in its all-reduces (hivemind's path)",
+    "swarm_opt_bytes_received_total": "bytes of tensor parts this peer received in its all-reduces (hivemind's path)",
     "swarm_opt_averager_resident_memory_bytes": "resident memory of this peer's averager process",
     "swarm_opt_dht_resident_memory_bytes": "resident memory of this peer's DHT process",
     "process_resident_memory_bytes": "resident memory of the trainer's own process (prometheus_client's)",
@@ -110,6 +112,9 @@ class PrometheusMetrics(Metrics):
             if hasattr(averager, "uploads"):
                 pulled += [counter("swarm_opt_state_downloads_served_total", lambda: averager.uploads.served),
                            counter("swarm_opt_state_downloads_declined_total", lambda: averager.uploads.declined)]
+            if hasattr(averager, "traffic"):
+                pulled += [counter("swarm_opt_bytes_sent_total", lambda: averager.traffic[0]),
+                           counter("swarm_opt_bytes_received_total", lambda: averager.traffic[1])]
             pulled.append(gauge("swarm_opt_averager_resident_memory_bytes",
                                 lambda: _resident_bytes(averager._engine.pid)))
         if optimizer is not None and hasattr(optimizer, "rounds_helped"):

@@ -123,6 +123,10 @@ class RunHistory:
     # (minute since the epoch of time.time(), committed, failed): the rounds peers reported, by the minute they did
     rounds: Deque[List[int]] = field(default_factory=lambda: deque(maxlen=24 * 60))
     _last_rounds: Dict[bytes, Dict[str, int]] = field(default_factory=dict)
+    # (time, bytes sent per second, received per second): all peers that publish their traffic, together
+    traffic: Deque[Tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=4000))
+    _last_traffic: Dict[bytes, Tuple[float, int, int]] = field(default_factory=dict)  # peer -> (time, sent, recv)
+    _rates: Dict[bytes, Tuple[float, float]] = field(default_factory=dict)  # peer -> its last rates
 
     max_epochs_kept = 2000
 
@@ -144,8 +148,37 @@ class RunHistory:
                 self.rounds[-1][2] += failed
         for gone in [p for p in self._last_rounds if p not in stats]:
             del self._last_rounds[gone]
+        self._add_traffic(stats)
         while len(self.loss) > self.max_epochs_kept:
             del self.loss[min(self.loss)]
+
+    def _add_traffic(self, stats: Dict[bytes, PeerStats]) -> None:
+        changed = False
+        for peer, s in stats.items():
+            if s.bytes_sent is None or s.bytes_received is None:
+                continue
+            before = self._last_traffic.get(peer)
+            if before is not None and s.time > before[0]:
+                seconds = s.time - before[0]
+                self._rates[peer] = (max(0, s.bytes_sent - before[1]) / seconds,
+                                     max(0, s.bytes_received - before[2]) / seconds)
+                changed = True
+            if before is None or s.time > before[0]:
+                self._last_traffic[peer] = (s.time, s.bytes_sent, s.bytes_received)
+        for gone in [p for p in self._last_traffic if p not in stats]:
+            del self._last_traffic[gone]
+            self._rates.pop(gone, None)
+            changed = True
+        if changed:
+            self.traffic.append((time.time(), *self.bytes_per_second()))
+
+    def bytes_per_second(self) -> Tuple[float, float]:
+        """(sent, received) per second by the peers that publish their traffic, summed: each at its last rate."""
+        return sum(r[0] for r in self._rates.values()), sum(r[1] for r in self._rates.values())
+
+    @property
+    def publishes_traffic(self) -> bool:
+        return bool(self._last_traffic)
 
     def mean_loss(self) -> List[Tuple[int, float]]:
         return [(epoch, sum(by_peer.values()) / len(by_peer)) for epoch, by_peer in sorted(self.loss.items())]

@@ -14,7 +14,7 @@ import math
 import os
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -44,6 +44,9 @@ class PeerStats(pydantic.BaseModel):
                  pydantic.conint(ge=0, strict=True)] = {}  # type: ignore[valid-type]  # outcome -> count
     swarm_opt_version: pydantic.constr(max_length=32, strict=True) = ""  # type: ignore[valid-type]
     hivemind_version: pydantic.constr(max_length=32, strict=True) = ""  # type: ignore[valid-type]
+    # bytes of tensor parts sent and received in all-reduces so far (None: not published)
+    bytes_sent: Optional[pydantic.conint(ge=0, strict=True)] = None  # type: ignore[valid-type]
+    bytes_received: Optional[pydantic.conint(ge=0, strict=True)] = None  # type: ignore[valid-type]
     # the multiaddrs others dial (empty for a client): what ``swarm-opt doctor`` asks a peer to dial back
     maddrs: pydantic.conlist(pydantic.constr(max_length=256, strict=True), max_items=8) = []  # type: ignore
 
@@ -127,6 +130,13 @@ class StatsPublisher(Metrics):
         self._published_epoch: Optional[int] = None
         self._published_at = -math.inf
         self._loss: Optional[float] = None
+        self._traffic: Optional[Any] = None
+
+    def watch(self, member: Any) -> None:
+        """Publish the traffic of ``member`` (an ``Optimizer`` or ``AuxiliaryPeer``) too."""
+        averager = getattr(member, "_averager", None)
+        if averager is not None and hasattr(averager, "traffic"):
+            self._traffic = lambda: averager.traffic
 
     def round_concluded(self, outcome: str, seconds: float, group_size: int) -> None:
         with self._lock:
@@ -144,8 +154,15 @@ class StatsPublisher(Metrics):
         self._published_epoch, self._published_at = epoch, now
         with self._lock:
             counts = dict(self.rounds if rounds is None else rounds)
+        sent = received = None
+        if self._traffic is not None:
+            try:
+                sent, received = self._traffic()
+            except Exception:  # the averager shutting down
+                pass
         record = PeerStats(peer_id=self._peer_id, time=float(get_dht_time()), role=self.role, epoch=int(epoch),
-                           loss=self._loss, rounds=counts, maddrs=self._maddrs, **self._versions)
+                           loss=self._loss, rounds=counts, maddrs=self._maddrs, bytes_sent=sent,
+                           bytes_received=received, **self._versions)
         try:
             self.dht.store(stats_key(self.run_id), subkey=self._subkey, value=record.dict(),
                            expiration_time=get_dht_time() + 3 * _REPUBLISH_SECONDS, return_future=True)

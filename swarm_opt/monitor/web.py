@@ -54,9 +54,11 @@ def snapshot_json(run_id: str, snapshot: Optional[RunSnapshot], history: RunHist
         "peers": [_peer_json(p) for p in snapshot.peers + snapshot.helpers + snapshot.ignored],
         "history": {"epochs": [[round(t, 1), round(e, 3), n] for t, e, n in history.epochs],
                     "loss": [[e, v] for e, v in history.mean_loss()],
-                    "rounds": [list(r) for r in history.rounds]},
-        # no peer publishes its bytes yet (docs/monitoring.md): the page says so instead of drawing zeros
-        "bytes_per_second": None,
+                    "rounds": [list(r) for r in history.rounds],
+                    "traffic": [[round(t, 1), s, r] for t, s, r in history.traffic]},
+        # None while no peer publishes its traffic: the page says so instead of drawing zeros
+        "bytes_per_second": dict(zip(("sent", "received"), history.bytes_per_second()))
+        if history.publishes_traffic else None,
     }
 
 

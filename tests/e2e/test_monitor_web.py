@@ -105,6 +105,7 @@ def test_the_web_page_follows_a_live_run_in_a_real_browser(cli):
     assert re.search(r'<span class="tag client">client</span>', dom)
     assert re.search(r'class="num">\d+\.\d+</td>', dom), "no peer's training loss is shown"  # from the stats record
     assert "<polyline" in dom  # the epochs chart has a line
+    assert re.search(r'id="bytes"[^>]*>sent [\d.,]+ k?M?B/s, received', dom), "no traffic is shown"
 
     shot = os.environ.get("SWARM_OPT_MONITOR_SCREENSHOT")
     if shot:
@@ -158,6 +159,8 @@ def test_metrics_of_a_live_peer_match_its_log_and_tensorboard_gets_one_point_per
     assert committed >= 1 and metric(text, "swarm_opt_peers") == 2
     assert metric(text, 'swarm_opt_round_seconds_count{outcome="committed"}') == committed
     assert metric(text, "swarm_opt_samples_per_second") > 0
+    # digits' model is 1,210 float32 values: each committed round sends and receives at least a part of them
+    assert metric(text, "swarm_opt_bytes_sent_total") > 0 and metric(text, "swarm_opt_bytes_received_total") > 0
     assert metric(text, "process_resident_memory_bytes") > 50e6  # the trainer (torch is loaded)
     assert metric(text, "swarm_opt_averager_resident_memory_bytes") > 1e6
     assert metric(text, "swarm_opt_dht_resident_memory_bytes") > 1e6

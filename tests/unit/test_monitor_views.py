@@ -78,6 +78,22 @@ def test_rounds_per_minute_count_what_peers_did_since_the_monitor_started():
     assert history.mean_loss() == [(3, 0.9), (4, pytest.approx(0.6)), (5, pytest.approx(0.5))]
 
 
+def test_bytes_per_second_sum_the_peers_that_publish_their_traffic():
+    history = RunHistory()
+
+    def traffic(name: str, t: float, sent: int, received: int) -> PeerStats:
+        return PeerStats(peer_id=name.encode(), time=t, role="trainer", epoch=1, bytes_sent=sent,
+                         bytes_received=received)
+
+    history.add_stats({b"a": stats("a", 1, 0.5, 0)}, now=0.0)  # publishes no traffic
+    assert not history.publishes_traffic
+    history.add_stats({b"a": traffic("a", 100.0, 1000, 2000), b"b": traffic("b", 100.0, 0, 0)}, now=0.0)
+    history.add_stats({b"a": traffic("a", 110.0, 3000, 3000), b"b": traffic("b", 105.0, 500, 100)}, now=0.0)
+    assert history.publishes_traffic and history.bytes_per_second() == (200.0 + 100.0, 100.0 + 20.0)
+    history.add_stats({b"a": traffic("a", 110.0, 3000, 3000)}, now=0.0)  # b left: its rate goes with it
+    assert history.bytes_per_second() == (200.0, 100.0)
+
+
 def test_the_page_serves_an_empty_state_then_snapshots_and_refuses_a_port_in_use():
     from swarm_opt.monitor.web import MonitorPage
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from swarm_opt.auth import PrivateRun
 
 DEFAULT_HOST_MADDRS = ("/ip4/0.0.0.0/tcp/0",)
+
+logger = logging.getLogger(__name__)
 
 
 def parse_maddrs(values: Optional[Sequence[str]], *, option: str, need_peer_id: bool = False) -> List[str]:
@@ -150,7 +153,7 @@ def start_dht(
     try:
         with children_ignore_sigint():
             in_main_thread = threading.current_thread() is threading.main_thread()
-            return (OwnGroupDHT if in_main_thread else hivemind.DHT)(**kwargs)
+            dht = (OwnGroupDHT if in_main_thread else hivemind.DHT)(**kwargs)
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = ""
@@ -160,7 +163,17 @@ def start_dht(
         elif initial_peers:
             hint = ("; check that --initial-peers are reachable and up, and, if the run is private, pass its "
                     "secret with --run-secret-file")
+        if initial_peers:
+            hint += "; 'swarm-opt doctor --initial-peers ...' tells which address fails and why"
         raise ConfigError(f"could not start the DHT node: {reason}{hint}") from None
+    if not client_mode:  # peers of the run tell newcomers whether they can reach them (swarm-opt doctor)
+        from swarm_opt._hivemind.dial_back import serve_dial_back
+
+        try:
+            dht.run_coroutine(serve_dial_back)
+        except Exception as e:  # a nicety: never a reason not to start
+            logger.debug(f"Could not serve dial-back requests: {e!r}")
+    return dht
 
 
 class StopRequest:

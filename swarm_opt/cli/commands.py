@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "dht": "run a DHT node that peers can join through (a bootstrap peer)",
     "train": "join a run as a training peer",
     "monitor": "follow a run's progress (epoch, peers, samples per second) from the DHT",
+    "doctor": "check that this machine can join a run: initial peers, reachability, clock, versions",
 }
 
 
@@ -322,6 +323,16 @@ OPTIONS: Dict[str, List[_Option]] = {
     ],
 }
 
+OPTIONS["doctor"] = [
+    _Option("--initial-peers", "multiaddrs of peers already in the swarm", is_list=True, required=True,
+            metavar="MADDR"),
+    _Option("--run-id", "the run to join: compare this machine's versions with its peers'", type=run_id),
+    *_NETWORK[1:3],
+    *_PRIVATE,
+    _Option("--client-mode", "this peer will train with --client-mode (nobody needs to reach it)", is_switch=True),
+    _Option("--timeout", "seconds each network check may take", type=positive_float, default=5.0),
+]
+
 _EXAMPLES = {
     "dht": """\
 examples:
@@ -348,6 +359,12 @@ examples:
   swarm-opt monitor --run-id digits42 --initial-peers ... --once           # one snapshot, for scripts
   swarm-opt monitor --config run.yaml --target-batch-size 512 --plot progress.png
   swarm-opt monitor --run-id digits42 --initial-peers ... --serve 8080    # then open http://127.0.0.1:8080/""",
+    "doctor": """\
+examples:
+  swarm-opt doctor --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmBootstrap... --run-id digits42
+  swarm-opt doctor --config run.yaml --host-maddrs /ip4/0.0.0.0/tcp/31400   # the port this peer will listen on
+
+One line per check (ok, warn or FAIL) with the fix; exit status 0 when everything checked is fine.""",
 }
 
 _CONFIG_HELP = """\
@@ -594,6 +611,12 @@ def private_run(args: argparse.Namespace) -> Any:
                                  identity_path=args.identity_path)
 
 
+def _run_doctor(args: argparse.Namespace) -> int:
+    from swarm_opt.cli.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from swarm_opt.cli.train import run_train
 
@@ -601,7 +624,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"dht": run_dht, "train": _run_train,
-                                                             "monitor": run_monitor}
+                                                             "monitor": run_monitor, "doctor": _run_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Dict[str, str]] = None) -> int:

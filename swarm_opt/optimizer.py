@@ -344,7 +344,7 @@ class Optimizer(torch.optim.Optimizer):
             self.strategy.observe_loss(float(loss))
 
     def observe(self, metrics: Metrics) -> None:
-        """Tell ``metrics`` (a ``swarm_opt.metrics.Metrics``, e.g. ``swarm_opt.monitor.PrometheusMetrics``) how each
+        """Tell ``metrics`` (a ``swarm_opt.metrics.Metrics``, e.g. ``monitor.prometheus.PrometheusMetrics``) how each
         round ends and which peers' records are refused, besides the observers already attached."""
         self.metrics = self._rounds.metrics = self._tracker.checker.metrics = self.metrics.joined(metrics)
 

@@ -109,7 +109,7 @@ def test_the_web_page_follows_a_live_run_in_a_real_browser(cli):
 
     shot = os.environ.get("SWARM_OPT_MONITOR_SCREENSHOT")
     if shot:
-        result = browse(url, "--window-size=1100,820", f"--screenshot={(REPO / shot).resolve()}")
+        result = browse(url, "--window-size=1100,900", f"--screenshot={(REPO / shot).resolve()}")
         assert result.returncode == 0, result.stderr[-2000:]
 
     # a peer leaves (Ctrl-C): it withdraws its records and the page lists the two others

@@ -205,3 +205,15 @@ def test_tensorboard_tags_match_the_lightning_callback():
     source = (Path(swarm_opt.__file__).parent / "lightning.py").read_text()  # (importing Lightning takes seconds)
     logged = set(re.findall(r'log\("(swarm/\w+)"', source))
     assert logged and logged <= set(TAGS)
+
+
+def test_the_monitor_lists_who_trust_ignores_until_the_suspension_ends(monkeypatch):
+    from swarm_opt.monitor import reader
+
+    clock = [1000.0]
+    monkeypatch.setattr(reader.time, "monotonic", lambda: clock[0])
+    refusals = reader._Refusals()
+    refusals.record_refused("epoch_ahead", b"liar", "it claims epoch 1005 while the swarm is at 5", 60.0)
+    assert refusals.current() == {b"liar": "it claims epoch 1005 while the swarm is at 5"}
+    clock[0] += 61.0
+    assert refusals.current() == {}

@@ -129,8 +129,7 @@ class MonitorPage:
         self._thread.join(5)
 
 
-def serve_forever(monitor: RunMonitor, page: MonitorPage, stop: threading.Event,
-                  on_snapshot: Any = None) -> None:
+def serve_forever(monitor: RunMonitor, page: MonitorPage, stop: threading.Event) -> None:
     """Read the run every ``REFRESH_SECONDS`` and publish each snapshot to ``page`` until ``stop`` is set; a failed
     read keeps the last snapshot and shows the error."""
     snapshot: Optional[RunSnapshot] = None
@@ -143,6 +142,4 @@ def serve_forever(monitor: RunMonitor, page: MonitorPage, stop: threading.Event,
             error = f"{type(e).__name__}: {e}"
             logger.debug("Could not read the run", exc_info=True)
         page.update(snapshot, monitor.run_history, error)
-        if on_snapshot is not None and snapshot is not None:
-            on_snapshot(snapshot)
         stop.wait(max(0.0, REFRESH_SECONDS - (time.monotonic() - began)))

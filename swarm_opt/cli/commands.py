@@ -327,7 +327,7 @@ OPTIONS["doctor"] = [
     _Option("--initial-peers", "multiaddrs of peers already in the swarm", is_list=True, required=True,
             metavar="MADDR"),
     _Option("--run-id", "the run to join: compare this machine's versions with its peers'", type=run_id),
-    *_NETWORK[1:3],
+    *_NETWORK[1:],
     *_PRIVATE,
     _Option("--client-mode", "this peer will train with --client-mode (nobody needs to reach it)", is_switch=True),
     _Option("--timeout", "seconds each network check may take", type=positive_float, default=5.0),

@@ -5,7 +5,9 @@ One peer, a ``target_batch_size`` so large that no round ever starts: what is le
 
 * ``inner``     -- ``inner.step()`` alone on a twin model (the baseline every ratio is taken against);
 * ``swarm_opt`` -- ``swarm_opt.Optimizer.step()``;
-* ``hivemind``  -- ``hivemind.Optimizer.step()`` with ``use_local_updates=False``.
+* ``hivemind``  -- ``hivemind.Optimizer.step()`` with ``use_local_updates=False``;
+* ``swarm_opt+metrics`` -- ``swarm_opt.Optimizer.step()`` with Prometheus metrics on (``serve_metrics``) and scraped
+  every 0.5 s by a thread of the same process (Prometheus scrapes every 15 s by default): what monitoring costs a step.
 
 Gradients are set once (a fake backward) so that only ``step()`` is timed. Each variant is timed in pairs with the
 inner baseline (alternating order), while that variant's optimizer (and its background tracker thread) is alive, so
@@ -64,7 +66,8 @@ def timed_pairs(variant: Callable[[], None], baseline: Callable[[], None], reps:
     return t_variant, t_base
 
 
-def bench_config(model_name: str, inner_name: str, dht, reps: int, warmup: int, skip_hivemind: bool) -> dict:
+def bench_config(model_name: str, inner_name: str, dht, reps: int, warmup: int, skip_hivemind: bool,
+                 with_metrics: bool = True) -> dict:
     import hivemind
 
     import swarm_opt
@@ -87,6 +90,38 @@ def bench_config(model_name: str, inner_name: str, dht, reps: int, warmup: int, 
     out["variants"]["swarm_opt"] = {"step_us": quantiles(t_var), "inner_us": quantiles(t_base)}
     del opt, model
     gc.collect()
+
+    if with_metrics:
+        import threading
+        import urllib.request
+
+        from swarm_opt.monitor.prometheus import serve_metrics
+
+        model = make_model(model_name)
+        opt = swarm_opt.Optimizer(dht=dht, run_id=f"metrics_{model_name}_{inner_name}", target_batch_size=HUGE_TARGET,
+                                  batch_size_per_step=32, params=model.parameters(), optimizer=INNER[inner_name],
+                                  matchmaking_time=1.0, averaging_timeout=30.0)
+        metrics = serve_metrics(opt, 0, host="127.0.0.1")
+        url = f"http://127.0.0.1:{metrics._server[0].server_address[1]}/metrics"
+        done = threading.Event()
+
+        def scrape() -> None:
+            while not done.wait(0.5):
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    response.read()
+
+        scraper = threading.Thread(target=scrape, daemon=True)
+        scraper.start()
+        try:
+            t_var, t_base = timed_pairs(opt.step, bare.step, reps, warmup)
+        finally:
+            done.set()
+            scraper.join(5)
+            metrics.close()
+            opt.shutdown()
+        out["variants"]["swarm_opt+metrics"] = {"step_us": quantiles(t_var), "inner_us": quantiles(t_base)}
+        del opt, model
+        gc.collect()
 
     if not skip_hivemind:
         model = make_model(model_name)
@@ -117,6 +152,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--skip-hivemind", action="store_true")
+    parser.add_argument("--skip-metrics", action="store_true", help="skip the swarm_opt+metrics variant")
     parser.add_argument("--out", default="step_overhead.json")
     args = parser.parse_args()
     if args.threads:
@@ -135,7 +171,8 @@ def main() -> None:
             for inner_name in args.inner:
                 reps = args.reps_small if model_name == "small" else args.reps_large
                 started = time.monotonic()
-                r = bench_config(model_name, inner_name, dht, reps, args.warmup, args.skip_hivemind)
+                r = bench_config(model_name, inner_name, dht, reps, args.warmup, args.skip_hivemind,
+                                 not args.skip_metrics)
                 print(f"  {model_name}/{inner_name} done in {time.monotonic() - started:.1f} s", flush=True)
                 results.append(r)
     finally:

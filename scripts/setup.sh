@@ -20,4 +20,11 @@ pip_install() {
 pip_install --upgrade pip
 pip_install "torch==2.13.0"
 pip_install -e ".[dev,dp]"
+# the monitor's browser test drives headless chromium (tests/e2e/test_monitor_web.py); installed quietly where we can
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            chromium; } >>"$log" 2>&1; then
+        echo "note: could not install chromium; the monitor's browser test will be skipped (see $log)" >&2
+    fi
+fi
 echo "swarm_opt is installed in .venv ($(.venv/bin/python -c 'import swarm_opt; print(swarm_opt.__version__)'))"

@@ -37,6 +37,7 @@ from swarm_opt.digest import digest_tolerance, digests_agree, majority, paramete
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
 from swarm_opt.groups import Grid
+from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
@@ -195,6 +196,7 @@ class Optimizer(torch.optim.Optimizer):
         self._cut_off_said = False  # whether the last ``_cut_off`` said this peer is cut off
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
+        self.metrics: Metrics = NO_METRICS  # see observe()
         self.model_schema = strategy_schema(self._params, strategy)
 
         access = run_access(dht, run_id)
@@ -342,6 +344,11 @@ class Optimizer(torch.optim.Optimizer):
         with self._state_lock:
             self._loss_sum, self._loss_count = self._loss_sum + float(loss), self._loss_count + 1
             self.strategy.observe_loss(float(loss))
+
+    def observe(self, metrics: Metrics) -> None:
+        """Tell ``metrics`` (a ``swarm_opt.metrics.Metrics``, e.g. ``monitor.prometheus.PrometheusMetrics``) how each
+        round ends and which peers' records are refused, besides the observers already attached."""
+        self.metrics = self._rounds.metrics = self._tracker.checker.metrics = self.metrics.joined(metrics)
 
     def _note_step_period(self) -> None:
         """How long the training loop computes between two steps (a moving average): groupmates wait about twice
@@ -509,6 +516,7 @@ class Optimizer(torch.optim.Optimizer):
     def _skip_to_epoch(self, epoch: int) -> None:
         logger.info(f"The swarm is at epoch {epoch}; continuing from the local model (epoch {self._epoch})")
         self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
+        self.metrics.round_concluded("skipped", 0.0, 0)
         while self._epoch < epoch:
             self._epoch += 1
             if self.scheduler is not None:
@@ -658,6 +666,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
             self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
+            self.metrics.round_concluded("downloaded", 0.0, 0)
             self._epoch = epoch
             self._mark_synced()
             self._samples = 0

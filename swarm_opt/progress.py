@@ -550,6 +550,10 @@ class ProgressTracker:
         self._thread = threading.Thread(target=self._run, name="swarm_opt.ProgressTracker", daemon=True)
 
     # --- what the optimizer calls -----------------------------------------------------------------------------------
+    @property
+    def checker(self) -> ClaimChecker:
+        return self._checker
+
     def start(self) -> None:
         self._records.probe(timeout=10.0)
         self.refresh()

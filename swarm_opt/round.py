@@ -30,6 +30,7 @@ import torch
 from swarm_opt._hivemind.averager import LINE_KEY, TensorAverager
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, line_peers
+from swarm_opt.metrics import NO_METRICS, Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class RoundRunner:
     of the run; if not, the round is given back on every member. ``grid``: this peer's place on the Moshpit grid
     (default: one group of everyone); a committed round moves it."""
 
+    metrics: Metrics = NO_METRICS  # told how each round ended (``Optimizer.observe``)
+
     def __init__(self, averager: TensorAverager, *, lock: ContextManager,
                  on_commit: Callable[[RoundInFlight, AveragingResult, int], None],
                  await_target: Callable[[int], None] = lambda round_id: None,
@@ -202,6 +205,7 @@ class RoundRunner:
                 of_line = f" in its line of the averaging grid ({num_peers} live)" if line < num_peers else ""
                 logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {line} "
                             f"peers{of_line} ({outcome}); keeping local progress")
+            self.metrics.round_concluded("failed", time.monotonic() - flight.started, result and result.group_size or 0)
             with torch.no_grad(), self._lock:
                 flight.round.give_back()
             self._grid.missed(flight.plan, flight.round_id)
@@ -214,3 +218,4 @@ class RoundRunner:
             self._averager.commit(result, flight.round_id)
             self._grid.moved(flight.plan, result.peers, self._averager.peer_id, flight.round_id)
             self._on_commit(flight, result, num_peers)
+        self.metrics.round_concluded("committed", time.monotonic() - flight.started, result.group_size)

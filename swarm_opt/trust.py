@@ -34,6 +34,7 @@ from typing import Dict, FrozenSet, Generic, Hashable, List, NamedTuple, Optiona
 from hivemind.p2p import PeerID
 
 from swarm_opt.config import TrustConfig
+from swarm_opt.metrics import NO_METRICS, Metrics
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,8 @@ class ClaimChecker:
     """Filters and bounds other peers' progress records (see the module docstring). Thread-safe; keeps a little
     state per peer (its credit in the current epoch, its strikes), forgotten once the peer is gone."""
 
+    metrics: Metrics = NO_METRICS  # told of every record it starts ignoring
+
     def __init__(self, config: TrustConfig = TrustConfig()) -> None:
         self.config = config
         self._lock = threading.Lock()
@@ -171,7 +174,8 @@ class ClaimChecker:
             if record.epoch > epoch + 1:
                 since = self._ahead_since.setdefault(key, now)
                 if now - since >= self.config.ahead_grace:
-                    self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}")
+                    self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}",
+                                 "epoch_ahead")
                 else:
                     ahead.append(key)
                 continue
@@ -214,7 +218,7 @@ class ClaimChecker:
             # rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is honest)
             if record.samples > 2 * max(allowed, target_batch_size):
                 self._ignore(key, now, f"it claims {record.samples} samples where at most {allowed:.0f} were "
-                                       f"plausible")
+                                       f"plausible", "implausible_samples")
                 continue
             bounded.append(record.copy(update={"samples": int(min(record.samples, allowed)),
                                                "samples_per_second": min(record.samples_per_second, rate_cap)}))
@@ -231,8 +235,9 @@ class ClaimChecker:
         for old in [e for e in self._epoch_began if e < epoch - 1]:
             del self._epoch_began[old]
 
-    def _ignore(self, key: Tuple[bytes, str], now: float, why: str) -> None:
+    def _ignore(self, key: Tuple[bytes, str], now: float, why: str, reason: str) -> None:
         seconds = self._ignored.suspend(key, now)
+        self.metrics.record_refused(reason, key[0], why, seconds)
         self._credits.pop(key, None)
         self._ahead_since.pop(key, None)
         logger.warning(f"Ignoring peer {_describe(key)} for {seconds:.0f} s: {why}")

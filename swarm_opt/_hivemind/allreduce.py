@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -145,6 +146,35 @@ def _reduce_and_judge(aggregation: Aggregation, parts: Sequence[torch.Tensor], w
     return result, (judge_part(parts, weights, result) if judge else None)
 
 
+class Traffic:
+    """Bytes of tensor parts a peer sent and received in its all-reduces (hivemind's path; not the gloo lane), in
+    shared memory: counted in the averager process, read in the host's (``TensorAverager.traffic``)."""
+
+    def __init__(self) -> None:
+        self._sent, self._received = mp.Value("d", 0.0), mp.Value("d", 0.0)
+
+    def add(self, *, sent: int = 0, received: int = 0) -> None:
+        for value, amount in ((self._sent, sent), (self._received, received)):
+            if amount:
+                with value.get_lock():
+                    value.value += amount
+
+    @property
+    def totals(self) -> Tuple[int, int]:
+        return int(self._sent.value), int(self._received.value)
+
+
+class _Uncounted(Traffic):
+    def __init__(self) -> None:  # no shared memory: nothing is counted
+        pass
+
+    def add(self, *, sent: int = 0, received: int = 0) -> None:
+        pass
+
+
+_NO_TRAFFIC = _Uncounted()
+
+
 class AllOrNothingRunner(AllReduceRunner):
     """hivemind's ``AllReduceRunner`` with an ``AllOrNothingReducer``, whose reducers return means, not differences.
 
@@ -158,8 +188,9 @@ class AllOrNothingRunner(AllReduceRunner):
     """
 
     def __init__(self, *args: Any, aggregation: Aggregation = Mean(), start_timeout: float = 0.0,
-                 left_out: Set[PeerID] = frozenset(), **kwargs: Any) -> None:
+                 left_out: Set[PeerID] = frozenset(), traffic: Optional[Traffic] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.traffic = _NO_TRAFFIC if traffic is None else traffic
         self.start_timeout = start_timeout  # how long a sender may take to start (see _handle_missing_senders)
         reducer = self.tensor_part_reducer  # replaced before anything could use it
         self.tensor_part_reducer = AllOrNothingReducer(
@@ -218,9 +249,14 @@ class AllOrNothingRunner(AllReduceRunner):
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """hivemind's, sending the encoded mean itself (see the class docstring)."""
         part_index = 0
+
+        def decode(msg: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, float, int]:
+            self.traffic.add(received=len(msg.tensor_part.buffer))
+            return deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression
+
         try:
             async for tensor_part, weight, compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                decode,
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -232,6 +268,7 @@ class AllOrNothingRunner(AllReduceRunner):
                     break  # this sender was banned: nothing more to reduce for it
                 encoded = await self._encoded_mean(part_index, averaged_part, compression)
                 part_index += 1
+                self.traffic.add(sent=len(encoded.buffer))
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
@@ -261,6 +298,12 @@ class AllOrNothingRunner(AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
+    async def _counted(self, messages: AsyncIterator[averaging_pb2.AveragingData]
+                       ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in messages:
+            self.traffic.add(sent=len(message.tensor_part.buffer))
+            yield message
+
     async def _exchange_with_reducer(self, peer_id: PeerID) -> None:
         """hivemind's exchange with another member's reducer: send it this peer's parts of its share, receive their
         means. Except that this side closes the stream, as soon as it has every part it expects.
@@ -274,7 +317,7 @@ class AllOrNothingRunner(AllReduceRunner):
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         try:
             done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            inputs = attach_event_on_finished(self._counted(self._generate_input_for_peer(peer_index)), done_sending)
             stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
@@ -282,6 +325,7 @@ class AllOrNothingRunner(AllReduceRunner):
             def decode(message: averaging_pb2.AveragingData) -> torch.Tensor:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                self.traffic.add(received=len(message.tensor_part.buffer))
                 return deserialize_torch_tensor(message.tensor_part)
 
             received = 0

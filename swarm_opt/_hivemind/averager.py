@@ -41,6 +41,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from swarm_opt._hivemind.allreduce import (
     AUDIT_SUFFIX,
     AllOrNothingRunner,
+    Traffic,
     audit_order,
     disagreeing_reducers,
     liars,
@@ -162,6 +163,7 @@ class _Engine(DecentralizedAverager):
         self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
         self._uploads_served = mp.Value("i", 0)  # downloads it served to the end (shared)
+        self._traffic = Traffic()  # bytes of tensor parts sent and received in all-reduces (shared)
         #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
         self._reputations: Optional[Reputations] = None  # Reputation: this reducer's memory (averager process)
@@ -537,6 +539,7 @@ class _Engine(DecentralizedAverager):
         kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get("step_period")
                                                    for data in group_info.gathered)
         kwargs["left_out"] = self._left_out(group_info)
+        kwargs["traffic"] = self._traffic
         runner = AllOrNothingRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
                                     aggregation=self.aggregation, **kwargs)
@@ -1150,6 +1153,11 @@ class TensorAverager:
         engine = self._engine
         return Uploads(int(engine._uploads_most.value), int(engine._uploads_declined.value),
                        int(engine._uploads_served.value))
+
+    @property
+    def traffic(self) -> Tuple[int, int]:
+        """Bytes of tensor parts this peer sent and received in its all-reduces over hivemind's path, so far."""
+        return self._engine._traffic.totals
 
     @property
     def lane_setup_seconds(self) -> float:

@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
 from swarm_opt.errors import ConfigError
 
@@ -165,6 +165,8 @@ def start_dht(
                 in_main_thread = threading.current_thread() is threading.main_thread()
                 dht = (OwnGroupDHT if in_main_thread else WatchedDHT)(**kwargs)
             watch_dht(dht, initial_peers)
+            if not client_mode:  # peers of the run tell newcomers whether they can reach them (swarm-opt doctor)
+                _serve_dial_back(dht)
             return dht
         except Exception as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -195,13 +197,23 @@ def _is_bootstrap_failure(reason: str) -> bool:
 
 
 def _hint(initial_peers: Sequence[str], private_run: Optional[PrivateRun]) -> str:
+    doctor = "; 'swarm-opt doctor --initial-peers ...' tells which address fails and why"
     if initial_peers and private_run is not None:
         return ("; check that --initial-peers are reachable and up, and that this peer holds the run's "
-                "credentials (the same --run-secret-file; its peer id in their --allow-peers)")
+                "credentials (the same --run-secret-file; its peer id in their --allow-peers)" + doctor)
     if initial_peers:
         return ("; check that --initial-peers are reachable and up, and, if the run is private, pass its "
-                "secret with --run-secret-file")
+                "secret with --run-secret-file" + doctor)
     return ""
+
+
+def _serve_dial_back(dht: Any) -> None:
+    from swarm_opt._hivemind.dial_back import serve_dial_back
+
+    try:
+        dht.run_coroutine(serve_dial_back)
+    except Exception as e:  # a nicety: never a reason not to start
+        logger.debug(f"Could not serve dial-back requests: {e!r}")
 
 
 def probe_initial_peers(maddrs: Sequence[str], timeout: float = 3.0) -> List[Tuple[str, str]]:

@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "dht": "run a DHT node that peers can join through (a bootstrap peer)",
     "train": "join a run as a training peer",
     "monitor": "follow a run's progress (epoch, peers, samples per second) from the DHT",
+    "doctor": "check that this machine can join a run: initial peers, reachability, clock, versions",
 }
 
 
@@ -86,6 +87,19 @@ def lane_address(text: str) -> Tuple[str, int]:
     if not host or not 0 <= number <= 65535:
         raise ValueError(f"expected HOST or HOST:PORT, e.g. 10.0.0.5 or 10.0.0.5:29500, got {text!r}")
     return host, number
+
+
+def host_port(text: str) -> Tuple[str, int]:
+    """``[HOST:]PORT`` for a server of this process (``--metrics-port``, ``monitor --serve``): HOST defaults to
+    127.0.0.1 (this machine only); 0.0.0.0 serves every interface; port 0 picks a free one."""
+    host, _, port = str(text).rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ValueError(f"expected [HOST:]PORT, e.g. 9100 or 0.0.0.0:9100, got {text!r}")
+    return host or "127.0.0.1", number
 
 
 def positive_float(text: str) -> float:
@@ -227,6 +241,9 @@ _NETWORK = [
 
 _JOIN = _Option("--join-timeout", "seconds to keep trying while none of --initial-peers can be reached (they may be "
                 "starting, or this host's link may be down)", type=non_negative_float, default=60.0)
+_METRICS = _Option("--metrics-port", "serve Prometheus metrics of this peer on http://HOST:PORT/metrics (HOST "
+                   "default 127.0.0.1; 0.0.0.0 for a scraper on another machine)", type=host_port,
+                   metavar="[HOST:]PORT")
 
 _PRIVATE = [
     _Option("--run-secret-file", "a private run: file holding the run's shared secret (make one with "
@@ -236,7 +253,7 @@ _PRIVATE = [
 ]
 
 OPTIONS: Dict[str, List[_Option]] = {
-    "dht": _NETWORK + [_JOIN] + _PRIVATE,
+    "dht": _NETWORK + [_JOIN] + _PRIVATE + [_METRICS],
     "train": [
         _Option("--run-id", "peers with the same run id train together", type=run_id, required=True),
         *_NETWORK,
@@ -286,6 +303,9 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--checkpoint-dir", "save checkpoints (model and optimizer, DIR/epoch-NNNNNNNN.pt, "
                 "the last 3 kept) at exit and every --checkpoint-every epochs; resume from the latest", metavar="DIR"),
         _Option("--checkpoint-every", "global epochs between checkpoints", type=positive_int, default=10),
+        _METRICS,
+        _Option("--log-dir", "write TensorBoard scalars (loss, test metrics, epoch, samples/s, round seconds, group "
+                "size) to DIR, one point per global epoch", metavar="DIR"),
     ],
     "monitor": [
         _Option("--run-id", "the run to follow", type=run_id, required=True),
@@ -302,8 +322,20 @@ OPTIONS: Dict[str, List[_Option]] = {
                 default=5.0),
         _Option("--plot", "write the run's global epoch over time to this image when the monitor exits",
                 metavar="FILE.png"),
+        _Option("--serve", "serve a live web page of the run on http://HOST:PORT/ (HOST default 127.0.0.1; "
+                "0.0.0.0 for every interface)", type=host_port, metavar="[HOST:]PORT"),
     ],
 }
+
+OPTIONS["doctor"] = [
+    _Option("--initial-peers", "multiaddrs of peers already in the swarm", is_list=True, required=True,
+            metavar="MADDR"),
+    _Option("--run-id", "the run to join: compare this machine's versions with its peers'", type=run_id),
+    *_NETWORK[1:],
+    *_PRIVATE,
+    _Option("--client-mode", "this peer will train with --client-mode (nobody needs to reach it)", is_switch=True),
+    _Option("--timeout", "seconds each network check may take", type=positive_float, default=5.0),
+]
 
 _EXAMPLES = {
     "dht": """\
@@ -329,7 +361,14 @@ abandon the step.""",
 examples:
   swarm-opt monitor --run-id digits42 --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmBootstrap...
   swarm-opt monitor --run-id digits42 --initial-peers ... --once           # one snapshot, for scripts
-  swarm-opt monitor --config run.yaml --target-batch-size 512 --plot progress.png""",
+  swarm-opt monitor --config run.yaml --target-batch-size 512 --plot progress.png
+  swarm-opt monitor --run-id digits42 --initial-peers ... --serve 8080    # then open http://127.0.0.1:8080/""",
+    "doctor": """\
+examples:
+  swarm-opt doctor --initial-peers /ip4/203.0.113.5/tcp/31337/p2p/QmBootstrap... --run-id digits42
+  swarm-opt doctor --config run.yaml --host-maddrs /ip4/0.0.0.0/tcp/31400   # the port this peer will listen on
+
+One line per check (ok, warn or FAIL) with the fix; exit status 0 when everything checked is fine.""",
 }
 
 _CONFIG_HELP = """\
@@ -455,6 +494,7 @@ def run_dht(args: argparse.Namespace) -> int:
     from swarm_opt._hivemind.node import StopRequest, ensure_identity, start_dht
 
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
+    metrics = start_metrics(args)
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
                     private_run=private_run(args), join_timeout=args.join_timeout)
@@ -462,6 +502,8 @@ def run_dht(args: argparse.Namespace) -> int:
     try:
         for maddr in dht.get_visible_maddrs():
             print(maddr, flush=True)
+        if metrics is not None:
+            metrics.watch(dht=dht)
         identity = f" (identity {args.identity_path}, peer id {peer_id})" if peer_id else ""
         print(f"{PROG} dht: running{identity}; share the addresses above with --initial-peers. "
               f"Ctrl-C to stop.", file=sys.stderr, flush=True)
@@ -484,12 +526,26 @@ def run_monitor(args: argparse.Namespace) -> int:
     from swarm_opt._hivemind.node import StopRequest, start_dht
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
 
+    page = None
+    if args.serve is not None:
+        if args.once:
+            raise ConfigError("--serve runs until stopped; drop --once (or --serve)")
+        from swarm_opt.monitor.web import MonitorPage
+
+        page = MonitorPage(*args.serve, run_id=args.run_id)  # a port in use fails here, before the DHT starts
     dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
                     private_run=private_run(args), join_timeout=args.join_timeout)
     stop = StopRequest()
-    monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size)
+    monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size, with_stats=page is not None)
     try:
         stop.install()
+        if page is not None:
+            from swarm_opt.monitor.web import serve_forever
+
+            print(f"{PROG} monitor: serving run '{args.run_id}' on {page.url} (Ctrl-C to stop)", file=sys.stderr,
+                  flush=True)
+            serve_forever(monitor, page, stop.event)
+            return EXIT_OK
         if args.once:
             deadline = time.monotonic() + args.wait
             snapshot = monitor.read()
@@ -519,6 +575,8 @@ def run_monitor(args: argparse.Namespace) -> int:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if page is not None:
+            page.close()
         dht.shutdown()
         if args.plot:
             if monitor.history:
@@ -527,6 +585,20 @@ def run_monitor(args: argparse.Namespace) -> int:
             else:
                 print(f"{PROG} monitor: nothing to plot (no records were seen); {args.plot} not written",
                       file=sys.stderr)
+
+
+def start_metrics(args: argparse.Namespace) -> Any:
+    """The Prometheus exporter of --metrics-port, already serving (None without the option); before any DHT starts,
+    so that a port in use costs nothing."""
+    if args.metrics_port is None:
+        return None
+    from swarm_opt.monitor.prometheus import PrometheusMetrics
+
+    host, port = args.metrics_port
+    metrics = PrometheusMetrics()
+    port = metrics.serve(port, host)
+    print(f"{PROG} {args.command}: Prometheus metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
+    return metrics
 
 
 def private_run(args: argparse.Namespace) -> Any:
@@ -543,6 +615,12 @@ def private_run(args: argparse.Namespace) -> Any:
                                  identity_path=args.identity_path)
 
 
+def _run_doctor(args: argparse.Namespace) -> int:
+    from swarm_opt.cli.doctor import run_doctor
+
+    return run_doctor(args)
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from swarm_opt.cli.train import run_train
 
@@ -550,7 +628,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 _COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"dht": run_dht, "train": _run_train,
-                                                             "monitor": run_monitor}
+                                                             "monitor": run_monitor, "doctor": _run_doctor}
 
 
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Dict[str, str]] = None) -> int:

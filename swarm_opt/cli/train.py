@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 import torch
 
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
-from swarm_opt.cli.commands import private_run
+from swarm_opt.cli.commands import private_run, start_metrics
 from swarm_opt.cli.tasks import Task, evaluate, load_task
 from swarm_opt.errors import ConfigError
 from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, GradientAveraging, Strategy
@@ -113,8 +113,24 @@ class _ProgressBar:
             self._bar.close()
 
 
-def _epoch_line(opt: Any, task: Task) -> str:
-    metrics = evaluate(task)
+class _EpochLoss:
+    """The mean training loss of the steps of one epoch, summed on the loss's device (no sync per step)."""
+
+    def __init__(self) -> None:
+        self._sum: Any = 0.0
+        self._count = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self._sum = self._sum + loss.detach()
+        self._count += 1
+
+    def take(self) -> Optional[float]:
+        mean = float(self._sum) / self._count if self._count else None
+        self._sum, self._count = 0.0, 0
+        return mean
+
+
+def _epoch_line(opt: Any, metrics: Dict[str, float]) -> str:
     parts = []
     if "accuracy" in metrics:
         parts.append(f"test accuracy {metrics['accuracy']:.2%}")
@@ -150,12 +166,24 @@ def run_train(args: argparse.Namespace) -> int:
         raise ConfigError("--auxiliary peers reduce what trainers send them, so they must accept connections: "
                           "drop --client-mode")
     stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
+    board = None
+    if args.log_dir is not None:
+        from swarm_opt.monitor.tensorboard import TensorBoardLog
+
+        board = TensorBoardLog(args.log_dir)  # an unwritable directory fails here, before the DHT starts
+    metrics = start_metrics(args)  # and so does a port in use
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args),
                     join_timeout=args.join_timeout)
+    from swarm_opt.monitor.stats import StatsPublisher
+
+    role = "auxiliary" if args.auxiliary else "client" if args.client_mode else "trainer"
+    stats = StatsPublisher(dht, args.run_id, role=role)  # what monitors show of this peer (one store per epoch)
+    if metrics is not None:
+        metrics.watch(dht=dht)
     if args.auxiliary:
-        return _run_auxiliary(args, task, strategy, dht, stop)
+        return _run_auxiliary(args, task, strategy, dht, stop, stats, metrics)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
     ckpt: Optional[swarm_opt.Checkpointer] = None
@@ -168,6 +196,11 @@ def run_train(args: argparse.Namespace) -> int:
                 matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
                 transport=transport, aggregation=args.aggregation,
             )
+        opt.observe(stats)
+        stats.watch(opt)
+        if metrics is not None:
+            metrics.watch(opt)
+            opt.observe(metrics)
         stop.install()
         _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
              f"({'client mode' if args.client_mode else 'accepting connections'}); "
@@ -186,20 +219,29 @@ def run_train(args: argparse.Namespace) -> int:
         bar = _ProgressBar(args.target_batch_size)
         batches = _batches(task, args.batch_size, data_seed)
         last_epoch = opt.local_epoch
+        stats.publish(last_epoch)
+        losses = _EpochLoss()
         task.model.train()
         while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
             x, y = next(batches)
             opt.zero_grad()
             loss = task.loss_fn(task.model(x), y)
             loss.backward()
+            losses.add(loss)
             opt.step(batch_size=len(y))
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
-                bar.write(_epoch_line(opt, task))
+                test_metrics = evaluate(task)
+                epoch_loss = losses.take()
+                stats.publish(last_epoch, epoch_loss)
+                if board is not None:
+                    board.log_epoch(opt, loss=epoch_loss, test_metrics=test_metrics)
+                bar.write(_epoch_line(opt, test_metrics))
                 if ckpt is not None:
                     ckpt.maybe_save(opt, task.model, extra=_checkpoint_extra(args))
                 bar.update(opt, force=True)
             else:
+                stats.publish(last_epoch)  # a heartbeat: stores only once a minute within an epoch
                 bar.update(opt)
     except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
         pass
@@ -207,7 +249,7 @@ def run_train(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
         save = None if ckpt is None else lambda: _save_checkpoint(opt, task, args, ckpt)  # ckpt exists only with opt
-        _leave(opt, dht, save)
+        _leave(opt, dht, save, stats, metrics, board)
     if stop.requested:
         _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
     else:
@@ -216,17 +258,31 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any, stop: StopRequest) -> int:
+def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any, stop: StopRequest, stats: Any,
+                   metrics: Any) -> int:
     """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
+    import threading
+
     import swarm_opt
 
     helper: Optional[swarm_opt.AuxiliaryPeer] = None
+    done = threading.Event()
+
+    def heartbeat() -> None:  # what monitors show of a helper: the rounds it helped
+        while not done.wait(5.0):
+            if helper is not None:
+                stats.publish(getattr(helper, "_epoch_seen", 0), rounds={"helped": helper.rounds_helped})
+
+    threading.Thread(target=heartbeat, name="swarm_opt.HelperStats", daemon=True).start()
     try:
         with children_ignore_sigint():
             helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=task.model.parameters(),
                                              strategy=strategy, matchmaking_time=args.matchmaking_time,
                                              averaging_timeout=args.averaging_timeout,
                                              aggregation=args.aggregation)
+        stats.watch(helper)
+        if metrics is not None:
+            metrics.watch(helper)
         stop.install()
         _say(f"helping run '{args.run_id}' as auxiliary peer {dht.peer_id}: reduces a share of every round, "
              f"trains nothing")
@@ -234,7 +290,8 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
     except KeyboardInterrupt:
         pass
     finally:
-        _leave(helper, dht)
+        done.set()
+        _leave(helper, dht, None, stats, metrics)
     helped = helper.rounds_helped if helper is not None else 0
     _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")
     return 0
@@ -257,9 +314,10 @@ def _save_checkpoint(opt: Any, task: Task, args: argparse.Namespace, ckpt: Any) 
     _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
 
 
-def _leave(member: Any, dht: Any, save: Optional[Callable[[], None]] = None) -> None:
-    """Save first (no network), then leave the swarm (an Optimizer or AuxiliaryPeer, if it was created), then stop
-    the DHT. Runs once; a Ctrl-C is ignored."""
+def _leave(member: Any, dht: Any, save: Optional[Callable[[], None]] = None, stats: Any = None, metrics: Any = None,
+           board: Any = None) -> None:
+    """Save first (no network), then leave the swarm (an Optimizer or AuxiliaryPeer, if it was created, and the
+    monitors' statistics record), then stop the DHT and the exporters. Runs once; a Ctrl-C is ignored."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # cleanup is bounded; a further Ctrl-C must not cut it short
@@ -268,8 +326,13 @@ def _leave(member: Any, dht: Any, save: Optional[Callable[[], None]] = None) -> 
             save()
         if member is not None:
             member.shutdown()
+        if stats is not None:
+            stats.withdraw()
     finally:
         dht.shutdown()
+        for exporter in (metrics, board):
+            if exporter is not None:
+                exporter.close()
 
 
 def _say(line: str) -> None:

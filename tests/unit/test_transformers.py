@@ -141,3 +141,22 @@ def test_the_callback_without_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an environment without transformers looks like
     with pytest.raises(ImportError, match=r"pip install swarm_opt\[transformers\]"):
         importlib.import_module("swarm_opt.transformers")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_the_swarm(tmp_path, precision, no_leftovers):
+    """With bf16 (autocast) or fp16 (autocast and Accelerate's loss scaler, whose step must reach the swarm
+    optimizer), the peer alone reaches global epoch 3 with finite parameters."""
+    cb = callback()
+    epochs = []
+
+    class Epochs(__import__("transformers").TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            epochs.append(cb.optimizer.local_epoch)
+
+    t = trainer(cb, arguments(tmp_path, **{precision: True}))
+    t.add_callback(Epochs())
+    t.train()
+    assert epochs[-1] == 3 and t.lr_scheduler.last_epoch == 3
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert (t.optimizer.scaler is not None) == (precision == "fp16")  # the scaler's step went through the swarm

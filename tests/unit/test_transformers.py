@@ -19,7 +19,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import swarm_opt  # noqa: E402
 from swarm_opt.errors import ConfigError, ConfigTypeError  # noqa: E402
-from swarm_opt.transformers import SwarmCallback, _unwrap, check_arguments  # noqa: E402
+from swarm_opt.transformers import SwarmCallback, _rewrap, _unwrap, check_arguments  # noqa: E402
 from tests.swarm.trainer_peer import LoggingCollator, Shard, make_data, make_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,8 +145,8 @@ def test_the_callback_without_transformers_names_the_extra(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_steps_the_swarm(tmp_path, precision, no_leftovers):
-    """With bf16 (autocast) or fp16 (autocast and Accelerate's loss scaler, whose step must reach the swarm
-    optimizer), the peer alone reaches global epoch 3 with finite parameters."""
+    """With bf16 or fp16 autocast the peer alone reaches global epoch 3 with finite parameters. (On CPU Accelerate
+    uses no loss scaler with fp16; the next test covers the scaler's path.)"""
     cb = callback()
     epochs = []
 
@@ -159,4 +159,23 @@ def test_mixed_precision_steps_the_swarm(tmp_path, precision, no_leftovers):
     t.train()
     assert epochs[-1] == 3 and t.lr_scheduler.last_epoch == 3
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
-    assert (t.optimizer.scaler is not None) == (precision == "fp16")  # the scaler's step went through the swarm
+
+
+def test_with_a_loss_scaler_accelerates_wrapper_steps_the_optimizer_put_in_it():
+    """Accelerate's wrapper steps through the scaler with a patched copy of the step method it was built with:
+    ``_rewrap`` must patch the swarm optimizer's step instead, or the scaler would step the bare optimizer."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    first, second = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
+    steps = []
+    first.register_step_post_hook(lambda *args: steps.append("first"))
+    second.register_step_post_hook(lambda *args: steps.append("second"))
+    scaler = torch.amp.GradScaler("cpu")
+    wrapper = AcceleratedOptimizer(first, scaler=scaler)
+    _rewrap(wrapper, second)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    wrapper.step()
+    assert steps == ["second"] and not wrapper.step_was_skipped

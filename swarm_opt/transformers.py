@@ -123,12 +123,16 @@ class SwarmCallback(TrainerCallback):
         self._dht, self._optimizer = self._options.join(
             inner, clip_grad_norm=clip,
             batch_size_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps)
-        if state.global_step > 0:  # resumed: Trainer restored the model, optimizer.pt and the scheduler
-            # the schedule is positioned on the global epoch (on_optimizer_step), so it holds the checkpoint's epoch
-            self._optimizer.load_state_dict(dict(inner.state_dict(), swarm_opt={"epoch": lr_scheduler.last_epoch}))
-        _rewrap(wrapper, self._optimizer)
-        self._wrapper = wrapper
         atexit.register(self.leave)  # Trainer calls no callback when training raises
+        try:
+            if state.global_step > 0:  # resumed: Trainer restored the model, optimizer.pt and the scheduler
+                # the schedule is positioned on the global epoch (on_optimizer_step): it holds the checkpoint's epoch
+                self._optimizer.load_state_dict(dict(inner.state_dict(), swarm_opt={"epoch": lr_scheduler.last_epoch}))
+            _rewrap(wrapper, self._optimizer)
+            self._wrapper = wrapper
+        except BaseException:
+            self.leave()
+            raise
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         # Trainer clips each step's gradient when max_grad_norm > 0; the swarm optimizer clips the global batch's.

@@ -100,6 +100,7 @@ def test_three_trainer_peers_equal_one_trainer_on_the_union_of_their_batches(swa
     assert_quiet(swarm)
 
 
+@pytest.mark.extended
 def test_a_killed_trainer_peer_resumes_from_its_checkpoint_into_the_running_swarm(swarm, tmp_path):
     """Peer 2 saves Trainer checkpoints every 2 of its steps; it is SIGKILLed mid-run and restarted with
     ``trainer.train(resume_from_checkpoint=...)`` on a copy of its last checkpoint, whose ``optimizer.pt`` holds the

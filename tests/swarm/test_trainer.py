@@ -16,9 +16,8 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.swarm.conftest import PEER_SCRIPT  # noqa: E402
+from tests.swarm.conftest import PEER_SCRIPT, assert_quiet, assert_same_params_at_each_epoch  # noqa: E402
 from tests.swarm.test_grad_averaging import ambiguous_batches  # noqa: E402
-from tests.swarm.test_lightning import assert_quiet, assert_same_params_at_each_epoch  # noqa: E402
 from tests.swarm.trainer_peer import make_data, make_model, training_arguments  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -96,7 +95,7 @@ def test_three_trainer_peers_equal_one_trainer_on_the_union_of_their_batches(swa
     assert sum(n > RECIPE["max_grad_norm"] for n in norms) >= epochs // 2, norms  # clipping was in effect
     for got, want in zip(results[0]["final"], expected):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-    assert any((a - b).abs().max() > 1e-2 for a, b in zip(expected, make_model().parameters()))  # it trained
+    assert any((a - b).abs().max() > 2e-3 for a, b in zip(expected, make_model().parameters()))  # it trained
     assert_quiet(swarm)
 
 

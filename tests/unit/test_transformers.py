@@ -111,6 +111,7 @@ def test_one_peer_trains_to_max_steps_global_epochs_checkpoints_and_resumes(tmp_
     assert swarm_logs and swarm_logs[-1]["swarm/epoch"] == 3 and swarm_logs[-1]["swarm/peers"] == 1
     assert "swarm/grad_norm" in swarm_logs[-1] and "swarm/samples_per_second" in swarm_logs[-1]
     checkpoint = tmp_path / "out" / "checkpoint-6"  # the final save
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-6"]  # none at its steps 3-5, past max_steps of its own
     assert torch.load(checkpoint / "optimizer.pt", weights_only=True)["swarm_opt"]["epoch"] == 3
     assert first.lr_scheduler.last_epoch == 3  # the schedule followed the global epoch
 

@@ -14,7 +14,6 @@ state) as its own optimizer state; the callback's own state names the run and st
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 from typing import Any, Dict, List, Optional, Sequence
@@ -31,15 +30,15 @@ except ImportError as e:  # pragma: no cover - exercised by a test that hides li
 
 import torch
 
-from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS
+from swarm_opt._integration import PeerOptions
 from swarm_opt.clipping import checked_max_norm
 from swarm_opt.compression import Compression
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
-from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.config import SwarmConfig, TrackerConfig
+from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -91,31 +90,10 @@ class SwarmCallback(Callback):
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
-        self.config = SwarmConfig(run_id, target_batch_size, batch_size)
-        if offload is not None and not isinstance(offload, Offload):
-            raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
-        self.offload = offload
-        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
-        if isinstance(initial_peers, str):
-            raise ConfigTypeError("initial_peers must be a list of multiaddrs, e.g. initial_peers=[ADDRESS]")
-        self.initial_peers = parse_maddrs(initial_peers, option="initial_peers", need_peer_id=True)
-        self.host_maddrs = parse_maddrs(host_maddrs, option="host_maddrs")
-        if dht is not None:
-            import hivemind
-
-            if not isinstance(dht, hivemind.DHT):
-                raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
-            if self.initial_peers:
-                raise ConfigError("pass either dht (a DHT you started, already joined to the swarm) or "
-                                  "initial_peers (the callback starts its own DHT), not both")
-        if strategy is not None and not isinstance(strategy, Strategy):
-            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. swarm_opt.Scaffold(), got {strategy!r}")
-        if tracker is not None and not isinstance(tracker, TrackerConfig):
-            raise ConfigTypeError(f"tracker must be swarm_opt.TrackerConfig(...), got {tracker!r}")
-        self.strategy = GradientAveraging() if strategy is None else strategy  # a template: each fit binds a copy
-        self.compression = compression
-        self.tracker = tracker
-        self._given_dht = dht
+        self._options = PeerOptions(
+            run_id=run_id, target_batch_size=target_batch_size, initial_peers=initial_peers, host_maddrs=host_maddrs,
+            dht=dht, batch_size=batch_size, strategy=strategy, compression=compression,
+            matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout, tracker=tracker, offload=offload)
         self._dht: Optional[Any] = None  # the DHT in use during fit (ours or the caller's)
         self._optimizer: Optional[Optimizer] = None
         self._pending_samples = 0  # samples of the micro-batches since the last optimizer step
@@ -124,6 +102,15 @@ class SwarmCallback(Callback):
         self._routed_clip: Optional[Any] = None  # the trainer whose gradient_clip_val the swarm optimizer took over
 
     # --- what a running fit exposes -------------------------------------------------------------------------------
+    @property
+    def config(self) -> SwarmConfig:
+        return self._options.config
+
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy template: each fit binds a copy."""
+        return self._options.strategy
+
     @property
     def optimizer(self) -> Optional[Optimizer]:
         """The swarm optimizer of the fit in progress (also ``trainer.optimizers[0]``); None outside ``fit``."""
@@ -150,13 +137,13 @@ class SwarmCallback(Callback):
                 f"the same run_id")
         if _norm_clipping(trainer) is not None:
             checked_max_norm(trainer.gradient_clip_val)  # the swarm optimizer's clip_grad_norm: refused now if bad
-        elif self.offload is not None and trainer.gradient_clip_val:
+        elif self._options.offload is not None and trainer.gradient_clip_val:
             raise ConfigError("SwarmCallback(offload=...) with gradient_clip_algorithm='value' and gradient_clip_val: "
                               "Lightning would clip the host copies' gradients, not the model's. Clip by norm (the "
                               "default algorithm, which the swarm optimizer does itself), by value in the module "
                               "(on_before_optimizer_step, torch.nn.utils.clip_grad_value_(self.parameters(), ...)), "
                               "or drop offload")
-        if self.offload is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
+        if self._options.offload is not None and getattr(trainer.precision_plugin, "scaler", None) is not None:
             raise ConfigError("SwarmCallback(offload=...) with a loss scaler (precision='16-mixed'): Lightning would "
                               "unscale the host copies' gradients, not the model's. Use precision='bf16-mixed' (no "
                               "scaler) or drop offload")
@@ -166,20 +153,7 @@ class SwarmCallback(Callback):
         scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
         self._check_restored_identity()
         clip = _norm_clipping(trainer)
-        self._dht = self._given_dht if self._given_dht is not None else start_dht(
-            initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
-        try:
-            with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
-                self._optimizer = Optimizer(
-                    dht=self._dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
-                    optimizer=inner, offload=self.offload, scheduler=scheduler,
-                    strategy=copy.deepcopy(self.strategy),
-                    matchmaking_time=self.timeouts.matchmaking_time,
-                    averaging_timeout=self.timeouts.averaging_timeout,
-                    compression=self.compression, tracker=self.tracker, clip_grad_norm=clip)
-        except BaseException:
-            self._leave()
-            raise
+        self._dht, self._optimizer = self._options.join(inner, scheduler=scheduler, clip_grad_norm=clip)
         if clip is not None:  # the swarm optimizer clips instead of Lightning (class docstring); given back at the end
             trainer.gradient_clip_val, self._routed_clip = None, (trainer, clip)
         trainer.strategy.optimizers = [self._optimizer]
@@ -262,10 +236,7 @@ class SwarmCallback(Callback):
         routed, self._routed_clip = self._routed_clip, None
         if routed is not None:
             routed[0].gradient_clip_val = routed[1]
-        if swarm is not None:
-            swarm.shutdown()
-        if dht is not None and dht is not self._given_dht:
-            dht.shutdown()
+        self._options.leave(swarm, dht)
 
 
 def _norm_clipping(trainer: Trainer) -> Optional[float]:

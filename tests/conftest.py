@@ -1,3 +1,7 @@
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 
@@ -6,3 +10,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a minute")
     config.addinivalue_line("markers", "extended: long swarm scenarios the default run skips to stay within CI's "
                                        "budget; run them with `bash scripts/test.sh -m extended`")
+
+
+def descendants() -> set:
+    """Live (non-zombie) processes descended from this one, read from /proc; torch's process-wide shared-memory
+    manager, which torch starts once and keeps for the life of the process, does not count."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and not stat.split(" (", 1)[1].startswith("torch_shm_manag"):
+                parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+@pytest.fixture
+def no_leftovers():
+    before = descendants()
+    yield
+    deadline = time.monotonic() + 10
+    while descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not descendants() - before, "the swarm callback left processes behind"

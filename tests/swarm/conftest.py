@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -113,3 +114,25 @@ def dht():
     node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     yield node
     node.shutdown()
+
+
+def assert_same_params_at_each_epoch(results: list, epochs: int) -> None:
+    """The peers' results (``params``: {epoch: parameters}) agree exactly wherever two hold the same epoch; each
+    reached ``epochs``, with finite ``final`` parameters (the Lightning and Trainer peers)."""
+    for epoch in range(max(r["epoch"] for r in results) + 1):
+        held = [r["params"][epoch] for r in results if epoch in r["params"]]
+        for params in held[1:]:
+            for p, q in zip(params, held[0]):
+                assert torch.equal(p, q), f"peers disagree at global epoch {epoch}"
+    assert all(r["epoch"] >= epochs for r in results)
+    assert all(torch.isfinite(p).all() for r in results for p in r["final"])
+
+
+def assert_quiet(swarm: Swarm) -> None:
+    """No traceback, and no warning or error from swarm_opt or hivemind, in any peer's output."""
+    for rank in swarm.procs:
+        for line in swarm.log(rank).splitlines():
+            assert "Traceback" not in line, swarm.log(rank)
+            if re.search(r" (WARNING|ERROR) (swarm_opt|hivemind)", line) or re.search(
+                    r"(swarm_opt|hivemind)\S*\.py:\d+: \w*Warning", line):
+                pytest.fail(f"peer {rank}: {line}")

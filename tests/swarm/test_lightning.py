@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import time
 
@@ -14,7 +13,7 @@ pytest.importorskip("lightning")
 
 from swarm_opt.simulation import average_in_process  # noqa: E402
 from swarm_opt.strategies import GradientAveraging, Scaffold  # noqa: E402
-from tests.swarm.conftest import PEER_SCRIPT, Swarm  # noqa: E402
+from tests.swarm.conftest import PEER_SCRIPT, Swarm, assert_quiet, assert_same_params_at_each_epoch  # noqa: E402
 from tests.swarm.peer import make_data, make_model  # noqa: E402
 from tests.swarm.test_strategies import _check_lockstep, _simulate  # noqa: E402
 
@@ -31,26 +30,6 @@ def run(swarm: Swarm, timeout: float = 150, **config) -> list:
         swarm.start(rank, script=SCRIPT, expect_peers=PEERS, **config)
     swarm.wait(timeout=timeout)
     return [swarm.result(r) for r in range(PEERS)]
-
-
-def assert_same_params_at_each_epoch(results: list, epochs: int) -> None:
-    for epoch in range(max(r["epoch"] for r in results) + 1):
-        held = [r["params"][epoch] for r in results if epoch in r["params"]]
-        for params in held[1:]:
-            for p, q in zip(params, held[0]):
-                assert torch.equal(p, q), f"peers disagree at global epoch {epoch}"
-    assert all(r["epoch"] >= epochs for r in results)
-    assert all(torch.isfinite(p).all() for r in results for p in r["final"])
-
-
-def assert_quiet(swarm: Swarm) -> None:
-    """No traceback, and no warning or error from swarm_opt or hivemind, in any peer's output."""
-    for rank in swarm.procs:
-        for line in swarm.log(rank).splitlines():
-            assert "Traceback" not in line, swarm.log(rank)
-            if re.search(r" (WARNING|ERROR) (swarm_opt|hivemind)", line) or re.search(
-                    r"(swarm_opt|hivemind)\S*\.py:\d+: \w*Warning", line):
-                pytest.fail(f"peer {rank}: {line}")
 
 
 @pytest.mark.parametrize("module", ["boring", pytest.param("demo", marks=pytest.mark.extended)])

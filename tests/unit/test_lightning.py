@@ -41,38 +41,6 @@ def trainer(cb: SwarmCallback, **overrides) -> L.Trainer:
     return L.Trainer(**dict(kwargs, **overrides))
 
 
-def descendants() -> set:
-    """Live (non-zombie) processes descended from this one, read from /proc; torch's process-wide shared-memory
-    manager, which torch starts once and keeps for the life of the process, does not count."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and not stat.split(" (", 1)[1].startswith("torch_shm_manag"):
-                parents[int(entry)] = int(fields[1])
-    found, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
-@pytest.fixture
-def no_leftovers():
-    before = descendants()
-    yield
-    import time
-
-    deadline = time.monotonic() + 10
-    while descendants() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not descendants() - before, "SwarmCallback left processes behind"
-
-
 def test_construction_has_no_side_effects_and_pickles(no_leftovers):
     cb = callback(strategy=swarm_opt.Scaffold(), tracker=swarm_opt.TrackerConfig())
     assert cb.dht is None and cb.optimizer is None

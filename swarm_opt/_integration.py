@@ -1,0 +1,99 @@
+"""What the framework adapters (``swarm_opt.lightning``, ``swarm_opt.transformers``) share.
+
+``PeerOptions``: a peer's swarm options, checked when the adapter is built (no network, no process: the adapter
+pickles); ``join`` starts the DHT (unless one was given) and wraps the framework's optimizer in a
+``swarm_opt.Optimizer``; ``leave`` stops both, in that order. The adapters own only what their framework needs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+
+from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt.compression import Compression
+from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.offload import Offload
+from swarm_opt.optimizer import Optimizer
+from swarm_opt.strategies.base import Strategy
+from swarm_opt.strategies.grad_averaging import GradientAveraging
+
+__all__ = ["PeerOptions"]
+
+
+class PeerOptions:
+    """The keyword options every adapter takes (see ``swarm_opt.lightning.SwarmCallback`` for their meaning),
+    checked at construction. ``strategy`` is a template: each ``join`` binds a copy."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        target_batch_size: int,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        dht: Optional[Any] = None,
+        batch_size: Optional[int] = None,
+        strategy: Optional[Strategy] = None,
+        compression: Optional[Compression] = None,
+        matchmaking_time: float = 5.0,
+        averaging_timeout: float = 60.0,
+        tracker: Optional[TrackerConfig] = None,
+        offload: Optional[Offload] = None,
+    ) -> None:
+        self.config = SwarmConfig(run_id, target_batch_size, batch_size)
+        if offload is not None and not isinstance(offload, Offload):
+            raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
+        self.offload = offload
+        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        if isinstance(initial_peers, str):
+            raise ConfigTypeError("initial_peers must be a list of multiaddrs, e.g. initial_peers=[ADDRESS]")
+        self.initial_peers = parse_maddrs(initial_peers, option="initial_peers", need_peer_id=True)
+        self.host_maddrs = parse_maddrs(host_maddrs, option="host_maddrs")
+        if dht is not None:
+            import hivemind
+
+            if not isinstance(dht, hivemind.DHT):
+                raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+            if self.initial_peers:
+                raise ConfigError("pass either dht (a DHT you started, already joined to the swarm) or "
+                                  "initial_peers (the callback starts its own DHT), not both")
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. swarm_opt.Scaffold(), got {strategy!r}")
+        if tracker is not None and not isinstance(tracker, TrackerConfig):
+            raise ConfigTypeError(f"tracker must be swarm_opt.TrackerConfig(...), got {tracker!r}")
+        self.strategy = GradientAveraging() if strategy is None else strategy
+        self.compression = compression
+        self.tracker = tracker
+        self.dht = dht  # the caller's, or None: join starts one
+
+    def join(self, inner: torch.optim.Optimizer, *, scheduler: Optional[Any] = None,
+             clip_grad_norm: Optional[float] = None,
+             batch_size_per_step: Optional[int] = None) -> Tuple[Any, Optimizer]:
+        """Start a DHT (unless the options hold one) and a swarm optimizer around ``inner``; returns both. If the
+        optimizer cannot be built, the DHT started here is stopped again."""
+        dht = self.dht if self.dht is not None else start_dht(initial_peers=self.initial_peers,
+                                                              host_maddrs=self.host_maddrs)
+        try:
+            with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
+                optimizer = Optimizer(
+                    dht=dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
+                    optimizer=inner, offload=self.offload, scheduler=scheduler,
+                    batch_size_per_step=batch_size_per_step, strategy=copy.deepcopy(self.strategy),
+                    matchmaking_time=self.timeouts.matchmaking_time,
+                    averaging_timeout=self.timeouts.averaging_timeout,
+                    compression=self.compression, tracker=self.tracker, clip_grad_norm=clip_grad_norm)
+        except BaseException:
+            self.leave(None, dht)
+            raise
+        return dht, optimizer
+
+    def leave(self, optimizer: Optional[Optimizer], dht: Optional[Any]) -> None:
+        """Leave the swarm: shut ``optimizer`` down, then stop ``dht`` unless it is the caller's."""
+        if optimizer is not None:
+            optimizer.shutdown()
+        if dht is not None and dht is not self.dht:
+            dht.shutdown()

@@ -6,9 +6,10 @@ tested from outside, on a connection that the newcomer did not open (libp2p reus
 connected to us would "reach" us whatever our firewall says). So ``swarm-opt doctor`` starts a fresh listening node
 that has no connection to anyone, and asks a peer of the run, through a second node, to dial that fresh node on its
 announced addresses (``ask_dial_back``). Every swarm_opt DHT node answers such requests (``serve_dial_back``, added by
-``swarm_opt._hivemind.node.start_dht``): one dial at a time, a few a minute, to TCP addresses only, nothing sent but
-libp2p's handshake. The answer also says from which address the asking node's connection arrived, a hint of this
-machine's public address.
+``swarm_opt._hivemind.node.start_dht``): one dial at a time, a few a minute, to TCP addresses only, and only to the
+host the request came from (the asking node's connection arrived from that IP address: nobody can make a peer of the
+run dial a third party), nothing sent but libp2p's handshake. The answer also says from which address the asking
+node's connection arrived, a hint of this machine's public address.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ async def _dial(node: DHTNode, raw: bytes, requester: PeerID) -> Dict[str, Any]:
         return {"ok": False, "error": "busy, ask again in a minute", "busy": True}
     _recent.append(now)
     seen_from = await _address_of(node, requester)
+    hosts = {_host(Multiaddr(a)) for a in seen_from} - {None}
+    maddrs = [m for m in maddrs if _host(m) in hosts]
+    if not maddrs:
+        return {"ok": False, "error": "a dial-back dials only the host the request came from", "seen_from": seen_from}
     async with _busy:
         try:
             await asyncio.wait_for(node.p2p._client.connect(target, maddrs), DIAL_TIMEOUT)
@@ -82,6 +87,16 @@ async def _dial(node: DHTNode, raw: bytes, requester: PeerID) -> Dict[str, Any]:
         except Exception:
             pass
     return {"ok": True, "seen_from": seen_from}
+
+
+def _host(maddr: Multiaddr) -> Optional[str]:
+    """The IP address of an /ip4 or /ip6 multiaddr (a name is not resolved: it never matches a connection's)."""
+    for protocol in ("ip4", "ip6"):
+        try:
+            return maddr.value_for_protocol(protocol)
+        except Exception:
+            continue
+    return None
 
 
 async def _address_of(node: DHTNode, peer: PeerID) -> List[str]:

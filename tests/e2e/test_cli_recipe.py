@@ -1,0 +1,197 @@
+"""Recipes through ``swarm-opt train``: bad recipes are one line; a streaming source that runs out or fails makes the
+peer leave with its checkpoint; three volunteers of the built-in language model with its full recipe (AdamW,
+warmup then cosine, clipping, bf16, a data shard each, perplexity) reach one process's loss at equal tokens, and a
+volunteer with another learning rate is refused in one line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from typing import Dict, List
+
+import pytest
+import torch
+
+import swarm_opt
+from swarm_opt.cli.commands import main
+from tests.e2e.test_cli_inputs import assert_one_line_error
+
+FAST_ROUNDS = ["--matchmaking-time", "1", "--averaging-timeout", "30"]
+
+USER_RECIPES = '''
+import torch
+from swarm_opt import Recipe
+from swarm_opt.recipe import DataShard
+
+
+def _model():
+    return torch.nn.Linear(4, 2)
+
+
+def _data():
+    return torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(2, (64,)))
+
+
+def stream(n, fail_at=None):
+    def source(shard: DataShard):
+        for i in range(shard.index, n, shard.count):
+            if i == fail_at:
+                raise OSError("disk gone")
+            yield torch.randn(4), torch.tensor(i % 2)
+    return source
+
+
+def finite():
+    return Recipe(model=_model(), loss_fn=torch.nn.functional.cross_entropy, train_data=stream(40),
+                  num_shards=1, batch_size=4, target_batch_size=8)
+
+
+def failing():
+    return Recipe(model=_model(), loss_fn=torch.nn.functional.cross_entropy, train_data=stream(400, fail_at=23),
+                  num_shards=1, batch_size=4, target_batch_size=8)
+
+
+def bad_schedule():
+    return Recipe(model=_model(), loss_fn=torch.nn.functional.cross_entropy, train_data=_data(),
+                  schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt))
+
+
+def bad_optimizer():
+    return Recipe(model=_model(), loss_fn=torch.nn.functional.cross_entropy, train_data=_data(),
+                  optimizer=lambda groups: torch.optim.AdamW(groups, lr=-0.1))
+
+
+def bad_precision():
+    return Recipe(model=_model(), loss_fn=torch.nn.functional.cross_entropy, train_data=_data(), precision="fp8")
+
+
+def wrong_shape():
+    return _model(), _data()
+'''
+
+
+@pytest.mark.parametrize("task, fragments", [
+    ("broken.py:make", ["importing broken.py failed: NameError"]),
+    ("recipes:wrong_shape", ["must return a swarm_opt.Recipe or (model, train_dataset, test_dataset, loss_fn), "
+                             "got tuple"]),
+    ("recipes:bad_schedule", ["the recipe's schedule raised TypeError", "fix the recipe's schedule"]),
+    ("recipes:bad_optimizer", ["the recipe's optimizer raised ValueError", "Invalid learning rate: -0.1",
+                               "fix the recipe's optimizer"]),
+    ("recipes:bad_precision", ["Recipe(precision='fp8'): choose one of fp32, bf16, fp16"]),
+    ("recipes:finite", []),  # a valid recipe with a bad option
+])
+def test_a_bad_recipe_is_one_line_before_any_network(task, fragments, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes.py").write_text(USER_RECIPES)
+    (tmp_path / "broken.py").write_text("import torch\nundefined_name\n")
+    extra = ["--shard", "1/1"] if task == "recipes:finite" else []
+    if task == "recipes:finite":
+        fragments = ["argument --shard", "0 <= INDEX < COUNT"]
+    status = main(["train", "--run-id", "r", "--task", task, *extra], environ={})
+    captured = capsys.readouterr()
+    assert_one_line_error(subprocess.CompletedProcess([], status, captured.out, captured.err), *fragments)
+
+
+def peer_args(run_id: str, maddr: str, *extra: str) -> List[str]:
+    return ["train", "--run-id", run_id, "--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+            *FAST_ROUNDS, *extra]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_stream_that_runs_out_or_fails_leaves_with_its_checkpoint(cli):
+    (cli.workdir / "recipes.py").write_text(USER_RECIPES)
+    _, maddr = cli.dht()
+    finite = cli.start("finite", *peer_args("dry", maddr, "--task", "recipes:finite", "--checkpoint-dir", "ck1"))
+    failing = cli.start("failing", *peer_args("fails", maddr, "--task", "recipes:failing", "--checkpoint-dir",
+                                              "ck2"))
+    assert finite.wait(180) == 0, finite.describe()
+    assert re.search(r"the training source of data shard 0/1 ran out after 40 samples at epoch 5; left the run\. To "
+                     r"train on, give the task's source more data", finite.stderr), finite.describe()
+    assert "saved checkpoint" in finite.stderr and "Traceback" not in finite.stderr, finite.describe()
+    assert swarm_opt.load_checkpoint(sorted((cli.workdir / "ck1").glob("epoch-*.pt"))[-1])["epoch"] == 5
+    assert failing.wait(180) == 1, failing.describe()
+    assert re.search(r"the training source of data shard 0/1 failed after 20 samples at epoch 2: OSError: disk gone; "
+                     r"left the run\. Fix the task's streaming source", failing.stderr), failing.describe()
+    assert "saved checkpoint" in failing.stderr and "Traceback" not in failing.stderr, failing.describe()
+
+
+# --- the language model: three volunteers against one process -----------------------------------------------------
+
+EPOCH_LINE = re.compile(r"^epoch (\d+): (.*)$", re.MULTILINE)
+SAMPLES = re.compile(r"averaged with \d+ of \d+ peer\(s\) \((\d+) samples from this peer\)")
+
+
+def samples_per_epoch(outputs: List[str]) -> Dict[int, int]:
+    """The samples each global epoch's step was computed on: the sum of what its round's members contributed."""
+    total: Dict[int, int] = {}
+    for text in outputs:
+        for epoch, rest in EPOCH_LINE.findall(text):
+            found = SAMPLES.search(rest)
+            if found:
+                total[int(epoch)] = total.get(int(epoch), 0) + int(found.group(1))
+    return total
+
+
+def train_one_process(task: str, per_epoch: Dict[int, int], *, seed: int = 0, data_seed: int = 0,
+                      batch_size: int = 16) -> float:
+    """One process with the task's recipe: at each global epoch, one clipped AdamW step on the mean gradient of that
+    epoch's samples (drawn from the whole corpus), the schedule stepped once; returns the evaluation's loss."""
+    from swarm_opt.cli.tasks import evaluate, load_task
+    from swarm_opt.recipe import DataShard
+
+    recipe = load_task(task, seed=seed)
+    optimizer = recipe.build_optimizer(recipe.groups())
+    schedule = recipe.schedule(optimizer)
+    stream = recipe.stream(DataShard(0, 1, data_seed))
+    for epoch in range(1, max(per_epoch) + 1):
+        total = per_epoch[epoch]
+        optimizer.zero_grad()
+        for start in range(0, total, batch_size):
+            x, y = torch.utils.data.default_collate([next(stream) for _ in range(min(batch_size, total - start))])
+            with recipe.autocast():
+                loss = recipe.loss_fn(recipe.model(x), y)
+            (loss * len(y) / total).backward()
+        torch.nn.utils.clip_grad_norm_(recipe.model.parameters(), recipe.clip_grad_norm)
+        optimizer.step()
+        schedule.step()
+    return evaluate(recipe)["loss"]
+
+
+def swarm_loss(task: str, checkpoint_dir) -> float:
+    from swarm_opt.cli.tasks import evaluate, load_task
+
+    recipe = load_task(task, seed=0)
+    recipe.model.load_state_dict(swarm_opt.load_checkpoint(sorted(checkpoint_dir.glob("epoch-*.pt"))[-1])["model"])
+    return evaluate(recipe)["loss"]
+
+
+@pytest.mark.swarm
+@pytest.mark.extended
+@pytest.mark.timeout(1500)
+def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_rate(cli):
+    epochs, target = 100, 128
+    _, maddr = cli.dht()
+    common = peer_args("lm_e2e", maddr, "--task", "lm-tiny", "--target-batch-size", str(target), "--epochs",
+                       str(epochs), "--min-peers", "3")
+    peers = [cli.start(f"peer{i}", *common, "--shard", f"{i}/3", "--data-seed", str(i), "--checkpoint-dir",
+                       f"ckpt{i}", "--checkpoint-every", "1000") for i in range(3)]
+    peers[0].wait_for(r"^epoch 2: test loss", 300)
+
+    refused = cli.run(*common, "--lr", "0.01", timeout=120)
+    assert_one_line_error(refused, "run 'lm_e2e': this run trains with lr=0.002; your --lr says lr=0.01",
+                          "use the run's (the same --task and options as its peers) or another --run-id")
+
+    for peer in peers:
+        assert peer.wait(1200) == 0, peer.describe()
+        assert f"reached epoch {epochs}; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
+        assert re.search(r"^epoch \d+: test loss [\d.]+, test perplexity [\d.]+, averaged", peer.stdout, re.M)
+    per_epoch = samples_per_epoch([peer.stdout for peer in peers])
+    assert sorted(per_epoch) == list(range(1, epochs + 1)), per_epoch  # every epoch averaged by some peers
+    swarm = [swarm_loss("lm-tiny", cli.workdir / f"ckpt{i}") for i in range(3)]
+    assert max(swarm) - min(swarm) < 1e-4, swarm  # one model
+    single = train_one_process("lm-tiny", per_epoch)
+    tokens = sum(per_epoch.values()) * 64
+    print(f"3 peers: loss {swarm[0]:.4f}; one process: {single:.4f} at {tokens:,} tokens "
+          f"({abs(swarm[0] - single) / single:.2%} apart)")
+    assert abs(swarm[0] - single) <= 0.01 * single, (swarm, single, per_epoch)

@@ -189,7 +189,8 @@ class Recipe:
         if not isinstance(groups, (list, tuple)) or not groups:
             raise ConfigError(f"the recipe's param_groups must return a non-empty list of parameter groups "
                               f"([{{'params': [...], ...}}, ...]), got {type(groups).__name__}")
-        return list(groups)
+        # copies: an optimizer writes into the groups it is given (torch.optim: "params", a scheduler's "initial_lr")
+        return [dict(g, params=list(g.get("params", ()))) if isinstance(g, dict) else g for g in groups]
 
     def build_optimizer(self, groups: Any) -> torch.optim.Optimizer:
         """The recipe's inner optimizer on ``groups``, checked."""

@@ -420,23 +420,25 @@ def resolve_options(command: str, given: argparse.Namespace, environ: Dict[str, 
     """Merge flags (``given``, only what was typed) over environment variables over the config file over defaults."""
     options = {o.dest: o for o in OPTIONS[command]}
     values: Dict[str, Any] = {dest: option.default for dest, option in options.items()}
-    defaults = dict(values)
+    explicit = set()  # what the user set (in the file, the environment or a flag): it overrides a task's recipe
     config_path = getattr(given, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
     if config_path:
-        values.update(_from_config_file(command, config_path, options))
+        from_file = _from_config_file(command, config_path, options)
+        values.update(from_file)
+        explicit.update(from_file)
     for dest, option in options.items():
         if option.env in environ:
             values[dest] = option.convert(environ[option.env], option.env)
+            explicit.add(dest)
     for dest in options:
         if hasattr(given, dest):
             values[dest] = getattr(given, dest)
+            explicit.add(dest)
     for dest, option in options.items():
         if option.required and values[dest] in (None, []):
             raise ConfigError(f"{option.flag} is required (or '{dest}' in the config file, or {option.env})")
     values["command"], values["verbose"] = command, getattr(given, "verbose", 0)
-    # what the user set (a flag, the environment or the file): it overrides a task's recipe, the defaults do not
-    values["explicit"] = frozenset(dest for dest in options if values[dest] is not defaults[dest]
-                                   or hasattr(given, dest))
+    values["explicit"] = frozenset(explicit)
     return argparse.Namespace(**values)
 
 

@@ -137,6 +137,14 @@ def test_flags_override_the_recipe_and_the_defaults_do_not():
         apply_recipe(recipe, args(momentum=0.5))
 
 
+def test_a_config_file_entry_equal_to_the_default_still_overrides_the_recipe(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"run_id": "r", "batch_size": 32, "strategy": "grad"}))
+    args = resolve_options("train", argparse.Namespace(config=str(config)), {})
+    apply_recipe(make_recipe(strategy="local", batch_size=8), args)
+    assert (args.batch_size, args.strategy) == (32, "grad")
+
+
 def test_lr_keeps_the_ratio_of_parameter_groups():
     def groups(model):
         return [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 5e-4}]

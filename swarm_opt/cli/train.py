@@ -68,10 +68,13 @@ def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.opti
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
+#: the strategies' command-line options that change training (a run's peers must agree on them: ``_identity``)
+_STRATEGY_SETTINGS: Dict[type, tuple] = {FedProx: ("fedprox_mu",), DiLoCo: ("outer_lr", "outer_momentum")}
 #: recipe settings -> the option that overrides them (named in a refusal when the volunteer typed it)
 _SETTING_FLAGS = {"lr": "--lr", "optimizer": "--optimizer", "momentum": "--momentum",
                   "clip_grad_norm": "--clip-grad-norm", "precision": "--precision",
-                  "target_batch_size": "--target-batch-size", "strategy": "--strategy"}
+                  "target_batch_size": "--target-batch-size", "strategy": "--strategy",
+                  "fedprox_mu": "--fedprox-mu", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum"}
 
 
 def apply_recipe(recipe: Recipe, args: argparse.Namespace) -> Recipe:
@@ -257,6 +260,7 @@ def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _
 
     settings = recipe.settings(target_batch_size=args.target_batch_size,
                                strategy=f"{args.strategy}{strategy.variant}")
+    settings.update({dest: getattr(args, dest) for dest in _STRATEGY_SETTINGS.get(type(strategy), ())})
     params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
     base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
     identity = fingerprint(settings)

@@ -195,3 +195,19 @@ def test_the_language_model_recipe_is_complete_and_sized():
         logits = recipe.model(x[None])
     assert logits.shape == (1, 64, 256)
     assert math.isclose(float(recipe.loss_fn(logits, y[None])), math.log(256), rel_tol=0.05)
+
+
+def test_the_peer_identity_covers_strategy_options_and_matches_the_optimizers_schema():
+    from swarm_opt.cli.train import _identity, make_strategy
+
+    def identity(**given):
+        args = resolve_options("train", argparse.Namespace(run_id="r", **given), {})
+        recipe = apply_recipe(make_recipe(), args)
+        return _identity(recipe, make_strategy(args), args)
+
+    base = identity(strategy="fedprox")
+    assert base.settings["fedprox_mu"] == 0.01 and base.settings["strategy"] == "fedprox"
+    other = identity(strategy="fedprox", fedprox_mu=0.1)
+    assert other.fingerprint != base.fingerprint and other.base == base.base
+    assert identity(strategy="diloco", outer_lr=0.5).settings["outer_lr"] == 0.5
+    assert identity().schema == identified_schema(identity().base, identity().fingerprint)

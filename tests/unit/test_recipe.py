@@ -171,6 +171,9 @@ def test_a_stream_is_read_by_shard_and_its_end_and_failure_are_told_apart():
     while (batch := batches.next()) is not None:
         seen += [int(v) for v in batch[0][:, 0]]
     assert seen == list(range(1, 20, 2)) and batches.exhausted and batches.failure is None and batches.samples == 10
+    collated = _Batches(make_recipe(train_data=finite_stream(8), collate=lambda samples: ("batch", [0] * len(samples))),
+                        3, seed=0, shard=DataShard(0, 1))
+    assert [collated.next() for _ in range(4)] == [("batch", [0] * 3), ("batch", [0] * 3), ("batch", [0] * 2), None]
     failing = _Batches(make_recipe(train_data=finite_stream(20, fail_at=9)), 4, seed=0, shard=DataShard(1, 2))
     assert failing.next() is not None and failing.next() is None
     assert failing.failure == "OSError: disk gone" and not failing.exhausted

@@ -116,6 +116,24 @@ def test_a_stream_that_runs_out_or_fails_leaves_with_its_checkpoint(cli):
     assert "saved checkpoint" in failing.stderr and "Traceback" not in failing.stderr, failing.describe()
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+def test_a_volunteer_whose_settings_differ_is_refused_in_one_line(cli):
+    _, maddr = cli.dht()
+    common = peer_args("refusal", maddr, "--task", "digits", "--target-batch-size", "256")
+    peer = cli.start("peer", *common, "--lr", "0.05")
+    peer.wait_for(r"^epoch 1: ", 120)
+    refused = cli.run(*common, timeout=120)  # the default lr, 0.1
+    assert_one_line_error(refused, "run 'refusal': this run trains with lr=0.05; your recipe says lr=0.1",
+                          "or another --run-id")
+    clipped = cli.run(*common, "--lr", "0.05", "--clip-grad-norm", "1", timeout=120)
+    assert_one_line_error(clipped, "this run trains with clip_grad_norm=(none); your --clip-grad-norm says "
+                                   "clip_grad_norm=1.0")
+    peer.interrupt()
+    assert peer.wait(60) == 0, peer.describe()
+    assert "ERROR" not in peer.stderr, peer.describe()  # the refused volunteers never showed up in the run
+
+
 # --- the language model: three volunteers against one process -----------------------------------------------------
 
 EPOCH_LINE = re.compile(r"^epoch (\d+): (.*)$", re.MULTILINE)

@@ -117,14 +117,15 @@ def corpus_id(files: List[Path]) -> str:
 
 
 class HeldOut(Dataset):
-    """A fixed slice of the held-out files: consecutive non-overlapping windows of ``context`` bytes."""
+    """A fixed slice of the held-out files: ``windows`` windows of ``context`` bytes at evenly spaced offsets across
+    all of them (a loss on one file alone would follow that file's quirks)."""
 
-    def __init__(self, files: List[Path], context: int, max_windows: int = 256) -> None:
-        text = b"".join(f.read_bytes() for f in files)
-        count = min(max_windows, (len(text) - 1) // context)
-        self.x = torch.frombuffer(bytearray(text[:count * context]), dtype=torch.uint8).long().view(count, context)
-        self.y = torch.frombuffer(bytearray(text[1:count * context + 1]), dtype=torch.uint8).long().view(
-            count, context)
+    def __init__(self, files: List[Path], context: int, windows: int = 512) -> None:
+        text = b"\n".join(f.read_bytes() for f in files)
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        starts = torch.linspace(0, len(data) - context - 2, windows).long()
+        self.x = torch.stack([data[i:i + context] for i in starts.tolist()])
+        self.y = torch.stack([data[i + 1:i + context + 1] for i in starts.tolist()])
 
     def __len__(self) -> int:
         return len(self.x)
@@ -191,7 +192,7 @@ def language_model(size: str = "tiny") -> Recipe:
                                                                                    FLOOR)),
         clip_grad_norm=1.0,
         precision="bf16",
-        evaluation=Evaluation(HeldOut(held_out, context), batches=4, batch_size=64, metric=perplexity),
+        evaluation=Evaluation(HeldOut(held_out, context), batches=8, batch_size=64, metric=perplexity),
         batch_size=batch_size,
         target_batch_size=target,
         data_id=corpus_id(files),

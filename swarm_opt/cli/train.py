@@ -128,6 +128,7 @@ class _Batches:
     failure: Optional[str] = None
 
     def __post_init__(self) -> None:
+        self._source = None if self.shard is None else self.recipe.stream(self.shard)
         self._iterator = self._stream() if self.shard is not None else self._shuffled()
 
     def _shuffled(self) -> Iterator[Any]:
@@ -140,7 +141,7 @@ class _Batches:
     def _stream(self) -> Iterator[Any]:
         assert self.shard is not None
         collate = self.recipe.collate or torch.utils.data.default_collate
-        source = self.recipe.stream(self.shard)
+        source = self._source
         while True:
             samples: List[Any] = []
             for sample in source:
@@ -306,10 +307,14 @@ def run_train(args: argparse.Namespace) -> int:
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args))
+    try:  # a source that cannot open its shard says so before this peer joins
+        batches = _Batches(recipe, args.batch_size, data_seed, _shard(args, recipe, dht.peer_id, data_seed))
+    except ConfigError:
+        dht.shutdown()
+        raise
     beacon = _check_recipe(dht, args, identity)
     if args.auxiliary:
         return _run_auxiliary(args, recipe, strategy, dht, stop, identity.fingerprint, beacon)
-    batches = _Batches(recipe, args.batch_size, data_seed, _shard(args, recipe, dht.peer_id, data_seed))
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
     ckpt: Optional[swarm_opt.Checkpointer] = None

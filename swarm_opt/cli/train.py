@@ -240,7 +240,7 @@ def _epoch_line(opt: Any, recipe: Recipe) -> str:
     parts += [f"test {name} {value:.2f}" for name, value in metrics.items() if name not in ("accuracy", "loss")]
     r = opt.last_round
     if r is not None and r.epoch == opt.local_epoch:
-        parts.append(f"caught up by downloading the swarm's state ({r.samples} samples from this peer left out)"
+        parts.append(f"caught up by downloading the swarm's state ({r.samples} local samples dropped)"
                      if r.caught_up else
                      f"averaged with {r.group_size} of {r.num_peers} peer(s) ({r.samples} samples from this peer)")
     return f"epoch {opt.local_epoch}: " + ", ".join(parts)

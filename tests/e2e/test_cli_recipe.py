@@ -224,7 +224,7 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     prefix = [{e: c[e] for e in range(1, last + 1)} for c in peer_counts]
     same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)])
     # at the end, one process on as many tokens drawn from the whole corpus in another order (runs of one process in
-    # different orders differ by up to about 1.5 % among each other at this size: docs/language-model.md)
+    # different orders differ by up to about 3 % among each other at this size: docs/language-model.md)
     per_epoch = {e: sum(c.get(e) or 0 for c in peer_counts) or 128 for e in range(1, epochs + 1)}
     other_order = train_one_process("lm-tiny", [per_epoch], [DataShard(0, 1, seed=0)])
     print(f"\n3 peers at epoch {last}: test loss {logged:.4f}; one process on the same "

@@ -339,8 +339,15 @@ def run_train(args: argparse.Namespace) -> int:
             for maddr in dht.get_visible_maddrs():
                 _say(f"others can join through {maddr}")
         if args.checkpoint_dir:
-            ckpt = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
-            restored = ckpt.restore(opt, model)
+            checkpointer = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
+            try:
+                restored = checkpointer.restore(opt, model)
+            except swarm_opt.IncompatibleStateError:
+                checkpointer.close()  # and nothing is saved over it
+                raise ConfigError(f"cannot resume from --checkpoint-dir {args.checkpoint_dir}: its checkpoint was "
+                                  f"saved with another model, strategy or recipe settings; start with a fresh "
+                                  f"--checkpoint-dir, or with the settings it was saved with") from None
+            ckpt = checkpointer
             if restored is not None:
                 _say(f"resumed from {ckpt.latest()} (epoch {restored['epoch']}); the swarm's newer state, if any, "
                      f"is downloaded at the first step")

@@ -232,5 +232,5 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
           f"({abs(logged - same_tokens) / same_tokens:.2%} apart)\n3 peers at epoch {epochs}: {swarm[0]:.4f}; one "
           f"process on {sum(per_epoch.values()) * 64:,} tokens in another order: {other_order:.4f} "
           f"({abs(swarm[0] - other_order) / other_order:.2%} apart)")
-    assert abs(logged - same_tokens) <= 0.001 * same_tokens, (logged, same_tokens, peer_counts)
+    assert abs(logged - same_tokens) <= 0.005 * same_tokens, (logged, same_tokens, peer_counts)
     assert abs(swarm[0] - other_order) <= 0.03 * other_order, (swarm, other_order)

@@ -41,7 +41,7 @@ SIZES: Dict[str, Tuple[int, int, int, int]] = {
 }
 #: name -> (peak learning rate, batch size, target batch size) defaults, in sequences
 TRAINING: Dict[str, Tuple[float, int, int]] = {
-    "tiny": (2e-3, 16, 64),
+    "tiny": (1e-3, 16, 64),
     "small": (1e-3, 16, 128),
     "medium": (6e-4, 8, 256),
     "large": (3e-4, 4, 256),

@@ -202,7 +202,7 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     peers[0].wait_for(r"^epoch 2: test loss", 300)
 
     refused = cli.run(*common, "--lr", "0.01", timeout=120)
-    assert_one_line_error(refused, "run 'lm_e2e': this run trains with lr=0.002; your --lr says lr=0.01",
+    assert_one_line_error(refused, "run 'lm_e2e': this run trains with lr=0.001; your --lr says lr=0.01",
                           "use the run's (the same --task and options as its peers) or another --run-id")
 
     for peer in peers:
@@ -214,8 +214,8 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     assert max(swarm) - min(swarm) < 1e-4, swarm  # one model
     # one process on the very tokens the swarm averaged (each peer's shard, data seed and counts) over the first 10
     # epochs, compared with the loss the peers printed then: the same steps, equal to float rounding. Later, rounding
-    # differences grow (at this learning rate, a trajectory's loss spikes depend on them), and so the end is compared
-    # with a run of one process on as many tokens. A peer that caught up by downloading (under load a round's result
+    # differences grow into different trajectories, and so the end is compared with a run of one process on as many
+    # tokens. A peer that caught up by downloading (under load a round's result
     # can reach one member too late) leaves its samples of that round unknown: the replay stops before
     regular = [e for e in range(1, epochs + 1) if all(isinstance(c.get(e), int) for c in peer_counts)]
     last = min(10, next((f - 1 for e, f in zip(regular, range(1, epochs + 1)) if e != f), len(regular)))
@@ -224,7 +224,7 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     prefix = [{e: c[e] for e in range(1, last + 1)} for c in peer_counts]
     same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)])
     # at the end, one process on as many tokens drawn from the whole corpus in another order (runs of one process in
-    # different orders differ by up to about 3 % among each other at this size: docs/language-model.md)
+    # different orders differ by about 0.6 % among each other at this size: docs/language-model.md)
     per_epoch = {e: sum(c.get(e) or 0 for c in peer_counts) or 128 for e in range(1, epochs + 1)}
     other_order = train_one_process("lm-tiny", [per_epoch], [DataShard(0, 1, seed=0)])
     print(f"\n3 peers at epoch {last}: test loss {logged:.4f}; one process on the same "
@@ -233,4 +233,4 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
           f"process on {sum(per_epoch.values()) * 64:,} tokens in another order: {other_order:.4f} "
           f"({abs(swarm[0] - other_order) / other_order:.2%} apart)")
     assert abs(logged - same_tokens) <= 0.005 * same_tokens, (logged, same_tokens, peer_counts)
-    assert abs(swarm[0] - other_order) <= 0.03 * other_order, (swarm, other_order)
+    assert abs(swarm[0] - other_order) <= 0.01 * other_order, (swarm, other_order)

@@ -185,7 +185,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     from swarm_opt.cli.tasks import evaluate, load_task
 
     task = load_task("mnist", seed=args.seed)
-    x_train, y_train = task.train_dataset.tensors
+    x_train, y_train = task.train_data.tensors
     opt = torch.optim.SGD(task.model.parameters(), lr=LR, momentum=MOMENTUM)
     generator = torch.Generator().manual_seed(args.seed)
     started = time.monotonic()

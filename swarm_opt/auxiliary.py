@@ -36,7 +36,7 @@ from swarm_opt.compression import Compression, as_codec
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
-from swarm_opt.optimizer import averaging_prefix, strategy_schema
+from swarm_opt.optimizer import averaging_prefix, identified_schema, strategy_schema
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -60,6 +60,7 @@ class AuxiliaryPeer:
     :param compression: the trainers' codec; PowerSGD runs a protocol of its own, which helpers cannot join.
     :param aggregation: the trainers' aggregation (``Mean()`` by default): this helper reduces parts with it.
     :param matchmaking_time: and ``averaging_timeout``: the trainers' values (see ``Timeouts``).
+    :param identity: the trainers' ``Optimizer(identity=...)``, if any.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class AuxiliaryPeer:
         aggregation: Optional[Aggregation] = None,
         matchmaking_time: float = 5.0,
         averaging_timeout: float = 60.0,
+        identity: Optional[str] = None,
     ) -> None:
         SwarmConfig(run_id, target_batch_size=1)  # validates the run id
         self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
@@ -96,7 +98,7 @@ class AuxiliaryPeer:
         # the strategy says what a round averages (its shapes); a zero-lr optimizer binds it without training
         strategy.bind(params, torch.optim.SGD(params, lr=0.0))
         self.run_id = run_id
-        self.model_schema = strategy_schema(params, strategy)
+        self.model_schema = identified_schema(strategy_schema(params, strategy), identity)
         # the ETA a trainer's tracker sees (samples extrapolated since each record), so that the helper declares for
         # the trainers' deadline
         self._monitor = RunMonitor(dht, run_id, model_schema=self.model_schema,

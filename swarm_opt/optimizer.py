@@ -119,6 +119,10 @@ class Optimizer(torch.optim.Optimizer):
         the swarm equals one process that clips its accumulated global batch; with local updates each local step's.
         With a ``GradScaler``, ``scaler.step(opt)`` unscales before any clipping. Do not also clip before ``step()``:
         that clips each micro-batch. Default ``None``: no clipping.
+    :param identity: anything else the run's peers must share to train together (e.g. ``Recipe.fingerprint``: the
+        learning rate, schedule, precision): mixed into ``model_schema``, so that peers whose identities differ never
+        average, download each other's state or count each other's progress. Default ``None``: the model and
+        strategy alone.
     """
 
     def __init__(
@@ -143,6 +147,7 @@ class Optimizer(torch.optim.Optimizer):
         privacy: Optional[OpacusPrivacy] = None,
         groups: Optional[Groups] = None,
         clip_grad_norm: Optional[float] = None,
+        identity: Optional[str] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         max_norm = checked_max_norm(clip_grad_norm)
@@ -197,7 +202,7 @@ class Optimizer(torch.optim.Optimizer):
         self._digest_tolerance = digest_tolerance(self._params)
         self.last_round: Optional[RoundReport] = None
         self.metrics: Metrics = NO_METRICS  # see observe()
-        self.model_schema = strategy_schema(self._params, strategy)
+        self.model_schema = identified_schema(strategy_schema(self._params, strategy), identity)
 
         access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
@@ -887,6 +892,13 @@ def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy) -> str:
     exchange (``Strategy.variant``), and the parameters it keeps local."""
     return model_schema(list(params), strategy.name + strategy.variant,
                         kept=sorted(personal_indices(params, strategy)))
+
+
+def identified_schema(schema: str, identity: Optional[str]) -> str:
+    """``schema`` with ``identity`` mixed in (``Optimizer(identity=...)``); ``schema`` itself when there is none."""
+    if identity is None:
+        return schema
+    return hashlib.sha256(f"{schema};identity:{identity}".encode()).hexdigest()[:32]
 
 
 def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:

@@ -792,7 +792,8 @@ class ProgressTracker:
             self._mismatch_reported = True
             logger.error(
                 f"{mismatched} peer(s) in run '{self.key[:-len('_swarm_progress')]}' train a different model "
-                f"(parameter shapes or dtypes differ); they are kept apart. Give each model its own run_id."
+                f"or recipe (parameter shapes or dtypes, strategy or Optimizer(identity=...) differ); they are kept "
+                f"apart. Give each model its own run_id."
             )
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined

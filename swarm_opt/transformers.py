@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 from typing import Any, Dict, Optional, Sequence
 
 try:
@@ -112,6 +113,7 @@ class SwarmCallback(TrainerCallback):
     # --- Trainer events -------------------------------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         check_arguments(args)
+        _log_before_reporters(self, sys._getframe(1).f_locals.get("self"))
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, *,
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs) -> None:
@@ -185,6 +187,24 @@ class SwarmCallback(TrainerCallback):
         if wrapper is not None and swarm is not None:
             _rewrap(wrapper, swarm.inner)
         self._options.leave(swarm, dht)
+
+
+def _log_before_reporters(callback: TrainerCallback, handler: Any) -> None:
+    """Move ``callback`` just before the first report integration (``report_to``: TensorBoard, wandb, ...) of the
+    Trainer's ``handler``, so that every log they send carries the swarm's figures (``on_log`` adds them). Trainer
+    lists those integrations before the user's callbacks and hands callbacks no handle on itself: ``handler`` is the
+    ``CallbackHandler`` that calls ``on_init_end``; anything else is left as it is. A new list, not a reordered one:
+    the handler is iterating over the old one."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
+    from transformers.trainer_callback import CallbackHandler
+
+    if not isinstance(handler, CallbackHandler) or callback not in handler.callbacks:
+        return
+    reporters = tuple(c for c in INTEGRATION_TO_CALLBACK.values() if isinstance(c, type))
+    others = [c for c in handler.callbacks if c is not callback]
+    first = next((i for i, c in enumerate(others) if isinstance(c, reporters)), None)
+    if first is not None and first < handler.callbacks.index(callback):
+        handler.callbacks = others[:first] + [callback] + others[first:]
 
 
 def check_arguments(args: TrainingArguments) -> None:

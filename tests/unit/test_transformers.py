@@ -188,3 +188,19 @@ def test_with_a_loss_scaler_accelerates_wrapper_steps_the_optimizer_put_in_it():
     scaler.scale(model(torch.ones(1, 2)).sum()).backward()
     wrapper.step()
     assert steps == ["second"] and not wrapper.step_was_skipped
+
+
+def test_report_integrations_log_the_swarms_figures(tmp_path, no_leftovers, monkeypatch):
+    """Trainer lists its report integrations (``report_to``) before the user's callbacks: the swarm callback moves
+    itself before them, so that what they log carries ``swarm/*`` too; Trainer's own flow callback stays first."""
+    from transformers.integrations import TensorBoardCallback
+
+    seen = []
+    monkeypatch.setattr(TensorBoardCallback, "on_log",
+                        lambda self, args, state, control, logs=None, **kwargs: seen.append(dict(logs or {})))
+    cb = callback()
+    t = trainer(cb, arguments(tmp_path, report_to="tensorboard"))
+    names = [type(c).__name__ for c in t.callback_handler.callbacks]
+    assert names[0] == "DefaultFlowCallback" and names.index("SwarmCallback") < names.index("TensorBoardCallback")
+    t.train()
+    assert any("swarm/epoch" in logs and "swarm/peers" in logs for logs in seen), seen

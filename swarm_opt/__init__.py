@@ -14,6 +14,7 @@ from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logg
 from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
+    CheckpointWriteError,
     ConfigError,
     ConfigTypeError,
     IncompatibleStateError,
@@ -147,6 +148,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "IncompatibleStateError",
+    "CheckpointWriteError",
     "NonFiniteTensorError",
     "StateDownloadError",
     "__version__",

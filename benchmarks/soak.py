@@ -32,6 +32,7 @@ import random
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -196,10 +197,18 @@ class Swarm:
         return {"exit": code, "leftovers": left}
 
     def close(self) -> None:
+        """Kill what is still running; record (event "left behind") anything of the soak's that outlived its
+        peer's process group, and kill it too."""
         testing.kill(self.procs)
-        for pid in tagged(self.tag):  # anything that left its group is still ours by its tag
+        deadline = time.monotonic() + 15  # DHT processes die with their parents (PDEATHSIG), a moment later
+        while tagged(self.tag) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for p in map(process_sample, tagged(self.tag)) if p]
+        if left:
+            self.event("left behind", leftovers=[f"{p['pid']} {p['comm']}" for p in left])
+        for p in left:
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(p["pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.events.close()
@@ -334,8 +343,10 @@ def analyse(out: Path, warmup_minutes: float) -> Dict:
         for key, ys in series.items():
             scale = MB if key in ("pss", "uss", "rss") else 1.0
             slope, noise = slope_per_hour(ts, [y / scale for y in ys])
+            quarter = max(1, len(ys) // 4)
+            growth = (statistics.median(ys[-quarter:]) - statistics.median(ys[:quarter])) / scale
             peer[key] = {"first": ys[0] / scale, "last": ys[-1] / scale, "min": min(ys) / scale,
-                         "max": max(ys) / scale, "slope_per_h": slope, "noise": noise}
+                         "max": max(ys) / scale, "slope_per_h": slope, "noise": noise, "growth": growth}
         roles = sorted({p["role"] for r in after for p in r["peers"][i]["procs"]})
         peer["pss_by_role"] = {}
         for role in roles:
@@ -430,6 +441,7 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=0, help="run the peers under nice -n N (a shared machine)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter of kills and freezes")
     parser.add_argument("--tag", default="", help="suffix of the result file: results/soak{TAG}.json")
+    parser.add_argument("--json", type=Path, help="write the result here instead (a test reads it)")
     args = parser.parse_args()
     if args.analyse:
         config = json.loads((args.analyse / "config.json").read_text())
@@ -448,8 +460,12 @@ def main() -> None:
         print(f"soak stopped early: {failure}", file=sys.stderr)
     result = analyse(args.out, args.warmup_minutes)
     report(result)
-    path = write_json(f"soak{args.tag}.json", {"config": {k: str(v) for k, v in vars(args).items()},
-                                               "failure": failure, **result})
+    payload = {"config": {k: str(v) for k, v in vars(args).items()}, "failure": failure, **result}
+    if args.json:
+        args.json.write_text(json.dumps(payload, indent=2, default=str))
+        path = args.json
+    else:
+        path = write_json(f"soak{args.tag}.json", payload)
     print(f"\nwrote {path}")
     sys.exit(0 if failure is None and all(result["verdict"].values()) else 1)
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         WorkerMomentum,
     )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "Reputation", "TrimmedMean"),

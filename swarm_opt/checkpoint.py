@@ -155,11 +155,12 @@ def _training_state(opt: Any, model: torch.nn.Module, metrics: Optional[Metrics]
     }
 
 
-def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path]) -> Optional[dict]:
+def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path], schemas: Sequence[str] = ()) -> Optional[dict]:
     if path is None:
         return None
     # a checkpoint of this model saved by an older release (another protocol, the same shapes) resumes too
-    state = load_checkpoint(path, expected_schema=(opt.model_schema, *getattr(opt, "legacy_schemas", {})))
+    accepted = (opt.model_schema, *getattr(opt, "legacy_schemas", {}), *schemas)
+    state = load_checkpoint(path, expected_schema=accepted)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "metrics": state["metrics"], "extra": state["extra"]}
@@ -333,11 +334,14 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def restore(self, opt: Any, model: torch.nn.Module, path: Optional[os.PathLike | str] = None) -> Optional[dict]:
+    def restore(self, opt: Any, model: torch.nn.Module, path: Optional[os.PathLike | str] = None, *,
+                schemas: Sequence[str] = ()) -> Optional[dict]:
         """Load ``path`` (default: the latest checkpoint) into the model and optimizer. Returns the checkpoint's
         ``{"epoch", "metrics", "extra"}``, or None if there is none. If the swarm has moved on meanwhile, the
-        optimizer catches up from peers at its next step, as any peer that fell behind does."""
-        return _restore(opt, model, Path(path) if path is not None else self.latest())
+        optimizer catches up from peers at its next step, as any peer that fell behind does. Besides the
+        optimizer's ``model_schema`` and ``legacy_schemas`` (this model under an older release), ``schemas`` are
+        accepted too (what an older release gave a caller's own identity)."""
+        return _restore(opt, model, Path(path) if path is not None else self.latest(), schemas)
 
 
 def load_checkpoint(path: os.PathLike | str, *, expected_schema: Union[str, Sequence[str], None] = None) -> dict:

@@ -18,10 +18,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from swarm_opt import protocol
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.cli.commands import private_run, start_metrics
 from swarm_opt.cli.tasks import evaluate, load_task
@@ -276,6 +277,7 @@ class _Identity:
     fingerprint: str
     base: str
     schema: str
+    legacy: Tuple[str, ...] = ()  # the schema older releases gave these settings: their checkpoints resume
 
 
 def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _Identity:
@@ -284,10 +286,23 @@ def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _
     settings = recipe.settings(target_batch_size=args.target_batch_size,
                                strategy=f"{args.strategy}{strategy.variant}")
     settings.update({dest: getattr(args, dest) for dest in _STRATEGY_SETTINGS.get(type(strategy), ())})
+    # the protocol, published with the recipe: a volunteer of another release, older ones included, is refused in
+    # the recipe check's one line naming the release to install (swarm_opt.protocol)
+    if protocol.label() is not None:
+        settings[protocol.SETTING] = protocol.label()
     params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
     base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
     identity = fingerprint(settings)
-    return _Identity(settings, identity, base, identified_schema(base, identity))
+    legacy = tuple(identified_schema(model_schema(params, strategy.name + strategy.variant, protocol=p),
+                                     fingerprint(_settings_of(settings, p))) for p in range(1, protocol.current()))
+    return _Identity(settings, identity, base, identified_schema(base, identity), legacy)
+
+
+def _settings_of(settings: Dict[str, Any], release_protocol: int) -> Dict[str, Any]:
+    """``settings`` as a release of ``release_protocol`` published them (protocol 1 published none)."""
+    older = {k: v for k, v in settings.items() if k != protocol.SETTING}
+    label = protocol.label(release_protocol)
+    return older if label is None else {**older, protocol.SETTING: label}
 
 
 def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> RecipeBeacon:
@@ -514,7 +529,7 @@ class _Checkpoints:
         import swarm_opt
 
         try:
-            restored = self._writer.restore(opt, model)
+            restored = self._writer.restore(opt, model, schemas=self._identity.legacy)
         except swarm_opt.IncompatibleStateError:
             self._writer.close()  # and nothing is saved over it
             raise ConfigError(f"cannot resume from --checkpoint-dir {self._args.checkpoint_dir}: its checkpoint was "

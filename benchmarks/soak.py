@@ -14,7 +14,8 @@ descriptors, threads, processes; the peer's epoch and rounds by outcome (its Pro
 load average (other jobs share the cores, and the epoch rate moves with them). Samples go to
 ``OUT/samples.jsonl`` as they are taken, events (kills, stalls, newcomers) to ``OUT/events.jsonl``.
 
-The verdict, after ``--warmup-minutes``: the least-squares slope of each peer's PSS (goal <= 5 MB/h), of its fds,
+The verdict, after ``--warmup-minutes`` (counted from the moment every stable peer trains; the churn schedule and
+``--minutes`` start then too): the least-squares slope of each peer's PSS (goal <= 5 MB/h), of its fds,
 threads and processes (flat), and the swarm's epochs per minute in the last quarter against the first (>= 0.9x,
 with the load in both quarters beside it).
 
@@ -187,6 +188,19 @@ def soak(args: argparse.Namespace, out: Path) -> None:
                   for i in range(args.stable)]
         churn_round = 0
         churn = swarm.train("churn", "--data-seed", "100", log_name="churn-0")
+        # the schedule (and the warm-up) starts once every stable peer trains: start-up takes minutes on a loaded
+        # machine, and a soak of a few minutes must not spend them starting
+        deadline = time.monotonic() + args.start_timeout
+        while min(metrics(port).get("epoch", 0) for port in ports) < 1:
+            for i, proc in enumerate(stable):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"stable peer {i} exited ({proc.returncode}):\n"
+                                       f"{testing.tail(out / f'stable{i}.err')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the stable peers did not reach epoch 1 within {args.start_timeout:.0f} s")
+            samples.write(json.dumps(sample(stable, ports, swarm)) + "\n")
+            time.sleep(args.sample_every)
+        swarm.event("training")
         newcomer: Optional[subprocess.Popen] = None
         newcomer_count, newcomer_since = 0, 0.0
         begin = time.monotonic()  # the schedule starts once the swarm is up (the samples' clock at the start)
@@ -271,7 +285,9 @@ def slope_per_hour(ts: Sequence[float], ys: Sequence[float]) -> tuple:
 def analyse(out: Path, warmup_minutes: float) -> Dict:
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines() if line.strip()]
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines() if line.strip()]
-    after = [r for r in rows if r["t"] >= warmup_minutes * 60]
+    # the warm-up counts from the moment every stable peer trained (runs before that event: from the start)
+    training = next((e["t"] for e in events if e["event"] == "training"), 0.0)
+    after = [r for r in rows if r["t"] >= training + warmup_minutes * 60]
     if len(after) < 4:
         raise SystemExit(f"only {len(after)} samples after the warm-up: run longer or shorten --warmup-minutes")
     ts = [r["t"] for r in after]
@@ -374,6 +390,7 @@ def main() -> None:
     parser.add_argument("--newcomer-every", type=float, default=600)
     parser.add_argument("--newcomer-life", type=float, default=120)
     parser.add_argument("--sample-every", type=float, default=30)
+    parser.add_argument("--start-timeout", type=float, default=900, help="seconds for the stable peers to train")
     parser.add_argument("--task", default=TASK)
     parser.add_argument("--target-batch-size", type=int, default=1024)
     parser.add_argument("--matchmaking-time", type=float, default=1.0)

@@ -25,14 +25,14 @@ MAX_THREAD_GROWTH = 2
 
 @pytest.mark.swarm
 @pytest.mark.extended
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_short_soak_under_churn_and_failed_rounds_grows_nothing_and_leaves_nothing(tmp_path):
     result_path = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, "benchmarks/soak.py", "--minutes", "3.5", "--warmup-minutes", "1.5", "--kill-every", "40",
+        [sys.executable, "benchmarks/soak.py", "--minutes", "3.5", "--warmup-minutes", "1", "--kill-every", "40",
          "--stall-every", "50", "--stall-seconds", "20", "--newcomer-every", "45", "--newcomer-life", "40",
-         "--sample-every", "5", "--out", str(tmp_path / "soak"), "--json", str(result_path)],
-        cwd=REPO, env=testing.peer_env(), capture_output=True, text=True, timeout=560)
+         "--sample-every", "5", "--start-timeout", "300", "--out", str(tmp_path / "soak"), "--json", str(result_path)],
+        cwd=REPO, env=testing.peer_env(), capture_output=True, text=True, timeout=860)
     assert result_path.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(result_path.read_text())
     report = done.stdout[-4000:]
@@ -44,7 +44,7 @@ def test_a_short_soak_under_churn_and_failed_rounds_grows_nothing_and_leaves_not
     assert not result["events_with_tracebacks"], result["events_with_tracebacks"]
     assert any(p["rounds"]["failed"] for p in result["peers"]), report  # the freezes failed rounds, as meant
     for peer in result["peers"]:
-        assert peer["rounds"]["committed"] >= 20, report
+        assert peer["rounds"]["committed"] >= 10, report
         assert peer["pss"]["growth"] <= MAX_PSS_GROWTH_MB, report
         assert peer["fds"]["growth"] <= MAX_FD_GROWTH, report
         assert peer["threads"]["growth"] <= MAX_THREAD_GROWTH, report

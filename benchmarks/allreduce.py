@@ -220,7 +220,7 @@ def helper(args: argparse.Namespace) -> None:
             # as swarm_opt.AuxiliaryPeer: no helper for a codec with a protocol of its own (PowerSGD's two phases)
             averagers = [make_averager(dht, args.world, size, name, options, engine_opts, timeouts, template,
                                        auxiliary=True) for name, options in variants_of(args)
-                         if getattr(make_codec(options.get("codec", "none")), "averaging_engine", None) is None]
+                         if make_codec(options.get("codec", "none")).elementwise]
 
             def serve(averager: Any, done: Path = done) -> None:
                 while not done.exists():

@@ -67,7 +67,8 @@ AVERAGER_RULES: List[Tuple[str, Sequence[str]]] = [
     ("matchmaking + DHT calls", ["matchmaking.py", "hivemind/dht/", "key_manager.py", "_declare_for_download"]),
     ("asyncio / uvloop / hivemind async plumbing", ["asyncio/", "hivemind/utils/asyncio.py",
                                                     "hivemind/p2p/", "concurrent/futures", "threading.py",
-                                                    "allreduce.py", "averager.py", "partition.py", "uvloop"]),
+                                                    "allreduce.py", "averager.py", "engine.py", "partition.py",
+                                                    "uvloop"]),
 ]
 USER_RULES: List[Tuple[str, Sequence[str]]] = [
     ("write(buffers): copy into the shared buffer", ["write (allreduce.py", "write (benchmarks/allreduce.py"]),

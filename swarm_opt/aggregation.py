@@ -548,9 +548,8 @@ def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) 
         choices = ", ".join(f"swarm_opt.{a.__name__}()" for a in AGGREGATIONS)
         hint = f" (pass an instance: {aggregation.__name__}())" if isinstance(aggregation, type) else ""
         raise ConfigTypeError(f"aggregation must be one of {choices}; got {aggregation!r}{hint}")
-    check = getattr(compression, "check_aggregation", None)
-    if check is not None:
-        return check(aggregation)
+    if compression is not None:  # a ``swarm_opt.compression.Compression``: the codec has the last word
+        return compression.check_aggregation(aggregation)
     return Mean() if aggregation is None else aggregation
 
 

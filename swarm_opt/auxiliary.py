@@ -29,6 +29,7 @@ import torch
 from hivemind.dht import DHT
 
 from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.gather import ROUND_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
@@ -88,7 +89,7 @@ class AuxiliaryPeer:
         if not isinstance(strategy, Strategy):
             raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
         codec = as_codec(compression, strategy)
-        if getattr(codec, "averaging_engine", None) is not None:
+        if not codec.elementwise:
             raise ConfigError(f"{codec!r} averages through a protocol of its own that auxiliary peers cannot join; "
                               f"help runs that use an elementwise codec (Float16(), Int8Blockwise(), ...)")
         aggregation = as_aggregation(aggregation, codec)
@@ -141,7 +142,7 @@ class AuxiliaryPeer:
             if result is None:
                 logger.debug(f"Could not help round {snapshot.epoch + 1}")
                 continue
-            rounds = [info.get("round") for info in result.gathered.values() if isinstance(info, dict)]
+            rounds = [info.get(ROUND_KEY) for info in result.gathered.values() if isinstance(info, dict)]
             round_id = max((r for r in rounds if isinstance(r, int)), default=snapshot.epoch + 1)
             # the trainers may leave as soon as they commit the last round: it counts as reached
             self._epoch_seen = max(self._epoch_seen, round_id)

@@ -34,12 +34,12 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, U
 
 import torch
 
+from swarm_opt._hivemind.gather import LANE_KEY  # a member's lane address, "host:port"
 from swarm_opt.buffers import all_finite, scale_and_check
 from swarm_opt.errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger(__name__)
 
-LANE_KEY = "lane"  # the gather entry that carries a member's lane address, "host:port"
 _MAX_ADDRESS_CHARS = 64
 _CACHED_GROUPS = 4  # process groups kept per peer (each holds gloo threads and one connection per member)
 _CACHED_STORES = 8  # connections to other members' rendezvous stores
@@ -101,18 +101,14 @@ class Gloo:
 
 
 def lane_codec_dtype(codec: Any) -> torch.dtype:
-    """The dtype the lane carries a codec's values in; a codec the lane cannot carry is refused (ConfigError).
-    PowerSGD's two all-reduces of factors travel in its ``factors`` codec's dtype."""
-    from swarm_opt.compression import Float16, NoCompression, PowerSGD
-
-    if isinstance(codec, PowerSGD):
-        codec = codec.factors
-    if type(codec) is NoCompression:
-        return torch.float32
-    if type(codec) is Float16:
-        return torch.float16
-    raise ConfigError(f"transport=Gloo() carries NoCompression(), Float16() and PowerSGD(...) only, got "
-                      f"compression={codec!r}; use one of those, or drop transport=Gloo() to average through hivemind")
+    """The dtype the lane carries a codec's values in (its ``Compression.lane_dtype``); a codec the lane cannot carry
+    is refused (ConfigError)."""
+    dtype = codec.lane_dtype
+    if dtype is None:
+        raise ConfigError(f"transport=Gloo() carries NoCompression(), Float16() and PowerSGD(...) only, got "
+                          f"compression={codec!r}; use one of those, or drop transport=Gloo() to average through "
+                          f"hivemind")
+    return dtype
 
 
 def lane_key(access: Any) -> bytes:

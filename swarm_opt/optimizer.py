@@ -25,7 +25,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.averager import COUNTED_KEY, TensorAverager
+from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
@@ -464,12 +465,12 @@ class Optimizer(torch.optim.Optimizer):
         record, how many of them will contribute to the round (``SwarmProgress.contributors``: a leader assembles
         its group once that many joined, ``docs/hivemind.md``)."""
         progress = self._tracker.progress
-        info: Dict[str, Any] = {"peers": progress.num_peers, "bound": progress.max_peers}
+        info: Dict[str, Any] = {PEERS_KEY: progress.num_peers, BOUND_KEY: progress.max_peers}
         if not self._tracker.sampled:  # a leader waits for these, not for live peers that sit the round out
             info[COUNTED_KEY] = progress.contributors
         if self.strategy.shares_parameters:
             with self._state_lock:
-                info["digest"] = parameter_digest(self._params)
+                info[DIGEST_KEY] = parameter_digest(self._params)
         return info
 
     def _agrees(self, result: AveragingResult) -> bool:
@@ -483,7 +484,7 @@ class Optimizer(torch.optim.Optimizer):
             return True
         digests = {peer: digest for peer, info in result.gathered.items()
                    if peer in result.peers and isinstance(info, dict)
-                   and (digest := valid_digest(info.get("digest"))) is not None}
+                   and (digest := valid_digest(info.get(DIGEST_KEY))) is not None}
         agreeing = majority(digests, self._digest_tolerance)
         if len(agreeing) == len(digests):
             return True

@@ -312,7 +312,7 @@ class AllOrNothingRunner(AllReduceRunner):
         when its side of the stream closes first: we saw a reducer send every reply while a member received none
         ("sent 0 parts, but we expected 1"; about one round in 200 with 4 peers on a loaded machine), failing that
         member's round after the others had completed it. The reducer now keeps its side open until the member
-        closes (``swarm_opt._hivemind.averager``, bounded), so the member closes first and nothing is in flight then."""
+        closes (``swarm_opt._hivemind.engine``, bounded), so the member closes first and nothing is in flight then."""
         peer_index = self.ordered_peer_ids.index(peer_id)
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         try:

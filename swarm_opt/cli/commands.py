@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
+from swarm_opt.cli.options import PROG, private_run, start_metrics
 from swarm_opt.errors import ConfigError
 from swarm_opt.strategies import STRATEGY_NAMES
 
-PROG = "swarm-opt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 ENV_PREFIX = "SWARM_OPT_"
 
@@ -615,34 +615,6 @@ def run_monitor(args: argparse.Namespace) -> int:
             else:
                 print(f"{PROG} monitor: nothing to plot (no records were seen); {args.plot} not written",
                       file=sys.stderr)
-
-
-def start_metrics(args: argparse.Namespace) -> Any:
-    """The Prometheus exporter of --metrics-port, already serving (None without the option); before any DHT starts,
-    so that a port in use costs nothing."""
-    if args.metrics_port is None:
-        return None
-    from swarm_opt.monitor.prometheus import PrometheusMetrics
-
-    host, port = args.metrics_port
-    metrics = PrometheusMetrics()
-    port = metrics.serve(port, host)
-    print(f"{PROG} {args.command}: Prometheus metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
-    return metrics
-
-
-def private_run(args: argparse.Namespace) -> Any:
-    """The run's credentials from --run-secret-file / --allow-peers (None for an open run)."""
-    if args.run_secret_file is None and args.allow_peers is None:
-        return None
-    from swarm_opt.auth import PrivateRun
-
-    if args.allow_peers is not None and args.identity_path is not None:
-        from swarm_opt._hivemind.node import ensure_identity
-
-        ensure_identity(args.identity_path)
-    return PrivateRun.from_files(secret_file=args.run_secret_file, allow_peers_file=args.allow_peers,
-                                 identity_path=args.identity_path)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:

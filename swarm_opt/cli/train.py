@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
-from swarm_opt.cli.commands import private_run, start_metrics
+from swarm_opt.cli.options import private_run, start_metrics
 from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
 from swarm_opt.recipe import DataShard, Recipe, RecipeBeacon, check_run_recipe, fingerprint

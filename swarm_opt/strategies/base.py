@@ -1,9 +1,10 @@
 """The interface between the optimizer's fixed step loop and an algorithm.
 
 The loop calls ``local_step`` on every ``Optimizer.step()``. When the swarm has processed ``target_batch_size``
-samples it begins a round, ``begin_round() -> Round`` (``swarm_opt.round``): the round writes this peer's values
-into averaging buffers shaped like ``buffer_templates()``, they are all-reduced weighted by ``Round.weight``, and the
-round either applies the group's mean or, if it failed, gives its values back to be averaged next time.
+samples it begins a round, ``begin_round() -> Round`` (below; ``swarm_opt.round`` runs it): the round writes this
+peer's values into averaging buffers shaped like ``buffer_templates()``, they are all-reduced weighted by
+``Round.weight``, and the round either applies the group's mean or, if it failed, gives its values back to be
+averaged next time.
 
 Writing an algorithm: most override ``buffer_templates`` (the shapes of what a round averages), ``write_round``
 (the values this peer sends), ``averaging_weight`` and ``apply_round`` (what to do with the group's mean); the
@@ -26,12 +27,38 @@ from swarm_opt.buffers import AveragingResult, scale_and_check
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
-from swarm_opt.round import Round
 
 #: rounds the swarm may finish without a peer that averages its parameters before it downloads the swarm's state
 #: instead of going on from its own (``Strategy.keeps_local_state_when_behind``: its work is averaged back in if it
 #: rejoins sooner)
 MAX_ROUNDS_ON_LOCAL_STATE = 3
+
+
+class Round(ABC):
+    """One peer's part of one averaging round. ``write`` (and ``weight``) may run in another thread than the
+    training loop's; ``apply`` or ``give_back`` run in the loop's, after the all-reduce ended."""
+
+    #: True if the round set its values aside, so that local steps may go on while it averages
+    in_background: bool = False
+
+    @property
+    @abstractmethod
+    def weight(self) -> float:
+        """This peer's weight in the round's weighted mean (fixed when the round began)."""
+
+    @abstractmethod
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Write this peer's values into the averaging buffers (fp32 or wider, on the CPU, shaped like
+        ``Strategy.buffer_templates()``)."""
+
+    @abstractmethod
+    def apply(self, result: AveragingResult) -> None:
+        """The round committed: finish it from the group's mean ``result.averaged`` (``None`` for a round alone,
+        whose mean is this peer's own values)."""
+
+    @abstractmethod
+    def give_back(self) -> None:
+        """The round failed: leave this peer's values to the next round (a no-op for a round over live state)."""
 
 
 class Strategy(ABC):
@@ -137,6 +164,12 @@ class Strategy(ABC):
         """Whether every value a round averages is a change (a gradient, DiLoCo's pseudo-gradient ``x - y``) whose
         mean the strategy applies as a step: a codec with error feedback (``TopK``) may then delay part of it to
         later rounds. Not for model states (parameters, optimizer statistics), whose values cannot be left out."""
+        return False
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether a round averages this peer's gradients of the round and nothing else (the mean of which the inner
+        optimizer steps on): a codec of gradients (``PowerSGD``'s low-rank factors) serves only such strategies."""
         return False
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:

@@ -12,9 +12,8 @@ from swarm_opt.buffers import AveragingResult
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
-from swarm_opt.round import Round
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
-from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Round, Strategy, grads_are_finite, state_dtype
 from swarm_opt.strategies.statistics import OptimizerStatistics
 
 
@@ -144,6 +143,11 @@ class GradientAveraging(Strategy):
     @property
     def sends_changes(self) -> bool:
         """Not in groups: rounds then also send the parameters and the optimizer's statistics."""
+        return self._groups is None
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Not in groups (as ``sends_changes``); with ``WorkerMomentum``, the momenta of the round gradients."""
         return self._groups is None
 
     @property

@@ -285,7 +285,7 @@ def install_fault(cfg: dict) -> None:
 
         GlooLane._reduce = _reduce
     if cfg.get("die_while_serving"):
-        from swarm_opt._hivemind.averager import _Engine
+        from swarm_opt._hivemind.engine import _Engine
 
         original_download = _Engine.rpc_download_state
 

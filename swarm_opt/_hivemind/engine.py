@@ -1,7 +1,7 @@
 """The averager process's engine: hivemind's ``DecentralizedAverager``, changed where swarm_opt needs it.
 
-``_Engine`` runs in a process of its own (forked by ``swarm_opt._hivemind.averager.TensorAverager``, the host side):
-matchmaking over the run's Moshpit grid, all-or-nothing all-reduces (``swarm_opt._hivemind.allreduce``) with the
+``_Engine`` runs in a process of its own (forked by ``swarm_opt._hivemind.tensor_averager.TensorAverager``, the host
+side): matchmaking over the run's Moshpit grid, all-or-nothing all-reduces (``swarm_opt._hivemind.allreduce``) with the
 run's aggregation and audits, lane groups handed to the host (``LaneCall``), and state served to newcomers from the
 host's ``state_provider``. What members tell each other as a group forms is ``swarm_opt._hivemind.gather``.
 """

@@ -146,7 +146,7 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
     from hivemind.utils import get_dht_time
 
     from swarm_opt import Gloo, NoCompression
-    from swarm_opt._hivemind.averager import TensorAverager
+    from swarm_opt._hivemind.tensor_averager import TensorAverager
     from swarm_opt.config import Timeouts
 
     first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 
 
 class _Engine:

@@ -28,9 +28,9 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
-from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt._hivemind.gather import ROUND_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.compression import Compression, as_codec

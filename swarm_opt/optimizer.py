@@ -25,9 +25,9 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.aggregation import Aggregation, as_aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult

@@ -26,8 +26,8 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt._hivemind.gather import BOUND_KEY, LINE_KEY, PEERS_KEY
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, line_peers
 from swarm_opt.metrics import NO_METRICS, Metrics

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt._hivemind.engine import _READ_INTERVAL
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.config import Timeouts, TrackerConfig
 from swarm_opt.progress import ProgressTracker
 

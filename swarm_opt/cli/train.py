@@ -22,40 +22,37 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
+from swarm_opt import strategies
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.cli.options import private_run, start_metrics
 from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
 from swarm_opt.recipe import DataShard, Recipe, RecipeBeacon, check_run_recipe, fingerprint
-from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, GradientAveraging, Strategy
+from swarm_opt.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
 
 _BAR_PERIOD = 0.2  # seconds between progress bar refreshes
 
 
-def _diloco_options(args: argparse.Namespace) -> Dict[str, Any]:
-    lr, momentum = args.outer_lr, args.outer_momentum
-    return {"outer_optimizer": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0)}
-
-
-#: the command-line options of the strategies that take any (every other one is built with its defaults)
-_STRATEGY_OPTIONS: Dict[type, Callable[[argparse.Namespace], Dict[str, Any]]] = {
-    GradientAveraging: lambda args: {"momentum": args.worker_momentum},
-    FedProx: lambda args: {"mu": args.fedprox_mu},
-    DiLoCo: _diloco_options,
-}
-
-
 def make_strategy(args: argparse.Namespace) -> Strategy:
-    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), with its options."""
-    strategy = STRATEGIES.get(args.strategy)
+    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), built from the
+    command-line options its class declares (``Strategy.cli_options``); an option given for another strategy only
+    is refused."""
+    registered = strategies.STRATEGIES
+    strategy = registered.get(args.strategy)
     if strategy is None:
-        raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
-    if args.worker_momentum is not None and strategy is not GradientAveraging:
-        raise ConfigError(f"--worker-momentum applies to --strategy grad, not {args.strategy}")
-    options = _STRATEGY_OPTIONS.get(strategy)
-    return strategy(**(options(args) if options is not None else {}))
+        raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(registered)}")
+    for name, other in registered.items():
+        for dest in other.cli_options:
+            if dest not in strategy.cli_options and _given(args, dest):
+                raise ConfigError(f"--{dest.replace('_', '-')} applies to --strategy {name}, not {args.strategy}")
+    return strategy.from_options({dest: getattr(args, dest) for dest in strategy.cli_options})
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the volunteer set an option (in a config file, the environment or a flag)."""
+    return dest in getattr(args, "explicit", frozenset())
 
 
 def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:
@@ -68,8 +65,6 @@ def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.opti
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-#: the strategies' command-line options that change training (a run's peers must agree on them: ``_identity``)
-_STRATEGY_SETTINGS: Dict[type, tuple] = {FedProx: ("fedprox_mu",), DiLoCo: ("outer_lr", "outer_momentum")}
 #: recipe settings -> the option that overrides them (named in a refusal when the volunteer typed it)
 _SETTING_FLAGS = {"lr": "--lr", "optimizer": "--optimizer", "momentum": "--momentum",
                   "clip_grad_norm": "--clip-grad-norm", "precision": "--precision",
@@ -283,7 +278,8 @@ def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _
 
     settings = recipe.settings(target_batch_size=args.target_batch_size,
                                strategy=f"{args.strategy}{strategy.variant}")
-    settings.update({dest: getattr(args, dest) for dest in _STRATEGY_SETTINGS.get(type(strategy), ())})
+    # the strategy's command-line options that change training (a run's peers must agree on them)
+    settings.update({dest: getattr(args, dest) for dest in type(strategy).identity_options()})
     params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
     base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
     identity = fingerprint(settings)

@@ -19,7 +19,7 @@ when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,6 +66,39 @@ class Strategy(ABC):
 
     #: a short stable name; peers only average with peers running the same strategy
     name: str = "strategy"
+
+    # --- capabilities, declared by each class (the optimizer, the privacy check and the command line read them) ---
+    #: every value its rounds send is computed from the inner optimizer's steps, so that DP-SGD steps
+    #: (``privacy=OpacusPrivacy(...)``) keep the run private (``swarm_opt.privacy``). Read from the class itself, not
+    #: inherited: a subclass may send more, so it declares ``dp_safe = True`` itself (``privacy_refusal``)
+    dp_safe: ClassVar[bool] = False
+    #: it stays correct when rounds average in Moshpit groups (``groups=Groups(...)``: ``use_groups``)
+    supports_groups: ClassVar[bool] = False
+    #: the command line's options it is built from (their argparse dests, e.g. ``("fedprox_mu",)``: ``from_options``)
+    cli_options: ClassVar[Tuple[str, ...]] = ()
+    #: those of ``cli_options`` that the run's peers must share (they join the run's identity); None: all of them.
+    #: Options that ``variant`` already carries need not
+    cli_settings: ClassVar[Optional[Tuple[str, ...]]] = None
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> Strategy:
+        """An instance built from the values of its ``cli_options`` (by dest); default: the class's defaults."""
+        return cls()
+
+    @classmethod
+    def identity_options(cls) -> Tuple[str, ...]:
+        """The command-line options whose values the run's peers must share (``cli_settings``)."""
+        return cls.cli_options if cls.cli_settings is None else cls.cli_settings
+
+    def privacy_refusal(self) -> Optional[str]:
+        """Why DP-SGD local steps would not keep a run with this strategy private (None: they do). Default: refused
+        unless the class itself declares ``dp_safe``."""
+        if type(self).__dict__.get("dp_safe", False):
+            return None
+        name = type(self).__name__
+        return (f"{name} is not known to keep DP-SGD private in a swarm (see swarm_opt.privacy); use LocalUpdates(), "
+                f"Scaffold() or DiLoCo(...), or, if every value {name}'s rounds send is computed from its DP-SGD "
+                f"steps, declare dp_safe = True on {name}")
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
@@ -136,7 +169,9 @@ class Strategy(ABC):
 
     def use_groups(self, groups: Groups) -> None:
         """The optimizer averages in Moshpit groups (``swarm_opt.Groups``): members of different groups then hold
-        different values after a round. Strategies that stay correct with that accept it; the default refuses."""
+        different values after a round. Strategies that stay correct with that (``supports_groups``) accept it."""
+        if self.supports_groups:
+            return
         raise ConfigError(
             f"{type(self).__name__} does not average in groups (groups={groups!r}): use GradientAveraging(), "
             f"LocalUpdates(), FedProx(), Scaffold() or DiLoCo(), or groups=None")

@@ -51,6 +51,15 @@ class DiLoCo(Anchored):
     """
 
     name = "diloco"
+    dp_safe = True  # the round's change comes from DP-SGD steps
+    supports_groups = True
+    cli_options = ("outer_lr", "outer_momentum")
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> DiLoCo:
+        """The outer Nesterov SGD of ``--outer-lr`` and ``--outer-momentum``."""
+        lr, momentum = options["outer_lr"], options["outer_momentum"]
+        return cls(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0))
 
     def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = (),
                  exchange: Optional[KeepLocal] = None, select: Optional[DriftedLayers] = None,

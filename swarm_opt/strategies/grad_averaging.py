@@ -123,6 +123,18 @@ class GradientAveraging(Strategy):
     """
 
     name = "grad"
+    supports_groups = True
+    cli_options = ("worker_momentum",)
+    cli_settings = ()  # the momentum is in ``variant``
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> GradientAveraging:
+        return cls(momentum=options["worker_momentum"])
+
+    def privacy_refusal(self) -> Optional[str]:
+        return ("GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "
+                "step only afterwards, so nothing it sends is clipped or noised: use strategy=swarm_opt.LocalUpdates()"
+                " (FedAvg), Scaffold() or DiLoCo(...), whose local steps are DP-SGD steps")
 
     def __init__(self, *, overlap: Optional[Overlap] = None, momentum: Optional[WorkerMomentum] = None) -> None:
         if overlap is not None and not isinstance(overlap, Overlap):

@@ -285,8 +285,8 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--seed", "seed of the initial model: every peer that starts a run must use the same one",
                 type=integer, default=0),
         _Option("--data-seed", "seed of this peer's batch order (default: random)", type=integer),
-        _Option("--shard", "this peer's part of a task's streaming source, e.g. 2/8 (default: derived from the "
-                "peer id; give each peer its own to be sure no two read the same data)", type=data_shard,
+        _Option("--shard", "this peer's part of a task's streaming source, e.g. 2/8 (default: the run's "
+                "least-claimed shard, agreed through the DHT so that no two peers read the same one)", type=data_shard,
                 metavar="INDEX/COUNT"),
         _Option("--strategy", strategies.strategy_help, choices=lambda: tuple(strategies.STRATEGY_NAMES),
                 default="grad"),

@@ -57,7 +57,8 @@ from swarm_opt.errors import ConfigError, ConfigTypeError
 class Aggregation(ABC):
     """Combines ``n`` members' copies of one part into the value every member receives."""
 
-    #: how many members reduce each part (``Audited``: two, and every member compares their results)
+    #: how many members reduce each part: 1, or 2 (``Audited``: every member compares the two results; the averager
+    #: runs a second all-reduce for the second reducers)
     reducers_per_part: int = 1
 
     @abstractmethod

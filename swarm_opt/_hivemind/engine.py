@@ -58,7 +58,6 @@ from swarm_opt._hivemind.gather import valid_cell as _valid_cell
 from swarm_opt._hivemind.near_store import store_near
 from swarm_opt.aggregation import (
     Aggregation,
-    Audited,
     Mean,
     Reputations,
     RoundScores,
@@ -508,7 +507,7 @@ class _Engine(DecentralizedAverager):
     def _register_allreduce_group(self, group_info: Any) -> Iterator[None]:
         """hivemind's, registering the second all-reduce of an audited round as well (before the group is signalled:
         a groupmate may start sending to it first)."""
-        audit = group_info.group_id + AUDIT_SUFFIX if isinstance(self.aggregation, Audited) else None
+        audit = group_info.group_id + AUDIT_SUFFIX if self.aggregation.reducers_per_part == 2 else None
         if audit is not None:
             self._running_groups[audit] = asyncio.Future()
         try:
@@ -544,11 +543,11 @@ class _Engine(DecentralizedAverager):
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
                                     aggregation=self.aggregation, **kwargs)
         audit = audit_order(group_info.peer_ids, runner.tensor_part_container.num_parts_by_peer) \
-            if isinstance(self.aggregation, Audited) else None
+            if self.aggregation.reducers_per_part == 2 else None
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
         runners = [runner]
-        if isinstance(self.aggregation, Audited):
+        if self.aggregation.reducers_per_part == 2:
             runners.append(await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs))
         else:
             await self._consume(runner, tensors)

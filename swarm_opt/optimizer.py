@@ -25,6 +25,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt import state_sync
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt._hivemind.tensor_averager import TensorAverager
@@ -43,7 +44,6 @@ from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
-from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import Strategy
 from swarm_opt.strategies.grad_averaging import GradientAveraging
 
@@ -70,10 +70,7 @@ class RoundReport:
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-_STATE_FORMAT = 1
 _CATCH_UP_BACKOFF = 5.0  # seconds between automatic catch-up attempts that found no usable donor
-_RECORDS_READ_TIMEOUT = 5.0  # seconds a state download waits for fresh progress records to check the state against
-_NEWCOMER_PATIENCE = 15.0  # seconds a newcomer tries to download from the peers ahead before its own epoch counts
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -592,9 +589,10 @@ class Optimizer(torch.optim.Optimizer):
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
-                    nobody_ahead = isinstance(e, _DonorBehind)  # donors are asked most advanced first
+                    nobody_ahead = isinstance(e, state_sync.DonorBehind)  # donors are asked most advanced first
             logger.debug(f"State download attempt {attempts} failed: {reason}")
-            if not self._tracker.joined and (nobody_ahead or time.monotonic() - started >= _NEWCOMER_PATIENCE):
+            patience_over = time.monotonic() - started >= state_sync.NEWCOMER_PATIENCE
+            if not self._tracker.joined and (nobody_ahead or patience_over):
                 # the peers ahead serve no state: count our own epoch from now on, so that a lone peer claiming to
                 # be ahead (a liar, or one unreachable) holds the newcomers of a run no longer
                 logger.info(f"No peer ahead of this one served its state; this peer's epoch ({self._epoch}) now "
@@ -616,36 +614,17 @@ class Optimizer(torch.optim.Optimizer):
     def _shareable_state(self):
         """Called by hivemind when a peer downloads our state: a consistent snapshot, copied under the lock."""
         with self._state_lock:
-            personal = self._personal_indices()  # they never leave this peer: zeros, and no optimizer state
-            optimizer = self.state_dict()
-            optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k not in personal}
-            params = [torch.zeros_like(p) if i in personal else p for i, p in enumerate(self._params)]
-            skeleton, tensors = flatten({"params": params, "optimizer": optimizer})
-            tensors = [t.detach().to("cpu", copy=True) for t in tensors]
-            metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
-                        "skeleton": skeleton}
+            # the personal parameters never leave this peer: zeros, and no optimizer state
+            metadata, tensors = state_sync.snapshot(self._params, self.state_dict(), personal=self._personal_indices(),
+                                                    schema=self.model_schema, epoch=self._epoch)
         logger.info(f"Sending our state (epoch {metadata['epoch']}) to a peer that joins or catches up")
         return metadata, tensors
 
     def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], donor: bytes, *,
                                 min_epoch: int) -> int:
-        if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
-            raise IncompatibleStateError("unknown state format")
-        if metadata.get("schema") != self.model_schema:
-            raise IncompatibleStateError("the donor trains a different model")
-        epoch = metadata.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise IncompatibleStateError(f"bad epoch {epoch!r}")
-        if epoch < min_epoch:
-            raise _DonorBehind(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
-        try:
-            state = unflatten(metadata.get("skeleton"), list(tensors))
-        except ValueError as e:
-            raise IncompatibleStateError(str(e)) from e
-        if not isinstance(state, dict) or not isinstance(state.get("params"), list):
-            raise IncompatibleStateError("state without parameters")
+        epoch, state = state_sync.parse_state(metadata, tensors, schema=self.model_schema, params=self._params,
+                                              min_epoch=min_epoch)
         params = state["params"]
-        _check_tensors_fit(params, self._params)
         digest = parameter_digest(params) if self.strategy.shares_parameters else None
         expected = self._expected_digest(epoch, donor) if digest is not None else None
         if expected is not None and not digests_agree(digest, expected[0], self._digest_tolerance):
@@ -660,13 +639,13 @@ class Optimizer(torch.optim.Optimizer):
                 for i, (p, new) in enumerate(zip(self._params, params)):
                     if i not in personal:
                         p.copy_(new)
-                if personal and isinstance(state["optimizer"], dict) and isinstance(state["optimizer"].get("state"),
-                                                                                     dict):
-                    own = self.inner.state_dict()["state"]
-                    state["optimizer"]["state"] = {**{k: v for k, v in state["optimizer"]["state"].items()
-                                                      if k not in personal},
-                                                   **{k: v for k, v in own.items() if k in personal}}
-                self.load_state_dict(self._with_own_strategy_state(state["optimizer"]))
+                optimizer = state["optimizer"]
+                if personal:
+                    optimizer = state_sync.with_own_personal_state(optimizer, self.inner.state_dict()["state"],
+                                                                   personal)
+                own = self.strategy.own_state()  # the strategy's own entries: ours, never the donor's
+                optimizer = state_sync.with_own_entries(optimizer, self.strategy.state_dict() if own else {}, own)
+                self.load_state_dict(optimizer)
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
                     p.copy_(old)
@@ -682,17 +661,6 @@ class Optimizer(torch.optim.Optimizer):
         self._push_offloaded()
         return epoch
 
-    def _with_own_strategy_state(self, optimizer: Any) -> Any:
-        """A downloaded optimizer state with the strategy's own entries (``Strategy.own_state``) replaced by ours."""
-        keys = self.strategy.own_state()
-        extra = optimizer.get("swarm_opt") if isinstance(optimizer, dict) else None
-        if not keys or not isinstance(extra, dict) or not isinstance(extra.get("strategy"), dict):
-            return optimizer
-        ours = self.strategy.state_dict()
-        strategy = {k: v for k, v in extra["strategy"].items() if k not in keys}
-        strategy.update({k: ours[k] for k in keys if k in ours})
-        return {**optimizer, "swarm_opt": {**extra, "strategy": strategy}}
-
     def _personal_indices(self) -> set:
         """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave
         this peer (``Strategy.personal_parameters``)."""
@@ -703,7 +671,7 @@ class Optimizer(torch.optim.Optimizer):
         read last may predate the epoch (the donor reached it a moment ago), so read them again before trusting a
         state unchecked."""
         expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
-        if expected is None and self._tracker.read_again(timeout=_RECORDS_READ_TIMEOUT):
+        if expected is None and self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT):
             expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
         return expected  # still None: the first round compares the parameters anyway
 
@@ -905,17 +873,3 @@ def identified_schema(schema: str, identity: Optional[str]) -> str:
 def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:
     """The DHT prefix under which a run's peers of one model look for averaging groups."""
     return f"{run_id}_{strategy_name}_{schema[:12]}"
-
-
-class _DonorBehind(IncompatibleStateError):
-    """The donor's state is older than the epoch this peer needs."""
-
-
-def _check_tensors_fit(received: List[Any], local: List[torch.Tensor]) -> None:
-    if len(received) != len(local):
-        raise IncompatibleStateError(f"{len(received)} parameters received, {len(local)} expected")
-    for i, (new, old) in enumerate(zip(received, local)):
-        if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
-            raise IncompatibleStateError(f"parameter {i} does not match the local model")
-        if new.is_floating_point() and not bool(torch.isfinite(new).all()):
-            raise IncompatibleStateError(f"parameter {i} holds non-finite values")

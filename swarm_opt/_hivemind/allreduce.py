@@ -147,8 +147,9 @@ def _reduce_and_judge(aggregation: Aggregation, parts: Sequence[torch.Tensor], w
 
 
 class Traffic:
-    """Bytes of tensor parts a peer sent and received in its all-reduces (hivemind's path; not the gloo lane), in
-    shared memory: counted in the averager process, read in the host's (``TensorAverager.traffic``)."""
+    """Bytes of tensors a peer sent and received in its all-reduces, in shared memory: counted where the round runs
+    (the averager process for hivemind's path, the host or the averager process for the gloo lane), read in the
+    host's (``TensorAverager.traffic``)."""
 
     def __init__(self) -> None:
         self._sent, self._received = mp.Value("d", 0.0), mp.Value("d", 0.0)

@@ -133,7 +133,8 @@ class TensorAverager:
         self._mismatches_reported: set = set()
         if lane_setup is not None and not auxiliary and not self._engine.client_mode:  # before the fork
             self._engine.lane = GlooLane(lane, wire_dtype=lane_setup[0], key=lane_setup[1],
-                                         timeout=timeouts.next_chunk_timeout, namespace=prefix)
+                                         timeout=timeouts.next_chunk_timeout, namespace=prefix,
+                                         traffic=self._engine._traffic)
         elif lane is not None:
             logger.info("The gloo lane is off for this peer (client mode or auxiliary): it averages through hivemind")
         self._state_bytes = sum(b.numel() * b.element_size() for b in buffers)
@@ -183,7 +184,8 @@ class TensorAverager:
 
     @property
     def traffic(self) -> Tuple[int, int]:
-        """Bytes of tensor parts this peer sent and received in its all-reduces over hivemind's path, so far."""
+        """Bytes of tensors this peer sent and received in its all-reduces so far: the parts it exchanged over
+        hivemind's path, and what its gloo lane rounds moved (``gloo_lane.ring_bytes``)."""
         return self._engine._traffic.totals
 
     @property

@@ -29,11 +29,11 @@ from swarm_opt import state_sync
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt._hivemind.tensor_averager import TensorAverager
-from swarm_opt.aggregation import Aggregation, as_aggregation
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
-from swarm_opt.clipping import GradNormClipping, checked_max_norm
-from swarm_opt.compression import Compression, as_codec
+from swarm_opt.clipping import GradNormClipping
+from swarm_opt.compression import Compression
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
@@ -41,11 +41,11 @@ from swarm_opt.gloo_lane import Gloo
 from swarm_opt.groups import Grid
 from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
-from swarm_opt.privacy import OpacusPrivacy, as_privacy
+from swarm_opt.options import resolve
+from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,9 @@ class Optimizer(torch.optim.Optimizer):
     :param scheduler: a factory ``lambda opt: StepLR(opt, ...)`` (or an instance bound to the given optimizer);
         it steps once per global epoch, so every peer, late joiners included, uses the same learning rate.
     :param strategy: the algorithm; default ``GradientAveraging()`` (synchronous large-batch training).
-    :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``; default 5).
-    :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``; default 60).
-    :param timeouts: every timeout at once, ``Timeouts(...)``, instead of the two keywords above; the only way to
-        set ``state_download_timeout`` (how long a newcomer or a peer that fell behind tries to download the state).
+    :param timeouts: how long each network phase may take, ``Timeouts(matchmaking_time=..., averaging_timeout=...,
+        state_download_timeout=...)`` (default ``Timeouts()``). ``matchmaking_time=`` and ``averaging_timeout=`` are
+        accepted as aliases (hivemind's names), not together with ``timeouts=``.
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback,
@@ -134,9 +133,9 @@ class Optimizer(torch.optim.Optimizer):
         batch_size_per_step: Optional[int] = None,
         scheduler: Optional[Union[SchedulerFactory, Any]] = None,
         strategy: Optional[Strategy] = None,
-        matchmaking_time: Optional[float] = None,
-        averaging_timeout: Optional[float] = None,
         timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,  # alias of Timeouts(matchmaking_time=...)
+        averaging_timeout: Optional[float] = None,  # alias of Timeouts(averaging_timeout=...)
         compression: Optional[Compression] = None,
         aggregation: Optional[Aggregation] = None,
         tracker: Optional[TrackerConfig] = None,
@@ -148,22 +147,14 @@ class Optimizer(torch.optim.Optimizer):
         identity: Optional[str] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
-        max_norm = checked_max_norm(clip_grad_norm)
-        self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
-                                       averaging_timeout=averaging_timeout)
+        # every rule that pairs two options, checked before anything is bound (swarm_opt.options)
+        averaging = resolve(strategy=strategy, compression=compression, aggregation=aggregation, transport=transport,
+                            groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
+                            averaging_timeout=averaging_timeout, clip_grad_norm=clip_grad_norm)
+        max_norm, self.timeouts, strategy = averaging.clip_grad_norm, averaging.timeouts, averaging.strategy
         if not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
         watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
-        strategy = GradientAveraging() if strategy is None else strategy
-        if not isinstance(strategy, Strategy):
-            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
-        if transport is not None and not isinstance(transport, Gloo):
-            raise ConfigTypeError(f"transport must be None (hivemind's path) or swarm_opt.Gloo(host=...), "
-                                  f"got {transport!r}")
-        if groups is not None:
-            if not isinstance(groups, Groups):
-                raise ConfigTypeError(f"groups must be swarm_opt.Groups(size=...) or None, got {groups!r}")
-            strategy.use_groups(groups)
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -172,18 +163,12 @@ class Optimizer(torch.optim.Optimizer):
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
         self._params = [p for group in self.inner.param_groups for p in group["params"]]
         self.strategy = strategy
-        self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
-        if self.privacy is not None and max_norm is not None:
-            raise ConfigError("clip_grad_norm with privacy=OpacusPrivacy(...): Opacus's DP-SGD clips each sample's "
-                              "gradient itself (make_private(..., max_grad_norm=...)) and replaces the gradient "
-                              "inside its step, so this clipping would do nothing; drop clip_grad_norm")
+        self.privacy = averaging.privacy
+        if self.privacy is not None:
+            self.privacy.check_optimizer(self.inner)
         self.strategy.bind(self._params, self.inner)
-        compression = as_codec(compression, strategy)  # bound: what the strategy's rounds send is known
-        if transport is not None and aggregation is not None:
-            raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
-                              "(robust aggregation, Mean's norm bound) needs hivemind's path; drop transport= or "
-                              "aggregation=")
-        aggregation = as_aggregation(aggregation, compression)
+        averaging.check_bound()  # bound: what the strategy's rounds send is known
+        compression, aggregation = averaging.compression, averaging.aggregation
 
         self._init_torch_hooks()
         self._epoch, self._samples = 0, 0
@@ -772,21 +757,6 @@ def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> to
     if not any(group["params"] for group in inner.param_groups):
         raise ConfigError("the inner optimizer has no parameters to train")
     return inner
-
-
-def _make_timeouts(timeouts: Any, **given: Optional[float]) -> Timeouts:
-    """``timeouts=Timeouts(...)``, or the keywords ``matchmaking_time`` / ``averaging_timeout`` (as hivemind's), not
-    both: one of them would be silently ignored."""
-    given = {name: value for name, value in given.items() if value is not None}
-    if timeouts is None:
-        return Timeouts(**given)
-    if not isinstance(timeouts, Timeouts):
-        raise ConfigTypeError(f"timeouts must be swarm_opt.Timeouts(...) or None, got {timeouts!r}")
-    if given:
-        names = " and ".join(given)
-        raise ConfigError(f"{names} given both as keyword and in timeouts=Timeouts(...): pass "
-                          f"Timeouts({', '.join(f'{n}={v}' for n, v in given.items())}, ...) alone")
-    return timeouts
 
 
 def _make_offload(offload: Any, optimizer: Any, params: Optional[Iterable[Any]]) -> Optional[OffloadedParameters]:

@@ -58,11 +58,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 
-__all__ = ["OpacusPrivacy", "as_privacy"]
+__all__ = ["OpacusPrivacy"]
 
 
 def _opacus() -> Any:
@@ -138,22 +138,20 @@ class OpacusPrivacy:
         return f", ε {epsilon:.6g} at δ {self.delta:g}" if math.isfinite(epsilon) else f", ε ∞ at δ {self.delta:g}"
 
     def check(self, strategy: Any, inner: Any) -> None:
-        """Refuse an inner optimizer that is not Opacus-private, or a strategy that would let un-noised data out
-        (``Strategy.privacy_refusal``: a class declares ``dp_safe`` for itself)."""
+        """Refuse an inner optimizer that is not Opacus-private, or a strategy that would let un-noised data out."""
+        self.check_optimizer(inner)
+        self.check_strategy(strategy)
+
+    def check_optimizer(self, inner: Any) -> None:
+        """Refuse an inner optimizer that is not Opacus-private (``engine.make_private(...)``'s)."""
         opacus = _opacus()
         if not isinstance(inner, opacus.optimizers.DPOptimizer):
             raise ConfigError(f"privacy=OpacusPrivacy(...) needs the private optimizer that engine.make_private(...) "
                               f"returned as optimizer=, got {type(inner).__name__}")
+
+    def check_strategy(self, strategy: Any) -> None:
+        """Refuse a strategy that would let un-noised data out (``Strategy.privacy_refusal``: a class declares
+        ``dp_safe`` for itself)."""
         refusal = strategy.privacy_refusal()
         if refusal is not None:
             raise ConfigError(refusal)
-
-
-def as_privacy(privacy: Any, *, strategy: Any, inner: Any) -> Optional[OpacusPrivacy]:
-    """``privacy=``'s object, checked against the run's strategy and inner optimizer (None: no privacy)."""
-    if privacy is None:
-        return None
-    if not isinstance(privacy, OpacusPrivacy):
-        raise ConfigTypeError(f"privacy must be swarm_opt.OpacusPrivacy(engine, delta=...) or None, got {privacy!r}")
-    privacy.check(strategy, inner)
-    return privacy

@@ -66,6 +66,7 @@ class Strategy(ABC):
 
     #: a short stable name; peers only average with peers running the same strategy
     name: str = "strategy"
+    _bound = False  # set by ``bind``: an instance serves one optimizer
 
     # --- capabilities, declared by each class (the optimizer, the privacy check and the command line read them) ---
     #: every value its rounds send is computed from the inner optimizer's steps, so that DP-SGD steps
@@ -102,7 +103,7 @@ class Strategy(ABC):
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
-        if getattr(self, "_bound", False):
+        if self._bound:
             raise ConfigError(
                 f"This {type(self).__name__} instance is already used by another optimizer; "
                 f"pass a new instance, e.g. strategy={type(self).__name__}()"

@@ -87,6 +87,7 @@ class Swarm:
                     if not k.startswith("SWARM_OPT_")}
         self.prefix = ["nice", "-n", str(args.nice)] if args.nice else []
         self.procs: List[subprocess.Popen] = []
+        self.names: Dict[int, str] = {}  # pid -> the name of its logs
         self.maddr = ""
         self.events = open(out / "events.jsonl", "a")
         self.t0 = time.monotonic()
@@ -101,6 +102,7 @@ class Swarm:
         proc = testing.start(["-m", "swarm_opt", *argv], log=self.out / f"{name}.out",
                              stderr_log=self.out / f"{name}.err", env=self.env, cwd=self.out, prefix=self.prefix)
         self.procs.append(proc)
+        self.names[proc.pid] = name
         return proc
 
     def bootstrap(self) -> None:
@@ -136,7 +138,10 @@ class Swarm:
         left = [f"{p['pid']} {p['comm']}" for p in map(process_sample, session_members(proc.pid)) if p]
         testing.kill([proc])
         self.procs.remove(proc)
-        return {"exit": code, "leftovers": left}
+        report = {"exit": code, "leftovers": left}
+        if left or code is None:  # what it was doing when asked to stop
+            report["stderr_tail"] = testing.tail(self.out / f"{self.names[proc.pid]}.err", 5)
+        return report
 
     def close(self) -> None:
         """Kill what is still running; record (event "left behind") anything of the soak's that outlived its

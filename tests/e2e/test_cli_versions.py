@@ -17,7 +17,7 @@ OLD = "tests.e2e.previous_release"
 
 def _refused(newcomer) -> str:
     """A volunteer that must exit 2 with one line and no traceback: that line."""
-    assert newcomer.wait(150) == 2, newcomer.describe()
+    assert newcomer.wait(240) == 2, newcomer.describe()  # a CLI start-up takes minutes at load 50 on 2 cores
     lines = newcomer.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in newcomer.stderr, newcomer.describe()
     return lines[0]
@@ -25,7 +25,7 @@ def _refused(newcomer) -> str:
 
 @pytest.mark.swarm
 @pytest.mark.extended
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_volunteer_of_the_other_release_is_refused_in_one_line_naming_the_release_both_ways(cli):
     _, maddr = cli.dht()
     new_run = cli.start("new_peer", *train_args("e2e_new", maddr))

@@ -40,8 +40,9 @@ def test_a_short_soak_under_churn_and_failed_rounds_grows_nothing_and_leaves_not
     events = result["events"]
     assert events.get("churn killed", 0) >= 3 and events.get("churn frozen", 0) >= 2, report
     assert events.get("newcomer left", 0) >= 1, report
-    assert not result["events_with_leftovers"], result["events_with_leftovers"]  # nothing outlives its peer
-    assert not result["events_with_tracebacks"], result["events_with_tracebacks"]
+    # nothing outlives its peer, and nothing prints a traceback
+    assert not result["events_with_leftovers"], json.dumps(result["events_with_leftovers"], indent=1)
+    assert not result["events_with_tracebacks"], json.dumps(result["events_with_tracebacks"], indent=1)
     assert any(p["rounds"]["failed"] for p in result["peers"]), report  # the freezes failed rounds, as meant
     for peer in result["peers"]:
         assert peer["rounds"]["committed"] >= 10, report

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -324,12 +325,12 @@ def analyse(out: Path, warmup_minutes: float) -> Dict:
     quarters = []
     for q in range(4):
         lo, hi = ts[0] + q * span / 4, ts[0] + (q + 1) * span / 4
-        inside = [r for r in after if lo <= r["t"] <= hi]
+        inside = [r for r in after if lo <= r["t"] <= hi]  # none if sampling paused (a peer slow to stop)
         epochs = [max((p.get("epoch", 0) for p in r["peers"]), default=0) for r in inside]
-        minutes = (inside[-1]["t"] - inside[0]["t"]) / 60
+        minutes = (inside[-1]["t"] - inside[0]["t"]) / 60 if inside else 0.0
         quarters.append({"from_min": lo / 60, "to_min": hi / 60,
                          "epochs_per_min": (epochs[-1] - epochs[0]) / minutes if minutes > 0 else float("nan"),
-                         "load1_mean": sum(r["load"][0] for r in inside) / len(inside)})
+                         "load1_mean": sum(r["load"][0] for r in inside) / len(inside) if inside else float("nan")})
     everything = [r["all_processes"] for r in after if "all_processes" in r]
     counts: Dict[str, int] = {}
     for e in events:
@@ -337,7 +338,8 @@ def analyse(out: Path, warmup_minutes: float) -> Dict:
     leftovers = [e for e in events if e.get("leftovers")]
     noisy = [e for e in events if e.get("tracebacks")]
     worst = max(p["pss"]["slope_per_h"] for p in peers)
-    ratio = quarters[-1]["epochs_per_min"] / quarters[0]["epochs_per_min"] if quarters[0]["epochs_per_min"] else None
+    first, last = quarters[0]["epochs_per_min"], quarters[-1]["epochs_per_min"]
+    ratio = last / first if first and math.isfinite(first) and math.isfinite(last) else None
     return {"hours": (rows[-1]["t"]) / 3600, "warmup_minutes": warmup_minutes, "samples": len(rows),
             "all_processes": [min(everything), max(everything)] if everything else None,
             "peers": peers, "quarters": quarters, "events": counts, "events_with_leftovers": leftovers,

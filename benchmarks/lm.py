@@ -6,11 +6,15 @@ built-in ``lm-SIZE`` task (default ``lm-tiny``: a 0.83M-parameter byte-level GPT
 ``swarm_opt/cli/language_model.py``) with its recipe: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), bf16
 autocast, gradient clipping at 1.0, linear warmup then cosine decay to 0.1x, here over the run's local steps (a
 peer's local step ``k`` is the same tokens in every system: 4 peers x ``--batch`` sequences). Each peer reads its own
-shard of the corpus (``--shard rank/4``); every system sees **the same number of tokens**: ``--steps`` local steps
-of each peer. Systems (``--systems``, taking turns in one run, so that each sees the same load):
+shard of the corpus (``--shard rank/4``); every system gets **the same token budget**, ``--steps`` local steps of each
+peer: DDP makes exactly those, a swarm's peers step until the swarm has made as many global steps or rounds (a round
+starts when the swarm's samples reach its target, so peers of different speeds make different numbers of steps),
+and the tokens that took are counted and reported against the budget. Systems (``--systems``, taking turns in one
+run, so that each sees the same load):
 
 * ``ddp``: torch.distributed DDP over gloo, one clipped AdamW step per global batch (``--global-batch`` sequences:
-  ``--global-batch / (4 x --batch)`` micro-steps with ``no_sync``);
+  ``--global-batch / (4 x --batch)`` micro-steps with ``no_sync``); ``ddp@64``: a step per 64 sequences (one local
+  batch of each peer), the baseline of the local-update strategies (a system's ``@B`` sets its global batch);
 * ``hivemind/grad``: ``hivemind.Optimizer`` averaging gradients over the same global batch, as its quickstart
   configures it (``matchmaking_time=3``), clipping inside the optimizer's step as hivemind's ALBERT example does;
   ``hivemind/local``: ``use_local_updates=True`` (local AdamW steps, parameters averaged every ``--local-h`` local
@@ -23,13 +27,15 @@ of each peer. Systems (``--systems``, taking turns in one run, so that each sees
 Per system: validation loss and perplexity at equal tokens (rank 0's model, all 512 held-out windows), tokens/s (wall
 time with evaluations taken out), compute utilization (seconds in forward+backward / wall seconds; DDP's all-reduce
 runs inside the synchronising micro-step's backward, so that step counts as a ``no_sync`` step's compute), bytes
-sent per peer per token (the hosts' ``eth0`` counters: everything on the wire, DHT included), the wall time to reach
-``--target-ratio`` x DDP's final loss, and where each peer's time went (compute / ``step()`` / evaluation). The
-curves go to ``benchmarks/results/lm_<rate>.png`` (loss vs tokens and vs wall time); the load average of the shared
-machine is recorded beside each run.
+sent per peer per token (the hosts' ``eth0`` counters: everything on the wire, DHT included; also counted after
+every peer's first round, without the start-up), the wall time to reach ``--target-ratio`` x its baseline's final
+loss (``baseline_for``: the DDP run of the same optimizer steps per token), and where each peer's time went (compute
+/ ``step()`` / evaluation). The curves go to ``benchmarks/results/lm_<rate>.png`` (loss vs tokens and vs wall
+time); the load average of the shared machine is recorded beside each run.
 
-    python benchmarks/lm.py                                              # the full comparison, ~35 min on 2 cores
-    python benchmarks/lm.py --rates 100mbit --systems ddp swarm_opt/diloco50/fp16 --steps 100   # a quick look
+    python benchmarks/lm.py         # both links (FAST_LINK_SYSTEMS at 1 Gbit/s, SYSTEMS at 100 Mbit/s); ~55 min loaded
+    python benchmarks/lm.py --rates 100mbit --systems ddp@64 swarm_opt/diloco32/int8 --steps 32   # a quick look
+    python benchmarks/lm.py --report benchmarks/results/lm.json        # the tables and plots of a saved run
 """
 
 from __future__ import annotations
@@ -49,11 +55,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from _common import REPO, RESULTS_DIR, join_loopback_swarm, kill_all, launch, leftovers, table, tail, write_json
 
 PEERS = 4
-#: every system, on the slow link (the DiLoCo family's goals are set at 100 Mbit/s)
+#: the systems of the slow link (the DiLoCo family's goals are set at 100 Mbit/s)
 SYSTEMS = [
-    "ddp", "ddp@64", "hivemind/grad", "swarm_opt/grad", "lane/grad", "swarm_opt/grad/powersgd4", "hivemind/local",
-    "swarm_opt/diloco32/fp32", "swarm_opt/diloco32/fp16", "swarm_opt/diloco32/int8", "swarm_opt/diloco32/topk",
-    "swarm_opt/diloco64/int8",
+    "ddp", "ddp@64", "swarm_opt/grad", "hivemind/local", "swarm_opt/diloco32/fp32", "swarm_opt/diloco32/fp16",
+    "swarm_opt/diloco32/int8", "swarm_opt/diloco32/topk", "swarm_opt/diloco64/int8", "swarm_opt/grad/powersgd4",
 ]
 #: the gradient-averaging family, on the fast link (its goals are set at 1 Gbit/s)
 FAST_LINK_SYSTEMS = ["ddp", "hivemind/grad", "swarm_opt/grad", "swarm_opt/grad+overlap", "lane/grad",
@@ -424,6 +429,23 @@ def time_to(curve: List[Dict[str, Any]], target: float) -> Optional[float]:
     return None
 
 
+def estimate_synchronous_compute(runs: List[Dict[str, Any]]) -> None:
+    """A DDP run that all-reduces at every step (``ddp@64``) has no ``no_sync`` step whose time is pure compute: give
+    it the compute per step of the same rate's DDP run with accumulation (same model, batch and load), marked
+    ``estimated_compute``."""
+    timed = [p["computing"] / p["steps"] for run in runs if "failed" not in run and run["system"].startswith("ddp")
+             for p in run["peers"] if p["computing"] > 0]
+    if not timed:
+        return
+    per_step = sum(timed) / len(timed)
+    for run in runs:
+        if "failed" not in run and run["system"].startswith("ddp") and all(p["computing"] == 0 for p in run["peers"]):
+            run["estimated_compute"] = True
+            for p in run["peers"]:
+                p["computing"] = per_step * p["steps"]
+                p["utilization"] = p["computing"] / p["wall"]
+
+
 def baseline_for(system: str, args: argparse.Namespace) -> str:
     """The DDP run a system is compared with: the same optimizer steps per token. Gradient averaging over a global
     batch B: DDP over B; local-update strategies (an inner step per local batch): DDP over one local batch of every
@@ -438,6 +460,7 @@ def report(runs: List[Dict[str, Any]], args: argparse.Namespace) -> Tuple[str, D
     """The table of one link rate: every system against the DDP run of the same optimizer steps per token (its
     baseline, ``baseline_for``; plain ``ddp`` if that did not run), measured in the same run."""
     rows, ratios = [], {}
+    estimate_synchronous_compute(runs)
     done = {s["system"]: s for s in (summary(r, args) for r in runs) if not s.get("failed")}
     for run in runs:
         s = summary(run, args)
@@ -447,7 +470,8 @@ def report(runs: List[Dict[str, Any]], args: argparse.Namespace) -> Tuple[str, D
         name = baseline_for(s["system"], args)
         base = done.get(name) or done.get("ddp")
         reach = time_to(s["curve"], base["loss"] * args.target_ratio) if base else None
-        steady, base_steady = s["steady_bytes_per_peer_token"], base and base["steady_bytes_per_peer_token"]
+        steady = s["steady_bytes_per_peer_token"]  # DDP has no start-up transfers: its steady bytes are all of them
+        base_steady = base and (base["steady_bytes_per_peer_token"] or base["bytes_per_peer_token"])
         vs = dict(baseline=base["system"], loss=s["loss"] / base["loss"],
                   tokens_per_s=s["tokens_per_s"] / base["tokens_per_s"],
                   fewer_bytes=base["bytes_per_peer_token"] / s["bytes_per_peer_token"],

@@ -262,6 +262,12 @@ class Optimizer(torch.optim.Optimizer):
         return progress if epsilon is None else replace(progress, epsilon=epsilon)
 
     @property
+    def deadlines(self) -> Tuple[float, float]:
+        """``(matchmaking_time, averaging_timeout)`` of this peer's next round: with ``Timeouts(adaptive=True)`` (the
+        default) they follow the swarm's measured round times, within the given ones (``swarm_opt.deadlines``)."""
+        return self._averager.deadlines.now
+
+    @property
     def grad_norm(self) -> Optional[float]:
         """With ``clip_grad_norm``: the L2 norm, before clipping, of the gradient the inner optimizer applied last
         (the round's mean gradient with ``GradientAveraging``, the last local step's with local updates); None

@@ -62,6 +62,7 @@ from swarm_opt.aggregation import (
 from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.config import Timeouts
+from swarm_opt.deadlines import RoundDeadlines, RoundTiming
 from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
 from swarm_opt.trust import Suspensions
 
@@ -84,6 +85,7 @@ CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging
 DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
 COUNTED_KEY = "counted"  # the live peers a member counted, having read every progress record (not a sample)
 LINE_KEY = "line"  # the peers a leader found declared this round under its line's matchmaking key (Moshpit grid)
+DEADLINES_KEY = "deadline"  # the gather's entry carrying this round's averaging deadline (``swarm_opt.deadlines``)
 _LINE_READ_TIMEOUT = 2.0  # seconds a leader's read of its line's declarations may take
 #: seconds between two reads of the group key's declarations by this peer's matchmaking (``_pace_reads``): the first
 #: after a read that found something new, doubling while reads find nothing new, up to the last
@@ -176,6 +178,9 @@ class _Engine(DecentralizedAverager):
         self._watches: Dict[int, MPFuture] = {}
         self._unheard: OrderedDict[int, Tuple[Tuple[str, Any], bool]] = OrderedDict()
         self._host_lanes: Dict[bytes, MPFuture] = {}  # the verdicts of lane rounds the host runs, by group id
+        self._assembled = mp.Value("d", 0.0)  # DHT time at which this peer's last group assembled (shared)
+        #: the all-reduce deadline this engine was made with: each round's own (``DEADLINES_KEY``) stays within it
+        self._bound_allreduce = kwargs.get("allreduce_timeout")
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -204,6 +209,7 @@ class _Engine(DecentralizedAverager):
             self._remember_groups(self._matchmaking)
             self._matchmaking._adjusted = True
         _renew_finished_search(self._matchmaking)
+        self._apply_deadline(info.get(DEADLINES_KEY))
         self._tell_distrusted(step)
         helpers = []
         if self.mode != AveragingMode.AUX and self._matchmaking.target_group_size is None:
@@ -222,6 +228,18 @@ class _Engine(DecentralizedAverager):
             if unstarted is not None:
                 self._host_lanes.pop(unstarted.group_id, None)
             self._tell_host(step, "done", None)
+
+    def _apply_deadline(self, deadline: Any) -> None:
+        """This round's averaging deadline, sent by the host with the round (``swarm_opt.deadlines``), within the
+        one this engine was made with: the all-reduce's timeout, and a third of it for a silent sender (hivemind's
+        ``next_chunk_timeout``; a silent reducer gets twice that)."""
+        allreduce = self._bound_allreduce
+        if allreduce is None:
+            return
+        if isinstance(deadline, float) and math.isfinite(deadline) and deadline > 0:
+            allreduce = min(allreduce, deadline)
+        self._allreduce_timeout = allreduce
+        self.allreduce_kwargs.update(sender_timeout=allreduce / 3, reducer_timeout=2 * allreduce / 3)
 
     # --- what the host hears of a step: ("lane", LaneCall) when it runs the round, then ("done", None) ---------------
     def watch(self, step: StepControl) -> MPFuture:  # host process
@@ -265,6 +283,7 @@ class _Engine(DecentralizedAverager):
         async def remembered(step: StepControl) -> Any:
             group_info = await look_for_group(step)
             if group_info is not None:
+                self._assembled.value = get_dht_time()
                 self._unstarted[step] = group_info
                 addresses = self._lane_addresses(group_info)
                 if addresses is not None and self.lane_in_host:
@@ -856,6 +875,10 @@ class _LaneRound:
             self._lane.drop(self._peer_ids)
 
 
+class _RoundOver(RuntimeError):
+    """The swarm completed the round this peer still looks for a group for (not a deadline missed)."""
+
+
 def _step_key(step: StepControl) -> int:
     """What names a step in both processes: the id of hivemind's future that a ``StepControl`` is."""
     return step._uid
@@ -1069,6 +1092,8 @@ class TensorAverager:
         target_group_size: Optional[int] = None,
     ) -> None:
         self.timeouts = timeouts
+        #: each round's deadlines, within ``timeouts`` (``swarm_opt.deadlines``): told how rounds go
+        self.deadlines = RoundDeadlines(timeouts)
         #: the matchmaking key of round ``round_id`` (hivemind's group bits: the round's line of the Moshpit grid,
         #: ``swarm_opt.groups``); '' (the default) puts every peer under one key
         self.group_key: Callable[[int], str] = lambda round_id: ""
@@ -1128,6 +1153,7 @@ class TensorAverager:
         self._scheduled: Optional[StepControl] = None
         self._scheduled_watch: Optional[MPFuture] = None  # what the averager process says of it (_Engine.watch)
         self._scheduled_round = -1
+        self._scheduled_at: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # its search's start, due time, safety net (s)
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
         self.last_failure = ""  # why the last all_reduce() returned None, in a few words
         self.last_download_failure = ""  # why the last load_state() returned None, in a few words
@@ -1187,17 +1213,23 @@ class TensorAverager:
                     return
                 cancel_step(self._scheduled)
             due = float(when)  # a leader may assemble its group from then on, once complete (_assemble_once_complete)
-            when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            matchmaking = self.timeouts.matchmaking_time
+            # a member starts sending at its next step (``_start_allowance``): a deadline never cuts that short
+            averaging = min(self.timeouts.averaging_timeout, max(
+                self.deadlines.averaging_timeout, matchmaking + _START_TIMEOUT + 4 * self.step_period))
+            when = max(when, get_dht_time() + matchmaking)
             if self.auxiliary:
                 # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
                 # wait at least until the leader's own deadline: say so for any leader due in the first half of
                 # the search
                 when = get_dht_time() + (self.timeouts.matchmaking_time + self.timeouts.averaging_timeout) / 2
             self._scheduled_round = round_id
+            self._scheduled_at = (get_dht_time(), due, 2 * averaging + matchmaking)
             self._scheduled = self._engine.step(
-                scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
+                scheduled_time=when, weight=0.0, timeout=averaging,
                 require_trigger=True, wait=False, allow_retries=False,
                 gather={**self.member_info(), "round": round_id, "step_period": self.step_period, DUE_KEY: due,
+                        DEADLINES_KEY: float(averaging),
                         "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
                         **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
@@ -1234,7 +1266,9 @@ class TensorAverager:
             control, self._scheduled = self._scheduled, None
             watch, self._scheduled_watch = self._scheduled_watch, None
             self._running = control
+            searched_since, due, safety_net = self._scheduled_at
         assert control is not None and watch is not None
+        ready = get_dht_time()
         try:
             if not lane_ahead:  # (a lane round formed ahead needs no weight, and triggers its step once done: below)
                 control.weight = float(weight)
@@ -1242,14 +1276,14 @@ class TensorAverager:
             # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
             # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
             # the averager completes anyway, with our values in the groupmates' average and not in ours
-            deadline = time.monotonic() + 2 * self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
+            deadline = time.monotonic() + safety_net
             while True:
                 try:
                     what, call = watch.result(timeout=0.2)
                     break
                 except concurrent.futures.TimeoutError:
                     if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
-                        raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
+                        raise _RoundOver(f"the swarm completed round {round_id} without this peer") from None
                     if time.monotonic() > deadline:
                         raise
             finite = None  # not checked yet
@@ -1263,6 +1297,8 @@ class TensorAverager:
             # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
             logger.debug("Averaging round failed: %r", e)
             cancel_step(control)
+            if not isinstance(e, (asyncio.CancelledError, _RoundOver)):  # no group in time, or a member too slow
+                self.deadlines.missed()
             return self._failed(_reason(e) if not isinstance(e, asyncio.CancelledError) else "the round was cancelled")
         finally:
             with self._lock:
@@ -1296,7 +1332,16 @@ class TensorAverager:
                 return self._failed("non-finite averaged values")
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
-                               helpers=helpers)
+                               helpers=helpers, timing=self._timing(searched_since, ready, due))
+
+    def _timing(self, searched_since: float, ready: float, due: float) -> Optional[RoundTiming]:
+        """What the round that just ended took (``RoundTiming``), from when this peer was ready and the round due;
+        None if its group's assembly was not seen (it predates the round's search)."""
+        assembled, now = self._engine._assembled.value, get_dht_time()
+        if not searched_since <= assembled <= now:
+            return None
+        start = max(ready, due)
+        return RoundTiming(waited=max(0.0, assembled - start), averaged=max(0.0, now - max(assembled, ready)))
 
     def _lane_formed(self, round_id: int) -> bool:
         """Whether the group of round ``round_id``, scheduled ahead, formed for the lane."""

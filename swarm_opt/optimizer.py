@@ -230,6 +230,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._tracker.progress.epoch == 0:
             self._mark_synced()
             self._averager.offer_state(self._epoch)
+        else:
+            self._join_running_swarm(self._tracker.progress.epoch)
         # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
         # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
         self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
@@ -378,9 +380,11 @@ class Optimizer(torch.optim.Optimizer):
         plan = self._grid.plan(round_id, progress.num_peers)
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
+        # the swarm (or, with groups, this peer's line of the grid) completed the round without us
+        over = (lambda: self._tracker.epoch_reached(round_id)) if plan.whole_swarm else \
+            (lambda: self._tracker.line_reached(round_id, plan.cell))
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
-                         round_is_over=lambda: self._tracker.epoch_reached(round_id),  # completed without us
-                         plan=plan)
+                         round_is_over=over, plan=plan)
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
@@ -388,7 +392,8 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round = RoundReport(flight.round_id, result.group_size, num_peers, flight.samples,
                                       flight.round.weight, time.monotonic() - flight.started, caught_up=False,
                                       helpers=len(result.helpers))
-        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
+        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second,
+                            line=None if flight.plan.whole_swarm else flight.plan.cell)
 
     def _look_ahead(self, progress: SwarmProgress, *, contributes: bool) -> None:
         """Start looking for the next round's group if the swarm is due to reach its target within
@@ -536,13 +541,13 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, 0)
         self._averager.offer_state(self._epoch)
 
-    def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
+    def _advance_epoch(self, report: RoundReport, samples_per_second: float, line: Optional[str] = None) -> None:
         self._epoch += 1
         self._samples -= report.samples  # what remains was computed while a background round was in flight
         self._mark_synced()
         if self.scheduler is not None:
             self.scheduler.step()
-        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
+        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest(), line=line)
         self._averager.offer_state(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
@@ -556,6 +561,16 @@ class Optimizer(torch.optim.Optimizer):
                     f"{samples_per_second:.0f} samples/s{loss}{clipped}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
+    def _join_running_swarm(self, epoch: int) -> None:
+        """A newcomer to a swarm already at ``epoch``: download its state now, before the training loop computes a
+        first step at this peer's initial parameters that the catch-up at that step would throw away. Within
+        ``_NEWCOMER_PATIENCE``: failing that, ``step()`` catches up as for any peer behind."""
+        try:
+            self.load_state_from_peers(timeout=_NEWCOMER_PATIENCE, _min_epoch=epoch)
+        except StateDownloadError as e:
+            logger.info(f"{e}; catching up at the first step instead")
+            self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
+
     def _catch_up(self, global_epoch: int) -> None:
         """The swarm finished rounds without us: go on from our own state if the strategy allows it (local updates
         are averaged back in next round), otherwise download the swarm's state."""

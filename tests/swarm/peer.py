@@ -134,7 +134,8 @@ def install_fault(cfg: dict) -> None:
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
       ``OUT.slowed`` the first time. With ``slow_from_epoch``, only once the peer reached that epoch (a swarm that
-      becomes slow: its links, or its machines' load).
+      becomes slow: its links, or its machines' load). With ``slow_once``, only the first reply so delayed (a member
+      stuck once mid-round: a laptop's lid closed, a link down for a while).
     * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
       the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
@@ -232,7 +233,8 @@ def install_fault(cfg: dict) -> None:
 
         @functools.wraps(original_reply)
         async def _encoded_mean(self, *args, **kwargs):
-            if cfg.get("slow_from_epoch") is None or os.path.exists(cfg["out"] + ".slow"):
+            if (cfg.get("slow_from_epoch") is None or os.path.exists(cfg["out"] + ".slow")) and not (
+                    cfg.get("slow_once") and os.path.exists(cfg["out"] + ".slowed")):
                 open(cfg["out"] + ".slowed", "w").close()
                 await asyncio.sleep(cfg["slow_replies"])
             return await original_reply(self, *args, **kwargs)

@@ -36,7 +36,7 @@ from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
-from swarm_opt.groups import Grid
+from swarm_opt.groups import Grid, RoundPlan
 from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.privacy import OpacusPrivacy, as_privacy
@@ -380,11 +380,20 @@ class Optimizer(torch.optim.Optimizer):
         plan = self._grid.plan(round_id, progress.num_peers)
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
-        # the swarm (or, with groups, this peer's line of the grid) completed the round without us
-        over = (lambda: self._tracker.epoch_reached(round_id)) if plan.whole_swarm else \
-            (lambda: self._tracker.line_reached(round_id, plan.cell))
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
-                         round_is_over=over, plan=plan)
+                         round_is_over=self._round_is_over(round_id, plan), plan=plan)
+
+    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], bool]:
+        """Whether the swarm completed round ``round_id`` without this peer, asked while it looks for its group. With
+        Moshpit groups every line of the grid averages on its own: another line's commit does not end this line's
+        round, only a commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's
+        once this peer has looked for ``matchmaking_time`` since the round began (a line too short to form a group
+        then gives up, as without groups, rather than at its averaging deadline)."""
+        if plan.whole_swarm:
+            return lambda: self._tracker.epoch_reached(round_id)
+        began = time.monotonic()
+        return lambda: self._tracker.line_reached(round_id, plan.cell) or (
+            time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm

@@ -127,11 +127,15 @@ def measure_stall(reps: int, stall_at: int, stall: float) -> Dict:
                 finally:
                     swarm.kill_all()
                 began = stalled.stat().st_mtime if stalled.exists() else None
-                after = [rep_["time"] for r in results for rep_ in r["reports"]
-                         if not rep_["caught_up"] and began is not None and rep_["time"] > began]
+                # the survivors' longest wait between two epochs from the stall on (the stalled round, and any
+                # retry that waited for the stalled member)
+                gaps = []
+                for r in results:
+                    times = sorted(rep_["time"] for rep_ in r["reports"])
+                    gaps += [b - max(a, began) for a, b in zip(times, times[1:]) if began is not None and b > began]
                 deadlines = [rep_["deadlines"][1] for r in results for rep_ in r["reports"]
                              if began is not None and rep_["time"] < began]
-                rows.append(dict(rep=rep, adaptive=adaptive, lost_s=min(after) - began if after else None,
+                rows.append(dict(rep=rep, adaptive=adaptive, lost_s=max(gaps) if gaps else None,
                                  deadline_at_stall=deadlines[-1] if deadlines else None,
                                  epochs=[r["epoch"] for r in results]))
     lost = {mode: statistics.median(r["lost_s"] for r in rows if r["adaptive"] == mode and r["lost_s"] is not None)

@@ -561,8 +561,9 @@ class Optimizer(torch.optim.Optimizer):
         if time.monotonic() < self._next_catch_up:
             return
         self._averager.cancel_scheduled()
-        try:
-            self.load_state_from_peers(_min_epoch=self._epoch + 1)  # within Timeouts.state_download_timeout
+        try:  # from a peer at the swarm's epoch, not from the most advanced one (a side of a partition, ahead)
+            self.load_state_from_peers(_min_epoch=self._epoch + 1,  # within Timeouts.state_download_timeout
+                                       _donors=self._tracker.holders(global_epoch))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF

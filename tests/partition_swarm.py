@@ -88,14 +88,15 @@ class TrainingSwarm:
 
     def __init__(self, hosts: Hosts, size: int, workdir: Path, *, averaging_timeout: float = 20.0,
                  target_batch_size: int = 512) -> None:
-        self.hosts, self.size, self.averaging_timeout = hosts, size, averaging_timeout
+        self.hosts, self.size, self.averaging_timeout, self.matchmaking_time = hosts, size, averaging_timeout, 2.0
         self.node = Proc(hosts, 0, "dht", [sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
                                            f"/ip4/{hosts.address(0)}/tcp/{PORT}"], workdir)
         bootstrap = self.node.wait_for(r"^(/ip4/10\.\S+/p2p/\S+)$", 60).group(1)
         self.trainers = {i: Proc(hosts, i, f"trainer{i}", [
             sys.executable, "-m", "swarm_opt", "train", "--run-id", "partition", "--initial-peers", bootstrap,
             "--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/{PORT}", "--task", "digits", "--target-batch-size",
-            str(target_batch_size), "--batch-size", "32", "--min-peers", str(size), "--matchmaking-time", "2",
+            str(target_batch_size), "--batch-size", "32", "--min-peers", str(size), "--matchmaking-time",
+            str(self.matchmaking_time),
             "--averaging-timeout", str(averaging_timeout), "--data-seed", str(i), "-v"], workdir)
             for i in range(1, size + 1)}
         self._lock = threading.Lock()

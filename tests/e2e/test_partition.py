@@ -200,15 +200,15 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
     started = time.monotonic()
     newcomer = subprocess.run([*hosts.prefix(1), sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
                                f"/ip4/{hosts.address(1)}/tcp/{PORT}", "--initial-peers", bootstrap,
-                               "--join-timeout", "10"], capture_output=True, text=True, timeout=90, cwd=tmp_path,
+                               "--join-timeout", "20"], capture_output=True, text=True, timeout=90, cwd=tmp_path,
                               env=cli_env(), start_new_session=True)
     took = time.monotonic() - started
     assert newcomer.returncode == 2, newcomer.stderr
-    assert took < 40, f"gave up after {took:.0f} s:\n{newcomer.stderr}"  # a try and a probe take ~3 s each
+    assert took < 60, f"gave up after {took:.0f} s:\n{newcomer.stderr}"  # a try and a probe take ~3 s each
     retries = re.findall(r"none of the initial peers answered: (\S+) \(([^)]+)\); trying again in", newcomer.stderr)
     assert retries and retries[0][0] == bootstrap, newcomer.stderr
     error = [line for line in newcomer.stderr.splitlines() if "error:" in line]
-    assert len(error) == 1 and bootstrap in error[0] and "tried for 10 s" in error[0], newcomer.stderr
+    assert len(error) == 1 and bootstrap in error[0] and "tried for 20 s" in error[0], newcomer.stderr
     assert "Traceback" not in newcomer.stderr, newcomer.stderr
 
     # ... the other, meanwhile retrying with a growing pause, joins once the link comes back within --join-timeout
@@ -242,8 +242,10 @@ def test_a_training_swarm_split_by_a_partition_holds_one_model_within_60_s_of_he
     0.7 times those over the 30 s before the cut. The swarm is the same peers on the same machine before and after,
     so the rate should come back whole; 0.7 leaves room for the scatter between 30 s windows of one steady run on
     the loaded 2-core machine (``benchmarks/partition.py`` measures both windows). No ``step()`` of any trainer, over
-    the whole run (the split, the healing and the downloads included), takes ``averaging_timeout`` (20 s) or longer:
-    a peer cut off keeps stepping, it is not held in a round."""
+    the whole run (the split, the healing and the downloads included), is held for the split: the longest is a
+    round in flight when the links went down, which waits out its group search (``averaging_timeout``, 20 s, from
+    when it was scheduled, at most ``matchmaking_time`` before), so every step ends within 22 s; a peer cut off
+    then starts no round and keeps stepping."""
     swarm = TrainingSwarm(make_hosts(size + 1), size, tmp_path)  # host 0: the bootstrap node; trainer i on host i
     cut = set().union(*sides)
     try:
@@ -270,4 +272,4 @@ def test_a_training_swarm_split_by_a_partition_holds_one_model_within_60_s_of_he
         assert LOST in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
         assert FOUND in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
     assert after >= RATE_KEPT * before, f"{after:.2f} epochs/s after healing, {before:.2f} before the cut"
-    assert all(seconds < swarm.averaging_timeout for seconds, _ in longest.values()), longest
+    assert all(seconds < swarm.averaging_timeout + swarm.matchmaking_time for seconds, _ in longest.values()), longest

@@ -41,8 +41,8 @@ def test_an_epoch_ahead_needs_half_of_the_peers_seen_lately_not_only_of_those_re
     local = rec("me", 168, 10, 10.0, 100.0)
     read = [rec("a", 320, 0, 10.0, 100.0), rec("b", 320, 0, 10.0, 100.0)]
     assert aggregate_progress(checker.check(read, local, 100.0, TARGET).records, local, TARGET, 100.0).epoch == 320
-    side = [("c".encode(), "c"), ("d".encode(), "d"), ("e".encode(), "e")]  # this side's peers, not in this read
-    checked = checker.check(read, local, 101.0, TARGET, remembered=side + [("a".encode(), "a")])
+    side = [(b"c", "c"), (b"d", "d"), (b"e", "e")]  # this side's peers, not in this read
+    checked = checker.check(read, local, 101.0, TARGET, remembered=side + [(b"a", "a")])
     assert checked.records == [] and checked.ahead == 2
     assert aggregate_progress(checked.records, local, TARGET, 101.0, ahead=checked.ahead).epoch == 168
 

@@ -423,7 +423,7 @@ class Optimizer(torch.optim.Optimizer):
             return
         # the records counted at the last read were judged against our old epoch, ahead of theirs: a peer of our old
         # side that has not switched yet would pass for the swarm, ahead, and we would download its state back
-        self._tracker.read_again(timeout=_RECORDS_READ_TIMEOUT)
+        self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when

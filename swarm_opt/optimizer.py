@@ -440,6 +440,10 @@ class Optimizer(torch.optim.Optimizer):
                                        _donors=tuple(random.sample(list(donors), len(donors))))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on, and trying again at the next read of the swarm's progress")
+            return
+        # the records counted at the last read were judged against our old epoch, ahead of theirs: a peer of our old
+        # side that has not switched yet would pass for the swarm, ahead, and we would download its state back
+        self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
@@ -574,8 +578,9 @@ class Optimizer(torch.optim.Optimizer):
         if time.monotonic() < self._next_catch_up:
             return
         self._averager.cancel_scheduled()
-        try:
-            self.load_state_from_peers(_min_epoch=self._epoch + 1)  # within Timeouts.state_download_timeout
+        try:  # from a peer at the swarm's epoch, not from the most advanced one (a side of a partition, ahead)
+            self.load_state_from_peers(_min_epoch=self._epoch + 1,  # within Timeouts.state_download_timeout
+                                       _donors=self._tracker.holders(global_epoch))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF

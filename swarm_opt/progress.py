@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import os
+import random
 import statistics
 import threading
 import time
@@ -644,6 +645,16 @@ class ProgressTracker:
         with self._lock:
             return any(r.epoch == epoch and r.line == line for r in self._others)
 
+    def holders(self, epoch: int) -> List[bytes]:
+        """The peers whose counted records stand at ``epoch`` (the swarm's epoch, as this peer believes it), in
+        random order: the donors a peer catching up asks, rather than the most advanced donor listed on the DHT,
+        which may be a part of the swarm that a partition cut off and that trained on alone (``believed_epoch``).
+        Empty in a sampled view (its records are a sample: any listed donor then)."""
+        with self._lock:
+            peers = [] if self.sampled else list({r.peer_id for r in self._others if r.epoch == epoch})
+        random.shuffle(peers)
+        return peers
+
     def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float
                                ) -> Optional[Tuple[Tuple[float, ...], str]]:
         """The parameters' digest that a state downloaded at ``epoch`` from ``donor`` must match, and whose it is: the
@@ -805,7 +816,9 @@ class ProgressTracker:
             )
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
+            remembered = () if self.sampled else tuple(self._memory)  # see ``recent_peers``
+        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined,
+                                      remembered=remembered)
         scale = self._records.sample.scale
         departed, self._records.departed = self._records.departed, set()
         with self._lock:

@@ -25,6 +25,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt import protocol as swarm_protocol
 from swarm_opt import state_sync
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
@@ -186,13 +187,16 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round: Optional[RoundReport] = None
         self.metrics: Metrics = NO_METRICS  # see observe()
         self.model_schema = identified_schema(strategy_schema(self._params, strategy), identity)
+        #: the schemas older releases give this model -> their protocol (swarm_opt.protocol): resumable checkpoints,
+        #: and the peers the tracker names as another version
+        self.legacy_schemas = legacy_schemas(self._params, strategy, identity)
 
         access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
         if access is not None:  # a private run's donors admit peers by their record under the run's one key
             tracker = replace(tracker, exact_up_to=PRIVATE_RUN_EXACT_UP_TO)  # (RunAccess): it is never sharded
         self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker,
-                                        digest_tolerance=self._digest_tolerance)
+                                        digest_tolerance=self._digest_tolerance, legacy_schemas=self.legacy_schemas)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
@@ -846,12 +850,17 @@ def contributed_share(*, samples: int, batch_size: int, share: Optional[float]) 
     return share is not None and samples > 0 and samples + batch_size / 2 >= share
 
 
-def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = ()) -> str:
-    """What peers must share to average together: the strategy, every parameter's shape and dtype, and which of them
-    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average)."""
+def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = (),
+                 protocol: Optional[int] = None) -> str:
+    """What peers must share to average together: the strategy, every parameter's shape and dtype, which of them
+    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average), and
+    the protocol they speak (``swarm_opt.protocol``; default this release's; protocol 1 mixed in nothing)."""
     description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
     if kept:
         description += ";kept:" + ",".join(map(str, kept))
+    protocol = swarm_protocol.current() if protocol is None else protocol
+    if protocol > 1:
+        description += f";protocol:{protocol}"
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 
@@ -861,11 +870,18 @@ def personal_indices(params: Sequence[torch.Tensor], strategy: Strategy) -> set:
     return {i for i, p in enumerate(params) if id(p) in personal}
 
 
-def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy) -> str:
+def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy, protocol: Optional[int] = None) -> str:
     """``model_schema`` of ``params`` trained by ``strategy``: its name and the options that change what peers
     exchange (``Strategy.variant``), and the parameters it keeps local."""
     return model_schema(list(params), strategy.name + strategy.variant,
-                        kept=sorted(personal_indices(params, strategy)))
+                        kept=sorted(personal_indices(params, strategy)), protocol=protocol)
+
+
+def legacy_schemas(params: Sequence[torch.Tensor], strategy: Strategy, identity: Optional[str]) -> Dict[str, int]:
+    """The schema each older protocol gives this model and identity -> that protocol: how a peer recognises peers
+    (and checkpoints) of an older release."""
+    return {identified_schema(strategy_schema(params, strategy, protocol=p), identity): p
+            for p in range(1, swarm_protocol.current())}
 
 
 def identified_schema(schema: str, identity: Optional[str]) -> str:

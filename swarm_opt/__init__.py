@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
+    from swarm_opt.ranks import LocalGroup, LocalGroupError
     from swarm_opt.recipe import DataShard, Evaluation, Recipe
     from swarm_opt.strategies import (
         AdaptiveClip,
@@ -69,6 +70,7 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.compression.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
+    **dict.fromkeys(("LocalGroup", "LocalGroupError"), "swarm_opt.ranks"),
     **dict.fromkeys(("DataShard", "Evaluation", "Recipe"), "swarm_opt.recipe"),
     **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "DriftedLayers", "FedNova", "FedProx",
                      "GradientAveraging", "KeepLocal", "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy",
@@ -117,6 +119,8 @@ __all__ = [
     "Strategy",
     "Offload",
     "Gloo",
+    "LocalGroup",
+    "LocalGroupError",
     "Codec",
     "CODECS",
     "NoCompression",

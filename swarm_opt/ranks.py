@@ -147,13 +147,9 @@ def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, r
     if offloaded:
         raise ConfigError("offload=Offload() is not supported with a local group of several ranks yet: drop "
                           "offload, or run one peer per process with local_group=False")
-    voice = link.rank == 0
-    if voice and dht is None:
-        raise ConfigError("rank 0 of the local group speaks for the machine in the swarm and needs a started "
-                          "hivemind.DHT: pass dht=... on rank 0 (other ranks may pass dht=None)")
-    ranks = (_Voice if voice else _Follower)(link, config, opt)
+    ranks = (_Voice if link.rank == 0 else _Follower)(link, config, opt)
     ranks.report_type = report_type
-    ranks.agree(opt)
+    ranks.agree(opt, has_dht=dht is not None)
     return ranks
 
 
@@ -244,16 +240,20 @@ class _Ranks:
         t = self.timeouts
         return self.config.timeout + t.matchmaking_time + 4 * t.averaging_timeout + t.state_download_timeout
 
-    def agree(self, opt: Any) -> None:
-        """Every rank checks that all ranks build the same peer (run, global batch, model and strategy, recipe);
-        a disagreement raises one line naming the ranks and what differs, on every rank."""
+    def agree(self, opt: Any, *, has_dht: bool) -> None:
+        """Every rank checks that all ranks build the same peer (run, global batch, model and strategy, recipe)
+        and that rank 0 holds a DHT; a disagreement raises one line naming the ranks and what differs, on every
+        rank."""
         mine = {"run_id": opt.config.run_id[:200], "target_batch_size": opt.config.target_batch_size,
-                "model": opt.model_schema, "gradients_reduced": self.config.gradients_reduced}
+                "model": opt.model_schema, "gradients_reduced": self.config.gradients_reduced, "dht": has_dht}
         encoded = json.dumps(mine).encode()[:_AGREEMENT_BYTES]
         padded = torch.zeros(_AGREEMENT_BYTES, dtype=torch.uint8)
         padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
         gathered = self.link.all_gather(padded, "agreeing on the run at start-up")
         views = [json.loads(bytes(t.numpy()).rstrip(b"\0").decode()) for t in gathered]
+        if not views[0]["dht"]:
+            raise ConfigError("rank 0 of the local group speaks for the machine in the swarm and needs a started "
+                              "hivemind.DHT: pass dht=... on rank 0 (the other ranks may pass dht=None)")
         for key, what in (("run_id", "run_id"), ("target_batch_size", "target_batch_size"),
                           ("model", "model, strategy or recipe (model_schema)"),
                           ("gradients_reduced", "LocalGroup(gradients_reduced=...)")):
@@ -322,8 +322,8 @@ class _Voice(_Ranks):
     def _count_step(self, *_: Any) -> None:
         self._local_steps += 1
 
-    def agree(self, opt: Any) -> None:
-        super().agree(opt)  # (not yet in the swarm: nothing to leave if it fails)
+    def agree(self, opt: Any, *, has_dht: bool) -> None:
+        super().agree(opt, has_dht=has_dht)  # (not yet in the swarm: nothing to leave if it fails)
         self.link.send_state(_STATE, self._state(opt, joined=False), opt.local_epoch, "sending the initial state")
         self._published = opt.last_round
 
@@ -384,8 +384,8 @@ class _Follower(_Ranks):
         self.progress = SwarmProgress(epoch=0, samples_accumulated=0, target_batch_size=opt.config.target_batch_size,
                                       num_peers=0, num_clients=0, samples_per_second=0.0, eta=math.inf, time=0.0)
 
-    def agree(self, opt: Any) -> None:
-        super().agree(opt)
+    def agree(self, opt: Any, *, has_dht: bool) -> None:
+        super().agree(opt, has_dht=has_dht)
         self._receive(opt, self.link.timeout)
 
     def follow(self, opt: Any, closure: Optional[Callable[[], Any]], batch_size: Optional[int]) -> Any:

@@ -48,3 +48,57 @@ def test_a_two_rank_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_b
     assert peers_seen == {2}, peers_seen
     assert_one_process(results, inner, epochs)
     assert_quiet(swarm)
+
+
+#: lockstep local updates (``peer.run_lsq``): every process completes exactly this many local steps per round
+LOCKSTEP = dict(task="lsq", batch_size=16, steps_per_round=10, target_batch_size=(32 + 16) * 10, epochs=4,
+                step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0, max_extrapolation=0.0,
+                expect_peers=2)
+
+
+def simulate(strategy: str, rounds: int, steps: int = 10) -> torch.Tensor:
+    """In-process: a peer stepping on the mean gradient of least-squares problems 0 and 1 (the machine's two
+    ranks, 16 samples each) and a peer on problem 2, averaged every ``steps`` local steps, weighted by samples."""
+    from swarm_opt.simulation import average_in_process
+    from tests.swarm.peer import lsq_problem, make_strategy
+
+    peers = []
+    for problems in ([0, 1], [2]):
+        w = torch.nn.Parameter(torch.zeros(1, 5, dtype=torch.float64))
+        inner = torch.optim.SGD([w], lr=0.05)
+        s = make_strategy(strategy)
+        s.bind([w], inner)
+        peers.append((w, inner, s, [lsq_problem(p) for p in problems]))
+    for _ in range(rounds):
+        for w, inner, s, problems in peers:
+            for _ in range(steps):
+                inner.zero_grad()
+                grads = []
+                for a, b in problems:
+                    w.grad = None
+                    (0.5 * (a @ w[0] - b).pow(2).sum()).backward()
+                    grads.append(w.grad.clone())
+                w.grad = sum(grads) / len(grads)
+                s.local_step(16 * len(problems))
+        average_in_process([s for _, _, s, _ in peers])
+    return peers[0][0].detach()[0]
+
+
+@pytest.mark.parametrize("strategy", ["local", "diloco"])
+def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ranks_gradients(swarm, strategy):
+    """LocalUpdates and DiLoCo in lockstep: the machine's ranks step on their combined gradient and stay identical
+    (each repeats the inner step; the round's state reaches the follower from rank 0), and the swarm follows the
+    in-process simulation in which the machine is one peer."""
+    config = {k: v for k, v in LOCKSTEP.items() if k != "batch_size"}
+    start_machine(swarm, 0, [16, 16], strategy=strategy, **config)
+    swarm.start(2, strategy=strategy, batch_size=16, **config)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    assert all(r["epoch"] == LOCKSTEP["epochs"] for r in results)
+    assert torch.equal(results[0]["w"], results[1]["w"]), "the ranks of the machine disagree"
+    for r in (results[0], results[2]):
+        assert all(not rnd["caught_up"] and rnd["group_size"] == 2 for rnd in r["rounds"]), r["rounds"]
+    expected = simulate(strategy, LOCKSTEP["epochs"])
+    for r in results:
+        torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
+    assert_quiet(swarm)

@@ -424,6 +424,13 @@ def run_lsq(cfg: dict, opt, model) -> None:
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
     weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
     rounds, last, steps_in_round, losses = [], None, 0, []
+    checkpointer, restored = None, None
+    if cfg.get("checkpoint"):  # every process builds one; a machine's rank 0 writes, and every rank restores
+        import swarm_opt
+
+        checkpointer = swarm_opt.Checkpointer(cfg["checkpoint"], keep_last=10)
+        if checkpointer.restore(opt, model) is not None:
+            restored = dict(epoch=opt.local_epoch, w=weights())
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
@@ -436,6 +443,8 @@ def run_lsq(cfg: dict, opt, model) -> None:
             opt.report_loss(loss)
             losses.append(float(loss.detach()))
         opt.step()
+        if checkpointer is not None:
+            checkpointer.maybe_save(opt, model)
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
@@ -450,7 +459,7 @@ def run_lsq(cfg: dict, opt, model) -> None:
                 losses = []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights(),
-                   lane_rounds=_lane_rounds(opt)))
+                   lane_rounds=_lane_rounds(opt), restored=restored))
 
 
 def run_mlp(cfg: dict, opt, model, dtype) -> None:
@@ -572,5 +581,11 @@ def _named_args(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from swarm_opt.ranks import LocalGroupError
+
+    try:
+        main(sys.argv[1])
+    except LocalGroupError as e:  # a rank of this peer's machine died: the one line a user sees, exit status 3
+        print(f"LocalGroupError: {e}", flush=True)
+        sys.exit(3)
     gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

@@ -4,6 +4,8 @@ process of its own, the ranks of a machine joined by gloo."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 
 import pytest
 import torch
@@ -102,3 +104,62 @@ def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ran
     for r in results:
         torch.testing.assert_close(r["w"], expected, atol=1e-5, rtol=0)
     assert_quiet(swarm)
+
+
+def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(swarm, tmp_path):
+    """Both ranks of a DiLoCo machine build a Checkpointer on one directory: rank 0 writes (no lock clash), and a
+    restarted machine resumes on both ranks from the same state and trains on identically."""
+    ckpt = tmp_path / "ckpt"
+    config = {k: v for k, v in LOCKSTEP.items() if k not in ("batch_size", "expect_peers")}
+    config["target_batch_size"] = 32 * 10  # the machine alone
+    start_machine(swarm, 0, [16, 16], strategy="diloco", checkpoint=str(ckpt), **dict(config, epochs=2))
+    swarm.wait(timeout=120)
+    first = [swarm.result(r) for r in range(2)]
+    assert [p.name for p in sorted(ckpt.glob("epoch-*.pt"))] == [f"epoch-0000000{e}.pt" for e in range(3)]
+    assert torch.equal(first[0]["w"], first[1]["w"])
+    swarm.kill_all()
+
+    again = type(swarm)(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    try:
+        start_machine(again, 0, [16, 16], strategy="diloco", checkpoint=str(ckpt), **dict(config, epochs=3))
+        again.wait(timeout=120)
+        resumed = [again.result(r) for r in range(2)]
+    finally:
+        again.kill_all()
+    for r in resumed:
+        assert r["restored"]["epoch"] == 2 and torch.equal(r["restored"]["w"], first[0]["w"])
+        assert r["epoch"] == 3
+    assert torch.equal(resumed[0]["w"], resumed[1]["w"])
+    assert not torch.equal(resumed[0]["w"], first[0]["w"])  # it trained on from there
+    assert (ckpt / "epoch-00000003.pt").exists()
+
+
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_takes_its_machine_out_and_the_other_peer_trains_on(swarm, victim):
+    """SIGKILL one rank of the 2-rank peer (1: a follower, 0: the rank that speaks for the machine) after epoch 2:
+    the machine's other rank stops within seconds with one LocalGroupError line (rank 0 first withdraws the
+    machine's record), and the 1-rank peer goes on to its last epoch."""
+    common = dict(target_batch_size=240, inner="sgd", expect_peers=2, step_sleep=0.03, averaging_timeout=15.0)
+    start_machine(swarm, 0, [8, 12], epochs=100, **common)
+    swarm.start(2, batch_size=20, epochs=8, **common)
+    deadline = time.monotonic() + 90
+    while "epoch 2:" not in swarm.log(2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    survivor = swarm.procs[1 - victim]
+    swarm.kill(victim)
+    killed = time.monotonic()
+    try:
+        survivor.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank {1 - victim} of the machine still runs 30 s after rank {victim} died:\n"
+                    f"{swarm.log(1 - victim)}")
+    assert time.monotonic() - killed < 30
+    log = swarm.log(1 - victim)
+    assert survivor.returncode == 3, log
+    assert "Traceback" not in log and "LocalGroupError: local rank" in log and "left the swarm" in log, log
+    swarm.procs.pop(1 - victim)
+    swarm.wait(timeout=150)
+    lone = swarm.result(2)
+    assert lone["epoch"] == 8
+    assert lone["reports"][-1]["num_peers"] == 1, lone["reports"][-1]  # the machine's record is gone

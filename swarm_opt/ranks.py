@@ -28,6 +28,7 @@ import datetime
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -165,10 +166,10 @@ class _Link:
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = _short_reason(e)
             if "timed out" in reason.lower():
                 reason = f"no answer within {timeout:.0f} s"
-            raise LocalGroupError(f"local rank {self.rank}: {what} failed ({reason[:160]}): a rank of this machine "
+            raise LocalGroupError(f"local rank {self.rank}: {what} failed ({reason[:120]}): a rank of this machine "
                                   f"died or hangs, so the machine left the swarm; restart all its ranks "
                                   f"together") from None
 
@@ -209,6 +210,15 @@ class _Link:
             for i, part in zip(members, flat.split(sizes)):
                 tensors[i] = part.reshape(specs[i][1])
         return unflatten(manifest["skeleton"], tensors)
+
+
+def _short_reason(error: Exception) -> str:
+    """The gist of a gloo error (``[.../pair.cc:537] Read error [127.0.0.1]:123: Connection reset by peer. This is
+    typically caused by...`` becomes ``Connection reset by peer``)."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's source location
+    text = text.split(". ")[0]
+    return text.rsplit(": ", 1)[-1] if text.startswith(("Read error", "Write error")) else text
 
 
 def _header(kind: float, epoch: int, local_steps: int, length: int = 0) -> torch.Tensor:

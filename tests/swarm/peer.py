@@ -26,9 +26,9 @@ def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
     return x, y
 
 
-def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def make_model(dtype: torch.dtype = torch.float32, seed: int = 0, width: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4)).to(dtype)
 
 
 def make_inner(name: str):
@@ -342,7 +342,7 @@ def main(config_path: str) -> None:
             torch.nn.init.constant_(model.weight, float(cfg["rank"]))
         inner = lambda p: torch.optim.SGD(p, lr=cfg.get("lsq_lr", 0.05))  # noqa: E731
     else:
-        model = make_model(dtype, cfg.get("model_seed", 0))
+        model = make_model(dtype, cfg.get("model_seed", 0), cfg.get("width", 32))  # width: a benchmark's model size
         inner = make_inner(cfg["inner"])
     if cfg.get("auxiliary"):  # a helper: reduces parts of every round, trains nothing
         helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=cfg.get("run_id", "test_run"),
@@ -583,9 +583,13 @@ def _named_args(args: dict) -> dict:
 if __name__ == "__main__":
     from swarm_opt.ranks import LocalGroupError
 
+    from swarm_opt.errors import ConfigError
+
     try:
         main(sys.argv[1])
-    except LocalGroupError as e:  # a rank of this peer's machine died: the one line a user sees, exit status 3
-        print(f"LocalGroupError: {e}", flush=True)
-        sys.exit(3)
+    except (LocalGroupError, ConfigError) as e:  # a rank of this peer's machine died or disagreed: one line, status 3
+        if not json.load(open(sys.argv[1])).get("local"):
+            raise
+        print(f"{type(e).__name__}: {e}", flush=True)
+        os._exit(3)  # at once: rank 0's DHT process would hold the exit (the test kills what is left)
     gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

@@ -163,3 +163,20 @@ def test_a_killed_rank_takes_its_machine_out_and_the_other_peer_trains_on(swarm,
     lone = swarm.result(2)
     assert lone["epoch"] == 8
     assert lone["reports"][-1]["num_peers"] == 1, lone["reports"][-1]  # the machine's record is gone
+
+
+@pytest.mark.parametrize("differ, says", [
+    (dict(run_id="other_run"), "disagree on the run_id ('test_run' on rank 0, 'other_run' on rank 1)"),
+    (dict(dtype="bfloat16"), "disagree on the model, strategy or recipe (model_schema)"),
+])
+def test_ranks_that_disagree_fail_at_once_with_one_line_on_every_rank(swarm, differ, says):
+    port = free_port()
+    common = dict(target_batch_size=240, inner="sgd", epochs=2, batch_size=8)
+    swarm.start(0, local=dict(rank=0, size=2, port=port), **common)
+    swarm.start(1, local=dict(rank=1, size=2, port=port), **dict(common, **differ))
+    for rank, proc in list(swarm.procs.items()):
+        proc.wait(150)  # start-up (imports, rank 0's DHT); the check itself answers at once, not after a timeout:
+        log = swarm.log(rank)
+        assert proc.returncode == 3, log
+        errors = [line for line in log.splitlines() if line.startswith("ConfigError:")]
+        assert len(errors) == 1 and says in errors[0] and "Traceback" not in log, log  # (a timeout says so)

@@ -142,6 +142,7 @@ def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, r
                           f"supports {', '.join(_SUPPORTED_BACKENDS)}: pass "
                           f"LocalGroup(torch.distributed.new_group(backend='gloo')) (a gloo group beside your NCCL "
                           f"one)")
+    _refuse_sharded(opt._params)
     link = _Link(dist, group, config.timeout)
     if link.size == 1:
         return SOLO
@@ -152,6 +153,16 @@ def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, r
     ranks.report_type = report_type
     ranks.agree(opt, has_dht=dht is not None)
     return ranks
+
+
+def _refuse_sharded(params: Sequence[torch.Tensor]) -> None:
+    """Parameters sharded over the ranks (FSDP2's ``fully_shard``, DTensor) are not supported yet: each rank would
+    hold a different shard, which rank 0 alone cannot average for the machine (``docs/ranks.md``, the design)."""
+    for p in params:
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            raise ConfigError("the model's parameters are sharded over the ranks (FSDP2 fully_shard / DTensor): "
+                              "swarm_opt's local group supports replicated parameters (a plain model, or one "
+                              "wrapped in DistributedDataParallel); use DDP on this machine, see docs/ranks.md")
 
 
 class _Link:

@@ -181,7 +181,10 @@ class Recorder(L.Callback):
                 open(self.cfg["until_file"], "a").close()  # e.g. a restarted peer trained with the others again
         until = self.cfg.get("until_file")  # with it, the run goes on past `epochs` until that file exists
         done = opt.local_epoch >= self.cfg["epochs"] and (until is None or os.path.exists(until))
-        if done or time.monotonic() - START > self.cfg.get("max_seconds", 120):
+        stop = done or time.monotonic() - START > self.cfg.get("max_seconds", 120)
+        if trainer.world_size > 1:  # DDP's ranks stop at the same batch, or one would wait for the others forever
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:

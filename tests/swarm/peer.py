@@ -581,9 +581,8 @@ def _named_args(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    from swarm_opt.ranks import LocalGroupError
-
     from swarm_opt.errors import ConfigError
+    from swarm_opt.ranks import LocalGroupError
 
     try:
         main(sys.argv[1])

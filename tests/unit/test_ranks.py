@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import types
 
 import pytest
 import torch
@@ -60,10 +61,22 @@ def test_a_group_of_one_rank_is_a_plain_peer(world_of_one):
     assert resolve(None) is None  # a world of one is not several ranks
     from swarm_opt.ranks import join_local_group
 
-    assert join_local_group(LocalGroup(), object(), dht=None, offloaded=False, report_type=None) is SOLO
+    bound = types.SimpleNamespace(_params=[torch.zeros(2)])  # what joining reads of a bound optimizer
+    assert join_local_group(LocalGroup(), bound, dht=None, offloaded=False, report_type=None) is SOLO
 
 
 def test_gloo_errors_are_cut_to_their_gist():
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging")
     assert _short_reason(gloo) == "Connection reset by peer"
+
+
+def test_parameters_sharded_by_fsdp2_are_refused_naming_what_is_supported(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Linear(4, 2)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ConfigError, match=r"sharded over the ranks \(FSDP2.*supports replicated parameters"):
+        swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_group=LocalGroup())

@@ -11,7 +11,8 @@ counted apart. Records: the live peers the partner's tracker counts (one record 
 Part 2, the local group alone (two processes, gloo on loopback, no swarm): the time of one step's gradient
 combine (one all-reduce of the model's gradients and the samples), of the step's message when nothing else
 happened, and of the state broadcast after a round (parameters and the inner optimizer's state, SGD momentum),
-for models of several sizes; medians over repeats.
+for models of several sizes, against the baseline of one plain all-reduce of as many floats (what DDP's backward
+pays); medians over repeats.
 
     python benchmarks/ranks.py                       # both parts, ~4 min on 2 idle cores
     python benchmarks/ranks.py --width 2048 --epochs 6 --sizes 1e4 1e6
@@ -110,8 +111,13 @@ def _local_worker(rank: int, port: int, sizes: List[int], repeats: int, out: str
         ranks = _Ranks.__new__(_Ranks)
         ranks.link, ranks.config, ranks._buffer = link, LocalGroup(), None
         state = {"params": Opt._params, "optimizer": inner.state_dict()}
-        combine, message, broadcast = [], [], []
+        combine, message, broadcast, plain = [], [], [], []
+        flat = torch.randn(size)
         for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(flat)  # the baseline: what DDP's backward pays for the same gradients
+            plain.append(time.perf_counter() - t)
             model.weight.grad = torch.randn_like(model.weight)
             dist.barrier()
             t = time.perf_counter()
@@ -131,7 +137,8 @@ def _local_worker(rank: int, port: int, sizes: List[int], repeats: int, out: str
                 link.broadcast(received, "bench")
                 link.receive_state(received[3].item(), "bench")
             broadcast.append(time.perf_counter() - t)
-        timings[size] = dict(combine=quantiles(combine), message=quantiles(message), state=quantiles(broadcast))
+        timings[size] = dict(plain=quantiles(plain), combine=quantiles(combine), message=quantiles(message),
+                             state=quantiles(broadcast))
     if rank == 0:
         Path(out).write_text(json.dumps(timings))
     dist.destroy_process_group()
@@ -171,10 +178,11 @@ def main() -> None:
     print(f"\nswarm bytes of the two ranks, one peer / two peers: {ratio:.2f}; records {one['records']} vs "
           f"{two['records']}\n")
     print("Part 2: the local group alone (2 processes, gloo on loopback), median ms (p90)\n")
-    print(table(["parameters", "combine gradients (every step)", "step message (every step)",
-                 "state broadcast (after a round)"],
+    print(table(["parameters", "baseline: one all_reduce (DDP's)", "combine gradients (every step)",
+                 "step message (every step)", "state broadcast (after a round)", "combine / baseline"],
                 [[f"{int(size):,}", *(f"{t[k]['median'] * 1e3:.2f} ({t[k]['p90'] * 1e3:.2f})"
-                                      for k in ("combine", "message", "state"))] for size, t in local.items()]))
+                                      for k in ("plain", "combine", "message", "state")),
+                  f"{t['combine']['median'] / t['plain']['median']:.2f}"] for size, t in local.items()]))
     path = write_json(args.out, {"width": args.width, "epochs": args.epochs, "one_peer": one, "two_peers": two,
                                  "swarm_bytes_ratio": ratio, "local": local, "seconds": time.time() - started})
     print(f"\nwritten {path}; reproduce: {command_line()}")

@@ -86,7 +86,8 @@ def simulate(strategy: str, rounds: int, steps: int = 10) -> torch.Tensor:
     return peers[0][0].detach()[0]
 
 
-@pytest.mark.parametrize("strategy", ["local", "diloco"])
+@pytest.mark.parametrize("strategy", ["local", "diloco", *(pytest.param(s, marks=pytest.mark.extended)
+                                                           for s in ("scaffold", "fedprox", "fednova"))])
 def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ranks_gradients(swarm, strategy):
     """LocalUpdates and DiLoCo in lockstep: the machine's ranks step on their combined gradient and stay identical
     (each repeats the inner step; the round's state reaches the follower from rank 0), and the swarm follows the

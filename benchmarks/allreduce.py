@@ -1,4 +1,5 @@
-"""All-reduce throughput: ``swarm_opt._hivemind.averager.TensorAverager`` against ``torch.distributed`` gloo, same run.
+"""All-reduce throughput: ``swarm_opt._hivemind.tensor_averager.TensorAverager`` against ``torch.distributed`` gloo,
+same run.
 
 For every peer count the script starts that many worker processes (this script with ``--worker``, each in its own
 session so that its p2pd daemon and averager process can be killed as a group). The workers join one hivemind DHT
@@ -150,7 +151,7 @@ def variants_of(args: argparse.Namespace) -> List[Tuple[str, Dict[str, Any]]]:
 @contextlib.contextmanager
 def engine_options(options: Dict[str, Any]) -> Iterator[None]:
     """While active, ``TensorAverager`` builds its hivemind averager with ``options`` (benchmark experiments only)."""
-    from swarm_opt._hivemind import averager as averaging
+    from swarm_opt._hivemind import tensor_averager as averaging
 
     if not options:
         yield
@@ -186,7 +187,7 @@ def engine_options(options: Dict[str, Any]) -> Iterator[None]:
 def make_averager(dht: Any, world: int, size: int, name: str, options: Dict[str, Any], engine_opts: Dict[str, Any],
                   timeouts: Any, template: Any, auxiliary: bool = False, host: str = "127.0.0.1") -> Any:
     import swarm_opt
-    from swarm_opt._hivemind.averager import TensorAverager
+    from swarm_opt._hivemind.tensor_averager import TensorAverager
 
     options = dict(options)
     codec = make_codec(options.pop("codec", "none"))
@@ -220,7 +221,7 @@ def helper(args: argparse.Namespace) -> None:
             # as swarm_opt.AuxiliaryPeer: no helper for a codec with a protocol of its own (PowerSGD's two phases)
             averagers = [make_averager(dht, args.world, size, name, options, engine_opts, timeouts, template,
                                        auxiliary=True) for name, options in variants_of(args)
-                         if getattr(make_codec(options.get("codec", "none")), "averaging_engine", None) is None]
+                         if make_codec(options.get("codec", "none")).elementwise]
 
             def serve(averager: Any, done: Path = done) -> None:
                 while not done.exists():

@@ -286,7 +286,7 @@ def worker(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[peer {args.rank}] %(asctime)s %(levelname)s %(name)s: "
                                                       f"%(message)s")
     logging.getLogger("swarm_opt").setLevel(logging.INFO)
-    logging.getLogger("swarm_opt._hivemind.averager").setLevel(logging.DEBUG)  # why a round failed, in the peer's log
+    logging.getLogger("swarm_opt._hivemind").setLevel(logging.DEBUG)  # why a round failed, in the peer's log
     torch.set_num_threads(1)
     tmp = Path(args.tmp)
     plan = json.loads((tmp / "plan.json").read_text())

@@ -36,7 +36,7 @@ import torch
 from _common import code_version, command_line, machine, quantiles, table, write_json
 
 import swarm_opt
-from swarm_opt._hivemind import averager as averager_module
+from swarm_opt._hivemind import engine as engine_module
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -79,7 +79,7 @@ def _sigkill_peer(dht: hivemind.DHT, opt: swarm_opt.Optimizer) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     if args.cap == "none":
-        averager_module.MAX_UPLOADS_AT_ONCE = 10 ** 6  # read in the averager processes, forked below
+        engine_module.MAX_UPLOADS_AT_ONCE = 10 ** 6  # read in the averager processes, forked below
     dhts: List[hivemind.DHT] = []
     opts: List[swarm_opt.Optimizer] = []
     killed: Optional[int] = None
@@ -176,7 +176,7 @@ def main() -> None:
         ["upload cap", "donors + newcomers", "DHT start s, median (max): before / after the bootstrap peer died",
          "state s from asking: median / p90 / max", "got the state (same parameters)",
          "served by (donors, of them newcomers)", "busiest served", "most at once", "sent on"],
-        [[str(averager_module.MAX_UPLOADS_AT_ONCE) if args.cap == "on" else "none",
+        [[str(engine_module.MAX_UPLOADS_AT_ONCE) if args.cap == "on" else "none",
           f"{args.donors} + {args.newcomers} within {args.within:.0f} s",
           f"{dht['before_kill']['median']:.2f} ({dht['before_kill']['max']:.2f}) / "
           f"{dht['after_kill']['median']:.2f} ({dht['after_kill']['max']:.2f})",

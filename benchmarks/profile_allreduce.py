@@ -67,12 +67,13 @@ AVERAGER_RULES: List[Tuple[str, Sequence[str]]] = [
     ("matchmaking + DHT calls", ["matchmaking.py", "hivemind/dht/", "key_manager.py", "_declare_for_download"]),
     ("asyncio / uvloop / hivemind async plumbing", ["asyncio/", "hivemind/utils/asyncio.py",
                                                     "hivemind/p2p/", "concurrent/futures", "threading.py",
-                                                    "allreduce.py", "averager.py", "partition.py", "uvloop"]),
+                                                    "allreduce.py", "averager.py", "engine.py", "partition.py",
+                                                    "uvloop"]),
 ]
 USER_RULES: List[Tuple[str, Sequence[str]]] = [
     ("write(buffers): copy into the shared buffer", ["write (allreduce.py", "write (benchmarks/allreduce.py"]),
-    ("finiteness scan before sending", ["swarm_opt/_hivemind/averager.py:BEFORE"]),
-    ("finiteness scan of the result", ["swarm_opt/_hivemind/averager.py:AFTER"]),
+    ("finiteness scan before sending", ["swarm_opt/_hivemind/tensor_averager.py:BEFORE"]),
+    ("finiteness scan of the result", ["swarm_opt/_hivemind/tensor_averager.py:AFTER"]),
     ("schedule / trigger / wait (StepControl, pipes)", ["averaging.py", "hivemind/"]),
 ]
 OUTSIDE_USER = "outside all_reduce (gloo, barriers, matchmaking poll)"
@@ -331,7 +332,7 @@ def main() -> None:
                                  for f in stack for n in [_line_no(f)]]
                         stack = [f.replace(f"averaging.py:{n})", "averaging.py:AFTER)") if n in after else f
                                  for f in stack for n in [_line_no(f)]]
-                        inside = any("all_reduce (swarm_opt/_hivemind/averager.py" in f for f in stack)
+                        inside = any("all_reduce (swarm_opt/_hivemind/tensor_averager.py" in f for f in stack)
                         category = classify(stack, USER_RULES, "other") if inside else OUTSIDE_USER
                     else:
                         category = classify(stack, AVERAGER_RULES, "other")

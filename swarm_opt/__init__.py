@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, Dict, List
 
+from swarm_opt import strategies
 from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logging  # re-exported for tests and users
 from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
@@ -36,22 +37,6 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.progress import ProgressTracker, SwarmProgress
     from swarm_opt.ranks import LocalGroup, LocalGroupError
     from swarm_opt.recipe import DataShard, Evaluation, Recipe
-    from swarm_opt.strategies import (
-        AdaptiveClip,
-        AdaptiveMu,
-        DiLoCo,
-        DriftedLayers,
-        FedNova,
-        FedProx,
-        GradientAveraging,
-        KeepLocal,
-        LocalUpdates,
-        Overlap,
-        PeerDP,
-        Scaffold,
-        Strategy,
-        WorkerMomentum,
-    )
 
 __version__ = "0.1.0"
 
@@ -72,14 +57,14 @@ _LAZY: Dict[str, str] = {
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
     **dict.fromkeys(("LocalGroup", "LocalGroupError"), "swarm_opt.ranks"),
     **dict.fromkeys(("DataShard", "Evaluation", "Recipe"), "swarm_opt.recipe"),
-    **dict.fromkeys(("AdaptiveClip", "AdaptiveMu", "DiLoCo", "DriftedLayers", "FedNova", "FedProx",
-                     "GradientAveraging", "KeepLocal", "LocalUpdates", "Overlap", "PeerDP", "Scaffold", "Strategy",
-                     "WorkerMomentum"), "swarm_opt.strategies"),
 }
+#: the strategies and their options: every name of ``swarm_opt.strategies``' table (``REGISTRY``, ``HELPERS``)
+_STRATEGY_NAMES = [name for name in strategies.public_names() if name not in ("STRATEGIES", "STRATEGY_NAMES")]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _LAZY.get(name) or ("swarm_opt.strategies" if name in strategies.public_names() and name not in
+                                 ("STRATEGIES", "STRATEGY_NAMES") else None)
     if module is None:
         raise AttributeError(f"module 'swarm_opt' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -88,7 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_STRATEGY_NAMES))
 
 
 tame_hivemind_logging_when_imported()
@@ -103,20 +88,7 @@ __all__ = [
     "BestLoss",
     "Latest",
     "load_checkpoint",
-    "GradientAveraging",
-    "Overlap",
-    "WorkerMomentum",
-    "LocalUpdates",
-    "FedProx",
-    "AdaptiveMu",
-    "KeepLocal",
-    "DriftedLayers",
-    "PeerDP",
-    "AdaptiveClip",
-    "Scaffold",
-    "DiLoCo",
-    "FedNova",
-    "Strategy",
+    *_STRATEGY_NAMES,
     "Offload",
     "Gloo",
     "LocalGroup",

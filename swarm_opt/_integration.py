@@ -13,13 +13,16 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 
 from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.compression import Compression
-from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
+from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
+from swarm_opt.options import resolve
+from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 __all__ = ["PeerOptions"]
 
@@ -39,16 +42,26 @@ class PeerOptions:
         batch_size: Optional[int] = None,
         strategy: Optional[Strategy] = None,
         compression: Optional[Compression] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
+        aggregation: Optional[Aggregation] = None,
+        transport: Optional[Gloo] = None,
+        groups: Optional[Groups] = None,
+        privacy: Optional[OpacusPrivacy] = None,
+        timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,
+        averaging_timeout: Optional[float] = None,
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size)
+        # every rule that pairs two options, checked now (no network, no process); ``Optimizer`` applies the same
+        # rules (swarm_opt.options) to the copy of the strategy each ``join`` binds
+        self.averaging = resolve(strategy=strategy, compression=compression, aggregation=aggregation,
+                                 transport=transport, groups=groups, privacy=privacy, timeouts=timeouts,
+                                 matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
         if offload is not None and not isinstance(offload, Offload):
             raise ConfigTypeError(f"offload must be swarm_opt.Offload(...) or None, got {offload!r}")
         self.offload = offload
-        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        self.timeouts = self.averaging.timeouts
         if isinstance(initial_peers, str):
             raise ConfigTypeError("initial_peers must be a list of multiaddrs, e.g. initial_peers=[ADDRESS]")
         self.initial_peers = parse_maddrs(initial_peers, option="initial_peers", need_peer_id=True)
@@ -61,12 +74,9 @@ class PeerOptions:
             if self.initial_peers:
                 raise ConfigError("pass either dht (a DHT you started, already joined to the swarm) or "
                                   "initial_peers (the callback starts its own DHT), not both")
-        if strategy is not None and not isinstance(strategy, Strategy):
-            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. swarm_opt.Scaffold(), got {strategy!r}")
         if tracker is not None and not isinstance(tracker, TrackerConfig):
             raise ConfigTypeError(f"tracker must be swarm_opt.TrackerConfig(...), got {tracker!r}")
-        self.strategy = GradientAveraging() if strategy is None else strategy
-        self.compression = compression
+        self.strategy = self.averaging.strategy
         self.tracker = tracker
         self.dht = dht  # the caller's, or None: join starts one
 
@@ -84,10 +94,10 @@ class PeerOptions:
                     dht=dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
                     optimizer=inner, offload=self.offload, scheduler=scheduler,
                     batch_size_per_step=batch_size_per_step, strategy=copy.deepcopy(self.strategy),
-                    matchmaking_time=self.timeouts.matchmaking_time,
-                    averaging_timeout=self.timeouts.averaging_timeout,
-                    compression=self.compression, tracker=self.tracker, clip_grad_norm=clip_grad_norm,
-                    local_group=local_group)
+                    timeouts=self.timeouts, compression=self.averaging.compression,
+                    aggregation=self.averaging.aggregation, transport=self.averaging.transport,
+                    groups=self.averaging.groups, privacy=self.averaging.privacy, tracker=self.tracker,
+                    clip_grad_norm=clip_grad_norm, local_group=local_group)
         except BaseException:
             self.leave(None, dht)
             raise

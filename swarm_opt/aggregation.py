@@ -57,7 +57,8 @@ from swarm_opt.errors import ConfigError, ConfigTypeError
 class Aggregation(ABC):
     """Combines ``n`` members' copies of one part into the value every member receives."""
 
-    #: how many members reduce each part (``Audited``: two, and every member compares their results)
+    #: how many members reduce each part: 1, or 2 (``Audited``: every member compares the two results; the averager
+    #: runs a second all-reduce for the second reducers)
     reducers_per_part: int = 1
 
     @abstractmethod
@@ -548,9 +549,8 @@ def as_aggregation(aggregation: Optional[Aggregation], compression: Any = None) 
         choices = ", ".join(f"swarm_opt.{a.__name__}()" for a in AGGREGATIONS)
         hint = f" (pass an instance: {aggregation.__name__}())" if isinstance(aggregation, type) else ""
         raise ConfigTypeError(f"aggregation must be one of {choices}; got {aggregation!r}{hint}")
-    check = getattr(compression, "check_aggregation", None)
-    if check is not None:
-        return check(aggregation)
+    if compression is not None:  # a ``swarm_opt.compression.Compression``: the codec has the last word
+        return compression.check_aggregation(aggregation)
     return Mean() if aggregation is None else aggregation
 
 

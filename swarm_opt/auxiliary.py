@@ -28,17 +28,18 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.gather import ROUND_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
-from swarm_opt.aggregation import Aggregation, as_aggregation
+from swarm_opt._hivemind.tensor_averager import TensorAverager
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.auth import run_access
-from swarm_opt.compression import Compression, as_codec
+from swarm_opt.compression import Compression
 from swarm_opt.config import SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, ConfigTypeError
 from swarm_opt.monitor import RunMonitor, RunSnapshot
 from swarm_opt.optimizer import averaging_prefix, identified_schema, strategy_schema
+from swarm_opt.options import resolve
 from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ class AuxiliaryPeer:
         ``GradientAveraging()``.
     :param compression: the trainers' codec; PowerSGD runs a protocol of its own, which helpers cannot join.
     :param aggregation: the trainers' aggregation (``Mean()`` by default): this helper reduces parts with it.
-    :param matchmaking_time: and ``averaging_timeout``: the trainers' values (see ``Timeouts``).
+    :param timeouts: the trainers' ``Timeouts(...)``; ``matchmaking_time=`` and ``averaging_timeout=`` are accepted
+        as aliases (not together with ``timeouts=``).
     :param identity: the trainers' ``Optimizer(identity=...)``, if any.
     """
 
@@ -72,31 +74,29 @@ class AuxiliaryPeer:
         strategy: Optional[Strategy] = None,
         compression: Optional[Compression] = None,
         aggregation: Optional[Aggregation] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
+        timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,  # alias of Timeouts(matchmaking_time=...)
+        averaging_timeout: Optional[float] = None,  # alias of Timeouts(averaging_timeout=...)
         identity: Optional[str] = None,
     ) -> None:
         SwarmConfig(run_id, target_batch_size=1)  # validates the run id
-        self.timeouts = Timeouts(matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout)
+        # every rule that pairs two options, checked before anything is bound (swarm_opt.options)
+        averaging = resolve(strategy=strategy, compression=compression, aggregation=aggregation, timeouts=timeouts,
+                            matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout, auxiliary=True)
+        self.timeouts, strategy = averaging.timeouts, averaging.strategy
+        codec, aggregation = averaging.compression, averaging.aggregation
         if not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
         if dht.client_mode:
             raise ConfigError("an auxiliary peer reduces parts that the trainers send to it, so it must accept "
                               "connections: start its DHT without client_mode")
         watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
-        strategy = GradientAveraging() if strategy is None else strategy
-        if not isinstance(strategy, Strategy):
-            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
-        codec = as_codec(compression, strategy)
-        if getattr(codec, "averaging_engine", None) is not None:
-            raise ConfigError(f"{codec!r} averages through a protocol of its own that auxiliary peers cannot join; "
-                              f"help runs that use an elementwise codec (Float16(), Int8Blockwise(), ...)")
-        aggregation = as_aggregation(aggregation, codec)
         params = [p for p in params]
         if not params:
             raise ConfigError("params is empty: pass the parameters of the model the trainers train")
         # the strategy says what a round averages (its shapes); a zero-lr optimizer binds it without training
         strategy.bind(params, torch.optim.SGD(params, lr=0.0))
+        averaging.check_bound()
         self.run_id = run_id
         self.model_schema = identified_schema(strategy_schema(params, strategy), identity)
         # the ETA a trainer's tracker sees (samples extrapolated since each record), so that the helper declares for
@@ -141,7 +141,7 @@ class AuxiliaryPeer:
             if result is None:
                 logger.debug(f"Could not help round {snapshot.epoch + 1}")
                 continue
-            rounds = [info.get("round") for info in result.gathered.values() if isinstance(info, dict)]
+            rounds = [info.get(ROUND_KEY) for info in result.gathered.values() if isinstance(info, dict)]
             round_id = max((r for r in rounds if isinstance(r, int)), default=snapshot.epoch + 1)
             # the trainers may leave as soon as they commit the last round: it counts as reached
             self._epoch_seen = max(self._epoch_seen, round_id)

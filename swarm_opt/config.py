@@ -1,4 +1,7 @@
-"""Frozen configuration dataclasses. Every check of user input lives here, with messages that name the fix."""
+"""Frozen configuration dataclasses of the run (``SwarmConfig``, ``Timeouts``, ``TrackerConfig``, ``Groups``,
+``TrustConfig``), each checked in ``__post_init__`` with messages that name the fix. Other options are checked where
+their objects are built: each codec, aggregation, strategy and ``Gloo`` in its own constructor, their pairings when
+the optimizer is built."""
 
 from __future__ import annotations
 

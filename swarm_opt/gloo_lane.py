@@ -34,12 +34,12 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, U
 
 import torch
 
+from swarm_opt._hivemind.gather import LANE_KEY  # a member's lane address, "host:port"
 from swarm_opt.buffers import all_finite, scale_and_check
 from swarm_opt.errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger(__name__)
 
-LANE_KEY = "lane"  # the gather entry that carries a member's lane address, "host:port"
 _MAX_ADDRESS_CHARS = 64
 _CACHED_GROUPS = 4  # process groups kept per peer (each holds gloo threads and one connection per member)
 _CACHED_STORES = 8  # connections to other members' rendezvous stores
@@ -101,18 +101,14 @@ class Gloo:
 
 
 def lane_codec_dtype(codec: Any) -> torch.dtype:
-    """The dtype the lane carries a codec's values in; a codec the lane cannot carry is refused (ConfigError).
-    PowerSGD's two all-reduces of factors travel in its ``factors`` codec's dtype."""
-    from swarm_opt.compression import Float16, NoCompression, PowerSGD
-
-    if isinstance(codec, PowerSGD):
-        codec = codec.factors
-    if type(codec) is NoCompression:
-        return torch.float32
-    if type(codec) is Float16:
-        return torch.float16
-    raise ConfigError(f"transport=Gloo() carries NoCompression(), Float16() and PowerSGD(...) only, got "
-                      f"compression={codec!r}; use one of those, or drop transport=Gloo() to average through hivemind")
+    """The dtype the lane carries a codec's values in (its ``Compression.lane_dtype``); a codec the lane cannot carry
+    is refused (ConfigError)."""
+    dtype = codec.lane_dtype
+    if dtype is None:
+        raise ConfigError(f"transport=Gloo() carries NoCompression(), Float16() and PowerSGD(...) only, got "
+                          f"compression={codec!r}; use one of those, or drop transport=Gloo() to average through "
+                          f"hivemind")
+    return dtype
 
 
 def lane_key(access: Any) -> bytes:
@@ -166,9 +162,13 @@ class GlooLane:
     released in the other. The store, the gloo device and the cached process groups live in the process that started
     it."""
 
-    def __init__(self, config: Gloo, *, wire_dtype: torch.dtype, timeout: float, key: bytes, namespace: str) -> None:
+    def __init__(self, config: Gloo, *, wire_dtype: torch.dtype, timeout: float, key: bytes, namespace: str,
+                 traffic: Any = None) -> None:
         self.config = config
         self.wire_dtype = wire_dtype
+        #: where the bytes of completed rounds are counted (``add(sent=, received=)``, in shared memory: read by the
+        #: host whichever process runs the rounds); None counts nothing
+        self.traffic = traffic
         self.timeout = datetime.timedelta(seconds=config.timeout or timeout)
         self._listener: Optional[socket.socket] = config.listen()
         self.port = self._listener.getsockname()[1]
@@ -264,6 +264,9 @@ class GlooLane:
             # all-reduce does, in the pass that checks the sum
             equal = len({share.weight for share in shares}) == 1
             finite = self._reduce(held.group, tensors, float(weight) / total, scales, equal)
+            if self.traffic is not None:
+                moved = ring_bytes(tensors, self.wire_dtype, len(members))
+                self.traffic.add(sent=moved, received=moved)
             self.later(held.finish)
             return setup, finite
         except Exception as e:
@@ -355,6 +358,14 @@ class GlooLane:
                 offset += numel
         finite = scale_and_check([tensors[i] for i in after], share)
         return all_finite([t for i, t in enumerate(tensors) if i not in set(after)]) and finite
+
+
+def ring_bytes(tensors: Sequence[torch.Tensor], wire_dtype: torch.dtype, members: int) -> int:
+    """Bytes one member sends (and as many it receives) when a group of ``members`` all-reduces ``tensors`` on a
+    wire of ``wire_dtype`` by a ring (reduce-scatter, then all-gather): 2 (n - 1) / n of the data, as gloo's
+    all-reduce moves it. The lane counts this; gloo itself does not report what it sent."""
+    size = sum(t.numel() for t in tensors) * torch.finfo(wire_dtype).bits // 8
+    return 2 * (members - 1) * size // members
 
 
 def _absmax(tensor: torch.Tensor) -> float:

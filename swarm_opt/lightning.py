@@ -32,12 +32,15 @@ import torch
 
 from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS
 from swarm_opt._integration import PeerOptions
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.clipping import checked_max_norm
 from swarm_opt.compression import Compression
-from swarm_opt.config import SwarmConfig, TrackerConfig
+from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError, IncompatibleStateError
+from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
+from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.ranks import LocalGroup
 from swarm_opt.strategies.base import Strategy
 
@@ -50,7 +53,8 @@ class SwarmCallback(Callback):
     """Train a ``LightningModule`` as one peer of a swarm: ``Trainer(callbacks=[SwarmCallback(...)])``.
 
     The keyword names are those of ``swarm_opt.Optimizer`` (see it for ``run_id``, ``target_batch_size``,
-    ``strategy``, ``compression``, ``matchmaking_time``, ``averaging_timeout`` and ``tracker``), plus:
+    ``strategy``, ``compression``, ``aggregation``, ``transport``, ``groups``, ``privacy``, ``timeouts`` and
+    ``tracker``; the same rules pair them, checked at construction: ``swarm_opt.options``), plus:
 
     :param initial_peers: multiaddrs of live peers of the run (``[]`` for the first peer); the callback starts a
         DHT listening on ``host_maddrs`` and stops it at teardown.
@@ -92,15 +96,21 @@ class SwarmCallback(Callback):
         batch_size: Optional[int] = None,
         strategy: Optional[Strategy] = None,
         compression: Optional[Compression] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
+        aggregation: Optional[Aggregation] = None,
+        transport: Optional[Gloo] = None,
+        groups: Optional[Groups] = None,
+        privacy: Optional[OpacusPrivacy] = None,
+        timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,  # alias of Timeouts(matchmaking_time=...)
+        averaging_timeout: Optional[float] = None,  # alias of Timeouts(averaging_timeout=...)
         tracker: Optional[TrackerConfig] = None,
         offload: Optional[Offload] = None,
     ) -> None:
         self._options = PeerOptions(
             run_id=run_id, target_batch_size=target_batch_size, initial_peers=initial_peers, host_maddrs=host_maddrs,
-            dht=dht, batch_size=batch_size, strategy=strategy, compression=compression,
-            matchmaking_time=matchmaking_time, averaging_timeout=averaging_timeout, tracker=tracker, offload=offload)
+            dht=dht, batch_size=batch_size, strategy=strategy, compression=compression, aggregation=aggregation,
+            transport=transport, groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout, tracker=tracker, offload=offload)
         self._dht: Optional[Any] = None  # the DHT in use during fit (ours or the caller's)
         self._optimizer: Optional[Optimizer] = None
         self._pending_samples = 0  # samples of the micro-batches since the last optimizer step

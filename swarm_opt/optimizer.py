@@ -25,13 +25,15 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.averager import COUNTED_KEY, TensorAverager
+from swarm_opt import state_sync
+from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
-from swarm_opt.aggregation import Aggregation, as_aggregation
+from swarm_opt._hivemind.tensor_averager import TensorAverager
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
-from swarm_opt.clipping import GradNormClipping, checked_max_norm
-from swarm_opt.compression import Compression, as_codec
+from swarm_opt.clipping import GradNormClipping
+from swarm_opt.compression import Compression
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
@@ -39,13 +41,12 @@ from swarm_opt.gloo_lane import Gloo
 from swarm_opt.groups import Grid
 from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
-from swarm_opt.privacy import OpacusPrivacy, as_privacy
+from swarm_opt.options import resolve
+from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
 from swarm_opt.ranks import LocalGroup, join_local_group
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
-from swarm_opt.serialization import flatten, unflatten
 from swarm_opt.strategies.base import Strategy
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +71,7 @@ class RoundReport:
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-_STATE_FORMAT = 1
 _CATCH_UP_BACKOFF = 5.0  # seconds between automatic catch-up attempts that found no usable donor
-_RECORDS_READ_TIMEOUT = 5.0  # seconds a state download waits for fresh progress records to check the state against
-_NEWCOMER_PATIENCE = 15.0  # seconds a newcomer tries to download from the peers ahead before its own epoch counts
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -88,10 +86,9 @@ class Optimizer(torch.optim.Optimizer):
     :param scheduler: a factory ``lambda opt: StepLR(opt, ...)`` (or an instance bound to the given optimizer);
         it steps once per global epoch, so every peer, late joiners included, uses the same learning rate.
     :param strategy: the algorithm; default ``GradientAveraging()`` (synchronous large-batch training).
-    :param matchmaking_time: seconds spent forming an averaging group (see ``Timeouts``; default 5).
-    :param averaging_timeout: seconds after which a round is abandoned and retried (see ``Timeouts``; default 60).
-    :param timeouts: every timeout at once, ``Timeouts(...)``, instead of the two keywords above; the only way to
-        set ``state_download_timeout`` (how long a newcomer or a peer that fell behind tries to download the state).
+    :param timeouts: how long each network phase may take, ``Timeouts(matchmaking_time=..., averaging_timeout=...,
+        state_download_timeout=...)`` (default ``Timeouts()``). ``matchmaking_time=`` and ``averaging_timeout=`` are
+        accepted as aliases (hivemind's names), not together with ``timeouts=``.
     :param compression: the codec of the averaged tensors: ``NoCompression()`` (default), ``Float16()``,
         ``Int8Blockwise()`` or ``Uniform8Bit()`` (see ``swarm_opt.compression`` for their error bounds), or, with
         gradient averaging, ``PowerSGD(rank=4)`` (low-rank factors with error feedback,
@@ -137,9 +134,9 @@ class Optimizer(torch.optim.Optimizer):
         batch_size_per_step: Optional[int] = None,
         scheduler: Optional[Union[SchedulerFactory, Any]] = None,
         strategy: Optional[Strategy] = None,
-        matchmaking_time: Optional[float] = None,
-        averaging_timeout: Optional[float] = None,
         timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,  # alias of Timeouts(matchmaking_time=...)
+        averaging_timeout: Optional[float] = None,  # alias of Timeouts(averaging_timeout=...)
         compression: Optional[Compression] = None,
         aggregation: Optional[Aggregation] = None,
         tracker: Optional[TrackerConfig] = None,
@@ -152,21 +149,13 @@ class Optimizer(torch.optim.Optimizer):
         local_group: Union[LocalGroup, Any, None] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
-        max_norm = checked_max_norm(clip_grad_norm)
-        self.timeouts = _make_timeouts(timeouts, matchmaking_time=matchmaking_time,
-                                       averaging_timeout=averaging_timeout)
+        # every rule that pairs two options, checked before anything is bound (swarm_opt.options)
+        averaging = resolve(strategy=strategy, compression=compression, aggregation=aggregation, transport=transport,
+                            groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
+                            averaging_timeout=averaging_timeout, clip_grad_norm=clip_grad_norm)
+        max_norm, self.timeouts, strategy = averaging.clip_grad_norm, averaging.timeouts, averaging.strategy
         if dht is not None and not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
-        strategy = GradientAveraging() if strategy is None else strategy
-        if not isinstance(strategy, Strategy):
-            raise ConfigTypeError(f"strategy must be a swarm_opt strategy, e.g. GradientAveraging(), got {strategy!r}")
-        if transport is not None and not isinstance(transport, Gloo):
-            raise ConfigTypeError(f"transport must be None (hivemind's path) or swarm_opt.Gloo(host=...), "
-                                  f"got {transport!r}")
-        if groups is not None:
-            if not isinstance(groups, Groups):
-                raise ConfigTypeError(f"groups must be swarm_opt.Groups(size=...) or None, got {groups!r}")
-            strategy.use_groups(groups)
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -175,18 +164,12 @@ class Optimizer(torch.optim.Optimizer):
                                          optimizer_is_factory=not isinstance(optimizer, torch.optim.Optimizer))
         self._params = [p for group in self.inner.param_groups for p in group["params"]]
         self.strategy = strategy
-        self.privacy = as_privacy(privacy, strategy=strategy, inner=self.inner)
-        if self.privacy is not None and max_norm is not None:
-            raise ConfigError("clip_grad_norm with privacy=OpacusPrivacy(...): Opacus's DP-SGD clips each sample's "
-                              "gradient itself (make_private(..., max_grad_norm=...)) and replaces the gradient "
-                              "inside its step, so this clipping would do nothing; drop clip_grad_norm")
+        self.privacy = averaging.privacy
+        if self.privacy is not None:
+            self.privacy.check_optimizer(self.inner)
         self.strategy.bind(self._params, self.inner)
-        compression = as_codec(compression, strategy)  # bound: what the strategy's rounds send is known
-        if transport is not None and aggregation is not None:
-            raise ConfigError("the gloo lane averages with gloo's all-reduce, a plain weighted mean: aggregation= "
-                              "(robust aggregation, Mean's norm bound) needs hivemind's path; drop transport= or "
-                              "aggregation=")
-        aggregation = as_aggregation(aggregation, compression)
+        averaging.check_bound()  # bound: what the strategy's rounds send is known
+        compression, aggregation = averaging.compression, averaging.aggregation
 
         self._init_torch_hooks()
         self._epoch, self._samples = 0, 0
@@ -477,12 +460,12 @@ class Optimizer(torch.optim.Optimizer):
         record, how many of them will contribute to the round (``SwarmProgress.contributors``: a leader assembles
         its group once that many joined, ``docs/hivemind.md``)."""
         progress = self._tracker.progress
-        info: Dict[str, Any] = {"peers": progress.num_peers, "bound": progress.max_peers}
+        info: Dict[str, Any] = {PEERS_KEY: progress.num_peers, BOUND_KEY: progress.max_peers}
         if not self._tracker.sampled:  # a leader waits for these, not for live peers that sit the round out
             info[COUNTED_KEY] = progress.contributors
         if self.strategy.shares_parameters:
             with self._state_lock:
-                info["digest"] = parameter_digest(self._params)
+                info[DIGEST_KEY] = parameter_digest(self._params)
         return info
 
     def _agrees(self, result: AveragingResult) -> bool:
@@ -496,7 +479,7 @@ class Optimizer(torch.optim.Optimizer):
             return True
         digests = {peer: digest for peer, info in result.gathered.items()
                    if peer in result.peers and isinstance(info, dict)
-                   and (digest := valid_digest(info.get("digest"))) is not None}
+                   and (digest := valid_digest(info.get(DIGEST_KEY))) is not None}
         agreeing = majority(digests, self._digest_tolerance)
         if len(agreeing) == len(digests):
             return True
@@ -608,9 +591,10 @@ class Optimizer(torch.optim.Optimizer):
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
-                    nobody_ahead = isinstance(e, _DonorBehind)  # donors are asked most advanced first
+                    nobody_ahead = isinstance(e, state_sync.DonorBehind)  # donors are asked most advanced first
             logger.debug(f"State download attempt {attempts} failed: {reason}")
-            if not self._tracker.joined and (nobody_ahead or time.monotonic() - started >= _NEWCOMER_PATIENCE):
+            patience_over = time.monotonic() - started >= state_sync.NEWCOMER_PATIENCE
+            if not self._tracker.joined and (nobody_ahead or patience_over):
                 # the peers ahead serve no state: count our own epoch from now on, so that a lone peer claiming to
                 # be ahead (a liar, or one unreachable) holds the newcomers of a run no longer
                 logger.info(f"No peer ahead of this one served its state; this peer's epoch ({self._epoch}) now "
@@ -632,36 +616,17 @@ class Optimizer(torch.optim.Optimizer):
     def _shareable_state(self):
         """Called by hivemind when a peer downloads our state: a consistent snapshot, copied under the lock."""
         with self._state_lock:
-            personal = self._personal_indices()  # they never leave this peer: zeros, and no optimizer state
-            optimizer = self.state_dict()
-            optimizer["state"] = {k: v for k, v in optimizer["state"].items() if k not in personal}
-            params = [torch.zeros_like(p) if i in personal else p for i, p in enumerate(self._params)]
-            skeleton, tensors = flatten({"params": params, "optimizer": optimizer})
-            tensors = [t.detach().to("cpu", copy=True) for t in tensors]
-            metadata = {"format": _STATE_FORMAT, "schema": self.model_schema, "epoch": self._epoch,
-                        "skeleton": skeleton}
+            # the personal parameters never leave this peer: zeros, and no optimizer state
+            metadata, tensors = state_sync.snapshot(self._params, self.state_dict(), personal=self._personal_indices(),
+                                                    schema=self.model_schema, epoch=self._epoch)
         logger.info(f"Sending our state (epoch {metadata['epoch']}) to a peer that joins or catches up")
         return metadata, tensors
 
     def _apply_downloaded_state(self, metadata: Any, tensors: List[torch.Tensor], donor: bytes, *,
                                 min_epoch: int) -> int:
-        if not isinstance(metadata, dict) or metadata.get("format") != _STATE_FORMAT:
-            raise IncompatibleStateError("unknown state format")
-        if metadata.get("schema") != self.model_schema:
-            raise IncompatibleStateError("the donor trains a different model")
-        epoch = metadata.get("epoch")
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise IncompatibleStateError(f"bad epoch {epoch!r}")
-        if epoch < min_epoch:
-            raise _DonorBehind(f"the donor is at epoch {epoch}, behind epoch {min_epoch}")
-        try:
-            state = unflatten(metadata.get("skeleton"), list(tensors))
-        except ValueError as e:
-            raise IncompatibleStateError(str(e)) from e
-        if not isinstance(state, dict) or not isinstance(state.get("params"), list):
-            raise IncompatibleStateError("state without parameters")
+        epoch, state = state_sync.parse_state(metadata, tensors, schema=self.model_schema, params=self._params,
+                                              min_epoch=min_epoch)
         params = state["params"]
-        _check_tensors_fit(params, self._params)
         digest = parameter_digest(params) if self.strategy.shares_parameters else None
         expected = self._expected_digest(epoch, donor) if digest is not None else None
         if expected is not None and not digests_agree(digest, expected[0], self._digest_tolerance):
@@ -676,13 +641,13 @@ class Optimizer(torch.optim.Optimizer):
                 for i, (p, new) in enumerate(zip(self._params, params)):
                     if i not in personal:
                         p.copy_(new)
-                if personal and isinstance(state["optimizer"], dict) and isinstance(state["optimizer"].get("state"),
-                                                                                     dict):
-                    own = self.inner.state_dict()["state"]
-                    state["optimizer"]["state"] = {**{k: v for k, v in state["optimizer"]["state"].items()
-                                                      if k not in personal},
-                                                   **{k: v for k, v in own.items() if k in personal}}
-                self.load_state_dict(self._with_own_strategy_state(state["optimizer"]))
+                optimizer = state["optimizer"]
+                if personal:
+                    optimizer = state_sync.with_own_personal_state(optimizer, self.inner.state_dict()["state"],
+                                                                   personal)
+                own = self.strategy.own_state()  # the strategy's own entries: ours, never the donor's
+                optimizer = state_sync.with_own_entries(optimizer, self.strategy.state_dict() if own else {}, own)
+                self.load_state_dict(optimizer)
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
                     p.copy_(old)
@@ -698,17 +663,6 @@ class Optimizer(torch.optim.Optimizer):
         self._push_offloaded()
         return epoch
 
-    def _with_own_strategy_state(self, optimizer: Any) -> Any:
-        """A downloaded optimizer state with the strategy's own entries (``Strategy.own_state``) replaced by ours."""
-        keys = self.strategy.own_state()
-        extra = optimizer.get("swarm_opt") if isinstance(optimizer, dict) else None
-        if not keys or not isinstance(extra, dict) or not isinstance(extra.get("strategy"), dict):
-            return optimizer
-        ours = self.strategy.state_dict()
-        strategy = {k: v for k, v in extra["strategy"].items() if k not in keys}
-        strategy.update({k: ours[k] for k in keys if k in ours})
-        return {**optimizer, "swarm_opt": {**extra, "strategy": strategy}}
-
     def _personal_indices(self) -> set:
         """Positions (in the optimizer's parameter order, that of its state_dict) of the parameters that never leave
         this peer (``Strategy.personal_parameters``)."""
@@ -719,7 +673,7 @@ class Optimizer(torch.optim.Optimizer):
         read last may predate the epoch (the donor reached it a moment ago), so read them again before trusting a
         state unchecked."""
         expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
-        if expected is None and self._tracker.read_again(timeout=_RECORDS_READ_TIMEOUT):
+        if expected is None and self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT):
             expected = self._tracker.expected_params_digest(epoch, donor, self._digest_tolerance)
         return expected  # still None: the first round compares the parameters anyway
 
@@ -831,21 +785,6 @@ def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> to
     return inner
 
 
-def _make_timeouts(timeouts: Any, **given: Optional[float]) -> Timeouts:
-    """``timeouts=Timeouts(...)``, or the keywords ``matchmaking_time`` / ``averaging_timeout`` (as hivemind's), not
-    both: one of them would be silently ignored."""
-    given = {name: value for name, value in given.items() if value is not None}
-    if timeouts is None:
-        return Timeouts(**given)
-    if not isinstance(timeouts, Timeouts):
-        raise ConfigTypeError(f"timeouts must be swarm_opt.Timeouts(...) or None, got {timeouts!r}")
-    if given:
-        names = " and ".join(given)
-        raise ConfigError(f"{names} given both as keyword and in timeouts=Timeouts(...): pass "
-                          f"Timeouts({', '.join(f'{n}={v}' for n, v in given.items())}, ...) alone")
-    return timeouts
-
-
 def _make_offload(offload: Any, optimizer: Any, params: Optional[Iterable[Any]]) -> Optional[OffloadedParameters]:
     if offload is None:
         return None
@@ -930,17 +869,3 @@ def identified_schema(schema: str, identity: Optional[str]) -> str:
 def averaging_prefix(run_id: str, strategy_name: str, schema: str) -> str:
     """The DHT prefix under which a run's peers of one model look for averaging groups."""
     return f"{run_id}_{strategy_name}_{schema[:12]}"
-
-
-class _DonorBehind(IncompatibleStateError):
-    """The donor's state is older than the epoch this peer needs."""
-
-
-def _check_tensors_fit(received: List[Any], local: List[torch.Tensor]) -> None:
-    if len(received) != len(local):
-        raise IncompatibleStateError(f"{len(received)} parameters received, {len(local)} expected")
-    for i, (new, old) in enumerate(zip(received, local)):
-        if not isinstance(new, torch.Tensor) or new.shape != old.shape or new.dtype != old.dtype:
-            raise IncompatibleStateError(f"parameter {i} does not match the local model")
-        if new.is_floating_point() and not bool(torch.isfinite(new).all()):
-            raise IncompatibleStateError(f"parameter {i} holds non-finite values")

@@ -58,11 +58,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 
-__all__ = ["OpacusPrivacy", "as_privacy"]
+__all__ = ["OpacusPrivacy"]
 
 
 def _opacus() -> Any:
@@ -139,33 +139,19 @@ class OpacusPrivacy:
 
     def check(self, strategy: Any, inner: Any) -> None:
         """Refuse an inner optimizer that is not Opacus-private, or a strategy that would let un-noised data out."""
-        from swarm_opt.strategies import DiLoCo, FedProx, GradientAveraging, LocalUpdates, Scaffold
+        self.check_optimizer(inner)
+        self.check_strategy(strategy)
 
+    def check_optimizer(self, inner: Any) -> None:
+        """Refuse an inner optimizer that is not Opacus-private (``engine.make_private(...)``'s)."""
         opacus = _opacus()
         if not isinstance(inner, opacus.optimizers.DPOptimizer):
             raise ConfigError(f"privacy=OpacusPrivacy(...) needs the private optimizer that engine.make_private(...) "
                               f"returned as optimizer=, got {type(inner).__name__}")
-        if isinstance(strategy, GradientAveraging):
-            raise ConfigError(
-                "GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "
-                "step only afterwards, so nothing it sends is clipped or noised: use strategy=swarm_opt.LocalUpdates()"
-                " (FedAvg), Scaffold() or DiLoCo(...), whose local steps are DP-SGD steps")
-        if isinstance(strategy, FedProx) and (strategy.mu > 0 or strategy.adaptive is not None):
-            raise ConfigError(
-                f"FedProx(mu={strategy.mu:g}{', adaptive=...' if strategy.adaptive is not None else ''}) adds its "
-                f"proximal term to p.grad, which Opacus's DPOptimizer replaces "
-                f"with the noised per-sample gradients: the term would be silently dropped. Use "
-                f"strategy=swarm_opt.LocalUpdates() or Scaffold() with DP")
-        if type(strategy) not in (LocalUpdates, FedProx, Scaffold, DiLoCo):
-            raise ConfigError(f"{type(strategy).__name__} is not known to keep DP-SGD private in a swarm (see "
-                              f"swarm_opt.privacy); use LocalUpdates(), Scaffold() or DiLoCo(...)")
 
-
-def as_privacy(privacy: Any, *, strategy: Any, inner: Any) -> Optional[OpacusPrivacy]:
-    """``privacy=``'s object, checked against the run's strategy and inner optimizer (None: no privacy)."""
-    if privacy is None:
-        return None
-    if not isinstance(privacy, OpacusPrivacy):
-        raise ConfigTypeError(f"privacy must be swarm_opt.OpacusPrivacy(engine, delta=...) or None, got {privacy!r}")
-    privacy.check(strategy, inner)
-    return privacy
+    def check_strategy(self, strategy: Any) -> None:
+        """Refuse a strategy that would let un-noised data out (``Strategy.privacy_refusal``: a class declares
+        ``dp_safe`` for itself)."""
+        refusal = strategy.privacy_refusal()
+        if refusal is not None:
+            raise ConfigError(refusal)

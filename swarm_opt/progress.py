@@ -24,13 +24,11 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
-from hivemind.dht.routing import DHTID
-from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
 from swarm_opt._hivemind.dht_cache import read_latest_only
 from swarm_opt._hivemind.near_store import store_near
-from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
+from swarm_opt._hivemind.validation import KeysSchemaValidator, RememberingSignatureValidator, SignedSubkey
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
 from swarm_opt.sharding import (
@@ -82,20 +80,14 @@ class ProgressRecord(pydantic.BaseModel):
 
 
 class _ProgressSchema(pydantic.BaseModel):
-    swarm_progress: Dict[BytesWithPublicKey, Optional[ProgressRecord]]
+    swarm_progress: Dict[SignedSubkey, Optional[ProgressRecord]]
 
 
-class _ShardedSchemaValidator(RememberingSchemaValidator):
-    """The progress schema under the run's key and under each of its shard keys: hivemind's validator sees a key
-    only as the hash of its name, so every name it should recognise is hashed here, once."""
+class _ShardedSchemaValidator(KeysSchemaValidator):
+    """The progress schema under the run's key and under each of its shard keys."""
 
     def __init__(self, run_id: str) -> None:
-        super().__init__(_ProgressSchema, prefix=run_id)
-        self._key_id_to_field_name.update(_shard_key_ids(run_id))
-
-
-def _shard_key_ids(run_id: str) -> Dict[bytes, str]:
-    return {DHTID.generate(source=key).to_bytes(): "swarm_progress" for key in all_shard_keys(run_id)}
+        super().__init__(_ProgressSchema, prefix=run_id, field="swarm_progress", keys=all_shard_keys(run_id))
 
 
 def progress_validators(run_id: str) -> list:

@@ -10,7 +10,7 @@ the schedule as the learning-rate factor it gives at a fixed list of global epoc
 batch, the model's parameter shapes, the data's identity); its ``fingerprint`` joins the run's identity
 (``Optimizer(identity=...)``), so peers whose recipes differ never average. So that a volunteer whose recipe differs
 is told which setting differs instead of training apart, the peers publish their settings under the run's
-``{run_id}_recipe`` DHT key (``RecipeBeacon``) and a newcomer compares before it trains (``check_run_recipe``).
+``{run_id}_recipe`` DHT key (``recipe_beacon``) and a newcomer compares before it trains (``check_run_recipe``).
 Published settings are network input: size-bounded, validated, and counted only when they hash to the schema that a
 live peer's signed progress record carries.
 """
@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import math
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
@@ -29,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from swarm_opt._hivemind.beacon import Beacon
 from swarm_opt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -104,11 +104,12 @@ class Recipe:
     :param loss_fn: ``loss_fn(outputs, targets)``.
     :param train_data: a map-style dataset of ``(input, target)`` samples (each peer shuffles all of it), or a
         streaming source: a function ``source(shard: DataShard)`` returning an iterable (a generator, an
-        ``IterableDataset``) of the shard's samples, which reads only that shard. A bare ``IterableDataset`` is
-        sharded by keeping every ``count``-th sample (each peer then reads the whole stream). A peer leaves
-        cleanly when its stream runs out.
-    :param num_shards: how many shards a streaming source is cut into (a peer's shard is ``--shard`` or derived
-        from its peer id).
+        ``IterableDataset``) of the shard's samples, which reads only that shard. An ``IterableDataset`` with a
+        ``shard(num_shards, index)`` method (as Hugging Face ``datasets``' has) is sharded by it; any other bare
+        ``IterableDataset`` by keeping every ``count``-th sample (each peer then reads the whole stream). A peer
+        leaves cleanly when its stream runs out.
+    :param num_shards: how many shards a streaming source is cut into (a peer's shard is ``--shard`` or the
+        run's least-claimed shard: ``swarm_opt.shard_claims``).
     :param optimizer: the inner optimizer's factory ``lambda groups: AdamW(groups, lr=...)``; default: the
         command line's ``--optimizer``/``--lr``.
     :param param_groups: ``lambda model: [{"params": ..., "weight_decay": 0.1}, ...]``; default: all parameters.
@@ -221,6 +222,8 @@ class Recipe:
         """The samples of ``shard`` of a streaming source."""
         data = self.train_data
         if isinstance(data, IterableDataset) and not callable(data):
+            if callable(getattr(type(data), "shard", None)):  # the dataset reads only its shard
+                return iter(_call(data.shard, "train_data.shard", shard.count, shard.index))
             return (sample for i, sample in enumerate(data) if i % shard.count == shard.index)
         source = _call(data, "train_data", shard)  # type: ignore[arg-type]
         try:
@@ -397,33 +400,14 @@ def check_run_recipe(dht: Any, run_id: str, settings: Mapping[str, Any], model_s
     return None
 
 
-class RecipeBeacon:
-    """Publishes this peer's recipe under the run's key every ``_RECORD_PERIOD`` seconds (a daemon thread) until
-    ``stop()``, so that newcomers can compare theirs (``check_run_recipe``)."""
-
-    def __init__(self, dht: Any, run_id: str, settings: Mapping[str, Any], base_schema: str,
-                 model_schema: str) -> None:
-        self._dht, self._key, self._subkey = dht, recipe_key(run_id), model_schema
-        self._value = encode_record(settings, base_schema)
-        if len(self._value) > _MAX_RECORD_BYTES:
-            raise ConfigError(f"the recipe's settings take {len(self._value)} bytes, more than the "
-                              f"{_MAX_RECORD_BYTES} peers accept: declare fewer parameter groups")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="swarm_opt.RecipeBeacon", daemon=True)
-
-    def start(self) -> RecipeBeacon:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        from hivemind.utils import get_dht_time
-
-        while not self._stop.is_set():
-            try:
-                self._dht.store(self._key, self._value, get_dht_time() + _RECORD_TTL, subkey=self._subkey)
-            except Exception as e:  # noqa: BLE001 (the next period retries; only newcomers' messages depend on it)
-                logger.debug("Publishing the recipe failed: %r", e)
-            self._stop.wait(_RECORD_PERIOD)
-
-    def stop(self) -> None:
-        self._stop.set()
+def recipe_beacon(dht: Any, run_id: str, settings: Mapping[str, Any], base_schema: str, model_schema: str) -> Beacon:
+    """This peer's recipe, published under the run's key every ``_RECORD_PERIOD`` seconds until the returned
+    beacon's ``stop()``, so that newcomers can compare theirs (``check_run_recipe``). Peers of one recipe share the
+    record (its subkey is their schema): stop it with ``stop(withdraw=False)``, leaving it to the others."""
+    value = encode_record(settings, base_schema)
+    if len(value) > _MAX_RECORD_BYTES:
+        raise ConfigError(f"the recipe's settings take {len(value)} bytes, more than the {_MAX_RECORD_BYTES} peers "
+                          f"accept: declare fewer parameter groups")
+    beacon = Beacon(dht, recipe_key(run_id), model_schema, value, period=_RECORD_PERIOD, ttl=_RECORD_TTL,
+                    name="RecipeBeacon")
+    return beacon.start()

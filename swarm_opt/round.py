@@ -1,11 +1,11 @@
-"""The one round protocol: a strategy's ``Round``, and how the step loop runs and concludes it.
+"""The one round protocol: how the step loop runs and concludes a strategy's ``Round``.
 
-A strategy begins a round with ``Strategy.begin_round()``. The ``Round`` it returns knows this peer's ``weight``,
-``write``\\s its values into the averaging buffers, and ends exactly once: ``apply`` (the group's mean was committed)
-or ``give_back`` (it was not: its values stay this peer's and are averaged next time). A round over the strategy's
-live state makes ``step()`` wait for it; a round that set its values aside (``Round.in_background``: gradient
-averaging with ``Overlap()``) averages in a thread of its own while training goes on, and ``step()`` polls it. Both
-end in ``RoundRunner._conclude``, the single place of the commit protocol:
+A strategy begins a round with ``Strategy.begin_round()``. The ``Round`` it returns (``swarm_opt.strategies.base``)
+knows this peer's ``weight``, ``write``\\s its values into the averaging buffers, and ends exactly once: ``apply``
+(the group's mean was committed) or ``give_back`` (it was not: its values stay this peer's and are averaged next
+time). A round over the strategy's live state makes ``step()`` wait for it; a round that set its values aside
+(``Round.in_background``: gradient averaging with ``Overlap()``) averages in a thread of its own while training goes
+on, and ``step()`` polls it. Both end in ``RoundRunner._conclude``, the single place of the commit protocol:
 
 * an error raised inside the round (a bug: network failures make ``all_reduce`` return ``None``) gives the round
   back and is raised from ``step()``, whichever thread ran the round;
@@ -21,45 +21,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional, Sequence
+from typing import Callable, ContextManager, Optional
 
 import torch
 
-from swarm_opt._hivemind.averager import LINE_KEY, TensorAverager
+from swarm_opt._hivemind.gather import BOUND_KEY, LINE_KEY, PEERS_KEY
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.groups import ONE_GROUP, Grid, RoundPlan, line_peers
 from swarm_opt.metrics import NO_METRICS, Metrics
+from swarm_opt.strategies.base import Round
 
 logger = logging.getLogger(__name__)
-
-
-class Round(ABC):
-    """One peer's part of one averaging round. ``write`` (and ``weight``) may run in another thread than the
-    training loop's; ``apply`` or ``give_back`` run in the loop's, after the all-reduce ended."""
-
-    #: True if the round set its values aside, so that local steps may go on while it averages
-    in_background: bool = False
-
-    @property
-    @abstractmethod
-    def weight(self) -> float:
-        """This peer's weight in the round's weighted mean (fixed when the round began)."""
-
-    @abstractmethod
-    def write(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Write this peer's values into the averaging buffers (fp32 or wider, on the CPU, shaped like
-        ``Strategy.buffer_templates()``)."""
-
-    @abstractmethod
-    def apply(self, result: AveragingResult) -> None:
-        """The round committed: finish it from the group's mean ``result.averaged`` (``None`` for a round alone,
-        whose mean is this peer's own values)."""
-
-    @abstractmethod
-    def give_back(self) -> None:
-        """The round failed: leave this peer's values to the next round (a no-op for a round over live state)."""
 
 
 _MAX_SWARM_SIZE = 1_000_000  # a count of live peers in a groupmate's gather beyond this is not believed
@@ -80,7 +54,7 @@ def swarm_size_seen_by(result: AveragingResult, own_bound: int) -> int:
     seeing 4, discarded it, and the two then stood at different epochs for good. A member that exaggerates can only
     fail the round, which it could by not sending; one that understates its bound lowers the count no further than
     the largest count sent. ``own_bound`` serves only when no member sent a count (helpers and peers too old)."""
-    counts, bounds = (_counts(result, key) for key in ("peers", "bound"))
+    counts, bounds = (_counts(result, key) for key in (PEERS_KEY, BOUND_KEY))
     if not counts and not bounds:
         return max(own_bound, result.group_size)
     return max(counts + [result.group_size] + ([min(bounds)] if bounds else []))

@@ -43,11 +43,14 @@ import torch
 
 from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS
 from swarm_opt._integration import PeerOptions
+from swarm_opt.aggregation import Aggregation
 from swarm_opt.clipping import checked_max_norm
 from swarm_opt.compression import Compression
-from swarm_opt.config import TrackerConfig
+from swarm_opt.config import Groups, Timeouts, TrackerConfig
 from swarm_opt.errors import ConfigError
+from swarm_opt.gloo_lane import Gloo
 from swarm_opt.optimizer import Optimizer
+from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
@@ -62,7 +65,8 @@ class SwarmCallback(TrainerCallback):
     """Train with a Hugging Face ``Trainer`` as one peer of a swarm: ``Trainer(..., callbacks=[SwarmCallback(...)])``.
 
     The keyword names are those of ``swarm_opt.Optimizer`` (see it for ``run_id``, ``target_batch_size``,
-    ``strategy``, ``compression``, ``matchmaking_time``, ``averaging_timeout`` and ``tracker``), plus
+    ``strategy``, ``compression``, ``aggregation``, ``transport``, ``groups``, ``privacy``, ``timeouts`` and
+    ``tracker``; the same rules pair them, checked at construction: ``swarm_opt.options``), plus
     ``initial_peers`` / ``host_maddrs`` (the DHT the callback starts and stops) or ``dht`` (a started
     ``hivemind.DHT`` that stays the caller's), as in ``swarm_opt.lightning.SwarmCallback``. What
     ``TrainingArguments`` mean in a swarm: see the module docstring.
@@ -86,13 +90,19 @@ class SwarmCallback(TrainerCallback):
         dht: Optional[Any] = None,
         strategy: Optional[Strategy] = None,
         compression: Optional[Compression] = None,
-        matchmaking_time: float = 5.0,
-        averaging_timeout: float = 60.0,
+        aggregation: Optional[Aggregation] = None,
+        transport: Optional[Gloo] = None,
+        groups: Optional[Groups] = None,
+        privacy: Optional[OpacusPrivacy] = None,
+        timeouts: Optional[Timeouts] = None,
+        matchmaking_time: Optional[float] = None,  # alias of Timeouts(matchmaking_time=...)
+        averaging_timeout: Optional[float] = None,  # alias of Timeouts(averaging_timeout=...)
         tracker: Optional[TrackerConfig] = None,
     ) -> None:
         self._options = PeerOptions(
             run_id=run_id, target_batch_size=target_batch_size, initial_peers=initial_peers, host_maddrs=host_maddrs,
-            dht=dht, strategy=strategy, compression=compression, matchmaking_time=matchmaking_time,
+            dht=dht, strategy=strategy, compression=compression, aggregation=aggregation, transport=transport,
+            groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
             averaging_timeout=averaging_timeout, tracker=tracker)
         self._dht: Optional[Any] = None
         self._optimizer: Optional[Optimizer] = None

@@ -147,8 +147,9 @@ def _reduce_and_judge(aggregation: Aggregation, parts: Sequence[torch.Tensor], w
 
 
 class Traffic:
-    """Bytes of tensor parts a peer sent and received in its all-reduces (hivemind's path; not the gloo lane), in
-    shared memory: counted in the averager process, read in the host's (``TensorAverager.traffic``)."""
+    """Bytes of tensors a peer sent and received in its all-reduces, in shared memory: counted where the round runs
+    (the averager process for hivemind's path, the host or the averager process for the gloo lane), read in the
+    host's (``TensorAverager.traffic``)."""
 
     def __init__(self) -> None:
         self._sent, self._received = mp.Value("d", 0.0), mp.Value("d", 0.0)
@@ -312,7 +313,7 @@ class AllOrNothingRunner(AllReduceRunner):
         when its side of the stream closes first: we saw a reducer send every reply while a member received none
         ("sent 0 parts, but we expected 1"; about one round in 200 with 4 peers on a loaded machine), failing that
         member's round after the others had completed it. The reducer now keeps its side open until the member
-        closes (``swarm_opt._hivemind.averager``, bounded), so the member closes first and nothing is in flight then."""
+        closes (``swarm_opt._hivemind.engine``, bounded), so the member closes first and nothing is in flight then."""
         peer_index = self.ordered_peer_ids.index(peer_id)
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         try:

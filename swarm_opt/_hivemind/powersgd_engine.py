@@ -18,7 +18,8 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import SizeAdaptiveCompression
 
-from swarm_opt._hivemind.averager import _Engine
+from swarm_opt._hivemind.engine import _Engine
+from swarm_opt._hivemind.gather import POWERSGD_KEY as _GATHER_KEY
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.compression.codecs import NoCompression
 from swarm_opt.compression.powersgd import (
@@ -33,7 +34,6 @@ from swarm_opt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_GATHER_KEY = "powersgd"
 _PHASE_P = b".powersgd_p"  # group id suffix of phase 1 (phase 2 runs under the group's own id)
 
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Optional
+from typing import Iterable, Optional
 
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 _REMEMBERED = 4096  # verdicts per validator: ~0.5 MB, far more records than a swarm's keys hold at once
@@ -96,3 +97,17 @@ class RememberingSchemaValidator(_RemembersVerdicts, SchemaValidator):
 
 class RememberingSignatureValidator(_RemembersVerdicts, RSASignatureValidator):
     """hivemind's ``RSASignatureValidator``, each distinct record's signature verified once."""
+
+
+#: the type of a schema's subkey that its owner signs (``[owner:<RSA public key>]``): a record schema's field is a
+#: ``Dict[SignedSubkey, Optional[Record]]``
+SignedSubkey = BytesWithPublicKey
+
+
+class KeysSchemaValidator(RememberingSchemaValidator):
+    """A schema whose ``field`` is also stored under the extra key names ``keys`` (a run's shard keys): hivemind's
+    validator sees a key only as the hash of its name, so every name it should recognise is hashed here, once."""
+
+    def __init__(self, schema: type, *, prefix: str, field: str, keys: Iterable[str]) -> None:
+        super().__init__(schema, prefix=prefix)
+        self._key_id_to_field_name.update({DHTID.generate(source=key).to_bytes(): field for key in keys})

@@ -18,12 +18,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Union
 
+from swarm_opt import strategies
+from swarm_opt.cli.options import PROG, private_run, start_metrics
 from swarm_opt.errors import ConfigError
-from swarm_opt.strategies import STRATEGY_NAMES
 
-PROG = "swarm-opt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 ENV_PREFIX = "SWARM_OPT_"
 
@@ -179,12 +179,12 @@ def _argparse_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
 @dataclass(frozen=True)
 class _Option:
     flag: str
-    help: str
+    help: Union[str, Callable[[], str]]  # a function: read when the parser is built (a registry's current rows)
     type: Callable[[str], Any] = str
     default: Any = None
     is_list: bool = False
     is_switch: bool = False
-    choices: Optional[Sequence[str]] = None
+    choices: Union[None, Sequence[str], Callable[[], Sequence[str]]] = None
     required: bool = False
     metavar: Optional[str] = None
 
@@ -212,22 +212,26 @@ class _Option:
         if isinstance(value, (list, dict)):
             raise ValueError(f"expected a single value, got {value!r}")
         converted = self.type(str(value))
-        if self.choices is not None and converted not in self.choices:
-            raise ValueError(f"invalid choice {converted!r} (choose from {', '.join(self.choices)})")
+        choices = self.current_choices()
+        if choices is not None and converted not in choices:
+            raise ValueError(f"invalid choice {converted!r} (choose from {', '.join(choices)})")
         return converted
+
+    def current_choices(self) -> Optional[Sequence[str]]:
+        return self.choices() if callable(self.choices) else self.choices
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         default = "" if self.default in (None, False, [], ()) else f" (default: {_show(self.default)})"
-        help_text = f"{self.help}{default} [env {self.env}]"
+        help_text = f"{self.help() if callable(self.help) else self.help}{default} [env {self.env}]"
         if self.is_switch:
             parser.add_argument(self.flag, action="store_true", default=argparse.SUPPRESS, help=help_text)
             return
         parser.add_argument(self.flag, type=_argparse_type(self.type), default=argparse.SUPPRESS,
-                            nargs="+" if self.is_list else None, choices=self.choices, help=help_text,
+                            nargs="+" if self.is_list else None, choices=self.current_choices(), help=help_text,
                             metavar=self.metavar or self._default_metavar())
 
     def _default_metavar(self) -> Optional[str]:
-        if self.choices is not None:
+        if self.current_choices() is not None:
             return None
         if self.type in (positive_int, integer):
             return "N"
@@ -281,11 +285,11 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--seed", "seed of the initial model: every peer that starts a run must use the same one",
                 type=integer, default=0),
         _Option("--data-seed", "seed of this peer's batch order (default: random)", type=integer),
-        _Option("--shard", "this peer's part of a task's streaming source, e.g. 2/8 (default: derived from the "
-                "peer id; give each peer its own to be sure no two read the same data)", type=data_shard,
+        _Option("--shard", "this peer's part of a task's streaming source, e.g. 2/8 (default: the run's "
+                "least-claimed shard, agreed through the DHT so that no two peers read the same one)", type=data_shard,
                 metavar="INDEX/COUNT"),
-        _Option("--strategy", "grad: large-batch gradient averaging; local: local SGD (FedAvg); fedprox; scaffold; "
-                "diloco", choices=tuple(STRATEGY_NAMES), default="grad"),
+        _Option("--strategy", strategies.strategy_help, choices=lambda: tuple(strategies.STRATEGY_NAMES),
+                default="grad"),
         _Option("--fedprox-mu", "FedProx: strength of the pull toward the round's starting point",
                 type=non_negative_float, default=0.01),
         _Option("--outer-lr", "DiLoCo: learning rate of the outer Nesterov SGD", type=positive_float, default=0.7),
@@ -615,34 +619,6 @@ def run_monitor(args: argparse.Namespace) -> int:
             else:
                 print(f"{PROG} monitor: nothing to plot (no records were seen); {args.plot} not written",
                       file=sys.stderr)
-
-
-def start_metrics(args: argparse.Namespace) -> Any:
-    """The Prometheus exporter of --metrics-port, already serving (None without the option); before any DHT starts,
-    so that a port in use costs nothing."""
-    if args.metrics_port is None:
-        return None
-    from swarm_opt.monitor.prometheus import PrometheusMetrics
-
-    host, port = args.metrics_port
-    metrics = PrometheusMetrics()
-    port = metrics.serve(port, host)
-    print(f"{PROG} {args.command}: Prometheus metrics on http://{host}:{port}/metrics", file=sys.stderr, flush=True)
-    return metrics
-
-
-def private_run(args: argparse.Namespace) -> Any:
-    """The run's credentials from --run-secret-file / --allow-peers (None for an open run)."""
-    if args.run_secret_file is None and args.allow_peers is None:
-        return None
-    from swarm_opt.auth import PrivateRun
-
-    if args.allow_peers is not None and args.identity_path is not None:
-        from swarm_opt._hivemind.node import ensure_identity
-
-        ensure_identity(args.identity_path)
-    return PrivateRun.from_files(secret_file=args.run_secret_file, allow_peers_file=args.allow_peers,
-                                 identity_path=args.identity_path)
 
 
 def _run_doctor(args: argparse.Namespace) -> int:

@@ -78,7 +78,7 @@ def _is_private(host: str) -> bool:
 
 def run_doctor(args: argparse.Namespace) -> int:
     from swarm_opt._hivemind.node import parse_maddrs, start_dht
-    from swarm_opt.cli.commands import private_run
+    from swarm_opt.cli.options import private_run
     from swarm_opt.errors import ConfigError
 
     initial = parse_maddrs(args.initial_peers, option="--initial-peers", need_peer_id=True)

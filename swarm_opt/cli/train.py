@@ -12,50 +12,48 @@ instead of being waited for until its record expires.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from swarm_opt import strategies
+from swarm_opt._hivemind.beacon import Beacon
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
-from swarm_opt.cli.commands import private_run, start_metrics
+from swarm_opt.cli.options import private_run, start_metrics
 from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
-from swarm_opt.recipe import DataShard, Recipe, RecipeBeacon, check_run_recipe, fingerprint
-from swarm_opt.strategies import STRATEGIES, DiLoCo, FedProx, GradientAveraging, Strategy
+from swarm_opt.recipe import DataShard, Recipe, check_run_recipe, fingerprint, recipe_beacon
+from swarm_opt.shard_claims import claim_shard
+from swarm_opt.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
 
 _BAR_PERIOD = 0.2  # seconds between progress bar refreshes
 
 
-def _diloco_options(args: argparse.Namespace) -> Dict[str, Any]:
-    lr, momentum = args.outer_lr, args.outer_momentum
-    return {"outer_optimizer": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0)}
-
-
-#: the command-line options of the strategies that take any (every other one is built with its defaults)
-_STRATEGY_OPTIONS: Dict[type, Callable[[argparse.Namespace], Dict[str, Any]]] = {
-    GradientAveraging: lambda args: {"momentum": args.worker_momentum},
-    FedProx: lambda args: {"mu": args.fedprox_mu},
-    DiLoCo: _diloco_options,
-}
-
-
 def make_strategy(args: argparse.Namespace) -> Strategy:
-    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), with its options."""
-    strategy = STRATEGIES.get(args.strategy)
+    """The strategy named by ``--strategy`` (a key of ``swarm_opt.strategies.STRATEGIES``), built from the
+    command-line options its class declares (``Strategy.cli_options``); an option given for another strategy only
+    is refused."""
+    registered = strategies.STRATEGIES
+    strategy = registered.get(args.strategy)
     if strategy is None:
-        raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(STRATEGIES)}")
-    if args.worker_momentum is not None and strategy is not GradientAveraging:
-        raise ConfigError(f"--worker-momentum applies to --strategy grad, not {args.strategy}")
-    options = _STRATEGY_OPTIONS.get(strategy)
-    return strategy(**(options(args) if options is not None else {}))
+        raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(registered)}")
+    for name, other in registered.items():
+        for dest in other.cli_options:
+            if dest not in strategy.cli_options and _given(args, dest):
+                raise ConfigError(f"--{dest.replace('_', '-')} applies to --strategy {name}, not {args.strategy}")
+    return strategy.from_options({dest: getattr(args, dest) for dest in strategy.cli_options})
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the volunteer set an option (in a config file, the environment or a flag)."""
+    return dest in getattr(args, "explicit", frozenset())
 
 
 def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.optim.Optimizer]:
@@ -68,8 +66,6 @@ def make_inner_optimizer(args: argparse.Namespace) -> Callable[[Any], torch.opti
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-#: the strategies' command-line options that change training (a run's peers must agree on them: ``_identity``)
-_STRATEGY_SETTINGS: Dict[type, tuple] = {FedProx: ("fedprox_mu",), DiLoCo: ("outer_lr", "outer_momentum")}
 #: recipe settings -> the option that overrides them (named in a refusal when the volunteer typed it)
 _SETTING_FLAGS = {"lr": "--lr", "optimizer": "--optimizer", "momentum": "--momentum",
                   "clip_grad_norm": "--clip-grad-norm", "precision": "--precision",
@@ -168,17 +164,18 @@ class _Batches:
         return batch
 
 
-def _shard(args: argparse.Namespace, recipe: Recipe, peer_id: Any, seed: int) -> Optional[DataShard]:
-    """A streaming recipe's shard for this peer: ``--shard``, or derived from its peer id (None: map-style data)."""
+def _shard(args: argparse.Namespace, recipe: Recipe, dht: Any,
+           seed: int) -> Tuple[Optional[DataShard], Optional[Beacon]]:
+    """A streaming recipe's shard for this peer, and the claim to stop when it leaves: ``--shard``, or the
+    least-claimed shard of the run (``swarm_opt.shard_claims``). None for map-style data."""
     if not recipe.streaming:
         if args.shard is not None:
             raise ConfigError(f"--shard applies to tasks with a streaming source; task {args.task} trains on a "
                               f"dataset that every peer shuffles: drop --shard")
-        return None
+        return None, None
     if args.shard is not None:
-        return DataShard(args.shard[0], args.shard[1], seed)
-    index = int.from_bytes(hashlib.sha256(str(peer_id).encode()).digest()[:8], "big") % recipe.num_shards
-    return DataShard(index, recipe.num_shards, seed)
+        return DataShard(args.shard[0], args.shard[1], seed), None
+    return claim_shard(dht, args.run_id, recipe.num_shards, seed=seed)
 
 
 def _batch_size_of(targets: Any) -> int:
@@ -283,14 +280,15 @@ def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _
 
     settings = recipe.settings(target_batch_size=args.target_batch_size,
                                strategy=f"{args.strategy}{strategy.variant}")
-    settings.update({dest: getattr(args, dest) for dest in _STRATEGY_SETTINGS.get(type(strategy), ())})
+    # the strategy's command-line options that change training (a run's peers must agree on them)
+    settings.update({dest: getattr(args, dest) for dest in type(strategy).identity_options()})
     params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
     base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
     identity = fingerprint(settings)
     return _Identity(settings, identity, base, identified_schema(base, identity))
 
 
-def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> RecipeBeacon:
+def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> Beacon:
     """Refuse (ConfigError) to join a run whose live peers train with other settings; otherwise publish ours."""
     given = getattr(args, "explicit", frozenset())
     flags = {setting: flag for setting, flag in _SETTING_FLAGS.items() if flag.lstrip("-").replace("-", "_") in given}
@@ -299,7 +297,7 @@ def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> Re
         dht.shutdown()
         raise ConfigError(f"run '{args.run_id}': {why}; peers with different settings never train "
                           f"together: use the run's (the same --task and options as its peers) or another --run-id")
-    return RecipeBeacon(dht, args.run_id, identity.settings, identity.base, identity.schema).start()
+    return recipe_beacon(dht, args.run_id, identity.settings, identity.base, identity.schema)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -336,9 +334,14 @@ def run_train(args: argparse.Namespace) -> int:
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args),
                     join_timeout=args.join_timeout)
+    claim: Optional[Beacon] = None
     try:  # a source that cannot open its shard says so before this peer joins
-        batches = _Batches(recipe, args.batch_size, data_seed, _shard(args, recipe, dht.peer_id, data_seed))
+        if not args.auxiliary:  # a helper trains nothing: it claims no data
+            shard, claim = _shard(args, recipe, dht, data_seed)
+            batches = _Batches(recipe, args.batch_size, data_seed, shard)
     except ConfigError:
+        if claim is not None:
+            claim.stop()
         dht.shutdown()
         raise
     beacon = _check_recipe(dht, args, identity)
@@ -430,7 +433,9 @@ def run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
         pass
     finally:
-        beacon.stop()
+        beacon.stop(withdraw=False)
+        if claim is not None:
+            claim.stop()
         if bar is not None:
             bar.close()
         save = None if ckpt is None else lambda: _save_checkpoint(opt, model, args, ckpt, identity)
@@ -454,7 +459,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht: Any, stop: StopRequest,
-                   identity: str, beacon: RecipeBeacon, stats: Any, metrics: Any) -> int:
+                   identity: str, beacon: Beacon, stats: Any, metrics: Any) -> int:
     """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
     import threading
 
@@ -487,7 +492,7 @@ def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht:
         pass
     finally:
         done.set()
-        beacon.stop()
+        beacon.stop(withdraw=False)
         _leave(helper, dht, None, stats, metrics)
     helped = helper.rounds_helped if helper is not None else 0
     _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")

@@ -3,13 +3,15 @@
 ``codecs`` holds the elementwise codecs (``NoCompression``, ``Float16``, ``Int8Blockwise``, ``Uniform8Bit``,
 ``TopK``: each a hivemind ``CompressionBase`` with a stated error bound), ``sparse`` the error feedback of ``TopK``,
 and ``powersgd`` PowerSGD's configuration and maths (its two-phase averaging protocol is in
-``swarm_opt._hivemind.powersgd_engine``).
+``swarm_opt._hivemind.powersgd_engine``, which the transport picks for it). ``base.Compression`` is what all of them
+declare to the layers that use them (lane dtype, feedback, what they need of a strategy).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+from swarm_opt.compression.base import Compression
 from swarm_opt.compression.codecs import CODECS, Codec, Float16, Int8Blockwise, NoCompression, TopK, Uniform8Bit
 from swarm_opt.compression.powersgd import PowerSGD
 from swarm_opt.errors import ConfigTypeError
@@ -17,16 +19,13 @@ from swarm_opt.errors import ConfigTypeError
 __all__ = ["Codec", "NoCompression", "Float16", "Int8Blockwise", "Uniform8Bit", "TopK", "PowerSGD", "CODECS",
            "Compression", "as_codec"]
 
-#: what ``compression=`` accepts: an elementwise codec, or PowerSGD (low-rank factors, its own averaging protocol)
-Compression = Union[Codec, PowerSGD]
-
 
 def as_codec(compression: Optional[Compression], strategy: Any) -> Compression:
     """The codec to use for ``compression=`` with ``strategy`` (None means ``NoCompression()``); anything else, or
     PowerSGD with a strategy that does not average gradients, is refused."""
     if compression is None:
         return NoCompression()
-    if isinstance(compression, (Codec, PowerSGD)):
+    if isinstance(compression, Compression):
         compression.check_strategy(strategy)
         return compression
     choices = ", ".join([*(f"swarm_opt.{c.__name__}()" for c in CODECS), "swarm_opt.PowerSGD(rank=4)"])

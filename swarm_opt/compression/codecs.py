@@ -62,6 +62,7 @@ from hivemind.compression import serialization as _hivemind_serialization
 from hivemind.proto import runtime_pb2
 
 from swarm_opt.aggregation import Mean
+from swarm_opt.compression.base import Compression
 from swarm_opt.compression.sparse import SparseFeedback
 from swarm_opt.errors import ConfigError, ConfigTypeError, NonFiniteTensorError
 
@@ -79,8 +80,9 @@ _BLOCK_SIZES = range(8, 2**24 + 1)  # Int8Blockwise; the upper limit also bounds
 _MAX_SPARSE_NUMEL = 2**24  # the largest part TopK sends as COO: a payload of a few bytes may not allocate more
 
 
-class Codec(CompressionBase):
-    """A swarm_opt codec: a hivemind ``CompressionBase`` with a documented error bound and wire size.
+class Codec(CompressionBase, Compression):
+    """A swarm_opt codec: a hivemind ``CompressionBase`` with a documented error bound and wire size, and the
+    capabilities of every ``Compression`` (``swarm_opt.compression.base``).
 
     Subclasses state ``nominal_error``: no value moves by more than ``nominal_error`` times the largest magnitude
     of the group it is scaled with (tensor or block); ``error_bound`` gives the exact per-value bound.
@@ -113,12 +115,6 @@ class Codec(CompressionBase):
     def __hash__(self) -> int:
         return hash(repr(self))
 
-    def check_strategy(self, strategy: Any) -> None:
-        """Refuse a strategy this codec cannot serve (ConfigError naming the fix); elementwise codecs serve all."""
-
-    def feedback(self, buffers: Sequence[torch.Tensor]) -> Optional[SparseFeedback]:
-        """State this codec keeps between a peer's rounds, for averaging buffers like ``buffers`` (None: none)."""
-        return None
 
 
 def _check_finite(tensor: torch.Tensor, codec: Codec, summary: Optional[torch.Tensor] = None) -> None:
@@ -145,6 +141,10 @@ class NoCompression(_HivemindNoCompression, Codec):
     """Send tensors as they are (hivemind's NONE encoding), refusing NaN/inf like every other codec."""
 
     nominal_error = 0.0
+
+    @property
+    def lane_dtype(self) -> Optional[torch.dtype]:
+        return torch.float32
 
     @property
     def bytes_per_value(self) -> float:
@@ -244,6 +244,10 @@ class Float16(_SlotCodec):
 
     nominal_error = 2.0**-11
     tag = 1
+
+    @property
+    def lane_dtype(self) -> Optional[torch.dtype]:
+        return torch.float16
 
     @property
     def bytes_per_value(self) -> float:
@@ -427,17 +431,16 @@ class TopK(_SlotCodec):
     def error_bound(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(tensor, dtype=torch.float32)
 
-    def check_strategy(self, strategy: Any) -> None:
-        if not strategy.sends_changes:
-            raise ConfigError(
-                f"{self!r} sends the largest values of each round's changes and keeps the rest for later rounds; "
+    needs_changes = True
+
+    def refusal(self, strategy: Any) -> str:
+        return (f"{self!r} sends the largest values of each round's changes and keeps the rest for later rounds; "
                 f"{type(strategy).__name__} here averages model states, whose values cannot be left out. Use it with "
                 f"strategy=swarm_opt.GradientAveraging() or swarm_opt.DiLoCo(...) without groups, "
                 f"average_optimizer_state, or frozen parameters (requires_grad=False) in the optimizer's params "
                 f"(its rounds send pseudo-gradients; with outer_optimizer=lambda p: "
                 f"torch.optim.SGD(p, lr=1.0) it is FedAvg), or compression=swarm_opt.Int8Blockwise() with this "
-                f"strategy"
-            )
+                f"strategy")
 
     def check_aggregation(self, aggregation: Any) -> Mean:
         """The weighted mean only (``Mean()``, with or without its norm bound; see the class docstring)."""
@@ -449,7 +452,7 @@ class TopK(_SlotCodec):
                               f"unset (or Mean()) with TopK, or use compression=swarm_opt.Int8Blockwise() with it")
         return aggregation
 
-    def feedback(self, buffers: Sequence[torch.Tensor]) -> SparseFeedback:
+    def feedback(self, buffers: Sequence[torch.Tensor]) -> SparseFeedback:  # type: ignore[override]
         return SparseFeedback(buffers, self.fraction)
 
     def _statistics(self, values: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,9 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from swarm_opt.aggregation import Aggregation, Mean
+from swarm_opt.compression.base import Compression
 from swarm_opt.compression.codecs import Codec, NoCompression
 from swarm_opt.errors import ConfigError, ConfigTypeError
-from swarm_opt.strategies.grad_averaging import GradientAveraging
 
 __all__ = ["PowerSGD", "matrix_view", "is_compressed", "orthogonalize", "unit_columns", "initial_factors",
            "ErrorFeedback", "PeerRound", "simulate_round"]
@@ -102,7 +102,7 @@ _MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
-class PowerSGD:
+class PowerSGD(Compression):
     """Low-rank gradient compression with error feedback and a warm-started ``Q`` shared by all peers.
 
     :param rank: the rank ``r`` of each compressed gradient matrix: a 784×256 layer travels in 193x (r = 1) to 48x
@@ -148,23 +148,21 @@ class PowerSGD:
         floor = "" if self.min_compression == 1.0 else f", min_compression={self.min_compression:g}"
         return f"swarm_opt.PowerSGD(rank={self.rank}, seed={self.seed}{factors}{floor})"
 
+    elementwise = False  # two all-reduces of factors per round (``swarm_opt._hivemind.powersgd_engine``)
+    needs_gradients = True
+
     @property
-    def averaging_engine(self) -> type:
-        """The averager that runs this protocol (``TensorAverager`` asks its codec for one)."""
-        from swarm_opt._hivemind.powersgd_engine import PowerSGDEngine  # the transport is imported on use only
+    def lane_dtype(self) -> Optional[torch.dtype]:
+        """The lane carries the factors in the dtype of the ``factors`` codec."""
+        return self.factors.lane_dtype
 
-        return PowerSGDEngine
-
-    def check_strategy(self, strategy: Any) -> None:
-        """Refuse strategies that average anything but one round's gradients (``GradientAveraging`` in groups sends
+    def refusal(self, strategy: Any) -> str:
+        """PowerSGD serves strategies that average one round's gradients only (``GradientAveraging`` in groups sends
         the parameters too)."""
-        if not isinstance(strategy, GradientAveraging) or not strategy.sends_changes:
-            raise ConfigError(
-                f"{self!r} compresses gradients (low-rank factors plus error feedback) and works only with "
+        return (f"{self!r} compresses gradients (low-rank factors plus error feedback) and works only with "
                 f"strategy=swarm_opt.GradientAveraging() without groups; {type(strategy).__name__} here averages "
                 f"model states, which are not low-rank. Use compression=swarm_opt.Float16() or "
-                f"swarm_opt.Int8Blockwise() with it, or groups=None"
-            )
+                f"swarm_opt.Int8Blockwise() with it, or groups=None")
 
     def check_aggregation(self, aggregation: Optional[Aggregation]) -> Aggregation:
         """The plain weighted mean, the only aggregation of this protocol: its members send factors pre-scaled by

@@ -28,8 +28,9 @@ METRIC_NAMES = {
     "swarm_opt_state_downloads_declined_total": "state downloads this peer declined, busy (the newcomer asked another)",
     "swarm_opt_records_refused_total": "progress records trust started ignoring, by reason",
     "swarm_opt_rounds_helped_total": "rounds an auxiliary peer helped",
-    "swarm_opt_bytes_sent_total": "bytes of tensor parts this peer sent in its all-reduces (hivemind's path)",
-    "swarm_opt_bytes_received_total": "bytes of tensor parts this peer received in its all-reduces (hivemind's path)",
+    "swarm_opt_bytes_sent_total": "bytes of tensors this peer sent in its all-reduces (hivemind's path and the lane)",
+    "swarm_opt_bytes_received_total": "bytes of tensors this peer received in its all-reduces (hivemind's path and "
+                                      "the lane)",
     "swarm_opt_averager_resident_memory_bytes": "resident memory of this peer's averager process",
     "swarm_opt_dht_resident_memory_bytes": "resident memory of this peer's DHT process",
     "process_resident_memory_bytes": "resident memory of the trainer's own process (prometheus_client's)",

@@ -18,10 +18,9 @@ from typing import Any, Dict, List, Optional
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
-from hivemind.dht.schema import BytesWithPublicKey
 from hivemind.utils import ValueWithExpiration, get_dht_time
 
-from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator
+from swarm_opt._hivemind.validation import RememberingSchemaValidator, RememberingSignatureValidator, SignedSubkey
 from swarm_opt.metrics import ROUND_OUTCOMES, Metrics
 
 logger = logging.getLogger(__name__)
@@ -64,7 +63,7 @@ class PeerStats(pydantic.BaseModel):
 
 
 class _StatsSchema(pydantic.BaseModel):
-    peer_stats: Dict[BytesWithPublicKey, Optional[PeerStats]]
+    peer_stats: Dict[SignedSubkey, Optional[PeerStats]]
 
 
 def stats_key(run_id: str) -> str:

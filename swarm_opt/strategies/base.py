@@ -1,9 +1,10 @@
 """The interface between the optimizer's fixed step loop and an algorithm.
 
 The loop calls ``local_step`` on every ``Optimizer.step()``. When the swarm has processed ``target_batch_size``
-samples it begins a round, ``begin_round() -> Round`` (``swarm_opt.round``): the round writes this peer's values
-into averaging buffers shaped like ``buffer_templates()``, they are all-reduced weighted by ``Round.weight``, and the
-round either applies the group's mean or, if it failed, gives its values back to be averaged next time.
+samples it begins a round, ``begin_round() -> Round`` (below; ``swarm_opt.round`` runs it): the round writes this
+peer's values into averaging buffers shaped like ``buffer_templates()``, they are all-reduced weighted by
+``Round.weight``, and the round either applies the group's mean or, if it failed, gives its values back to be
+averaged next time.
 
 Writing an algorithm: most override ``buffer_templates`` (the shapes of what a round averages), ``write_round``
 (the values this peer sends), ``averaging_weight`` and ``apply_round`` (what to do with the group's mean); the
@@ -18,7 +19,7 @@ when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,7 +27,6 @@ from swarm_opt.buffers import AveragingResult, scale_and_check
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
-from swarm_opt.round import Round
 
 #: rounds the swarm may finish without a peer that averages its parameters before it downloads the swarm's state
 #: instead of going on from its own (``Strategy.keeps_local_state_when_behind``: its work is averaged back in if it
@@ -34,15 +34,76 @@ from swarm_opt.round import Round
 MAX_ROUNDS_ON_LOCAL_STATE = 3
 
 
+class Round(ABC):
+    """One peer's part of one averaging round. ``write`` (and ``weight``) may run in another thread than the
+    training loop's; ``apply`` or ``give_back`` run in the loop's, after the all-reduce ended."""
+
+    #: True if the round set its values aside, so that local steps may go on while it averages
+    in_background: bool = False
+
+    @property
+    @abstractmethod
+    def weight(self) -> float:
+        """This peer's weight in the round's weighted mean (fixed when the round began)."""
+
+    @abstractmethod
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Write this peer's values into the averaging buffers (fp32 or wider, on the CPU, shaped like
+        ``Strategy.buffer_templates()``)."""
+
+    @abstractmethod
+    def apply(self, result: AveragingResult) -> None:
+        """The round committed: finish it from the group's mean ``result.averaged`` (``None`` for a round alone,
+        whose mean is this peer's own values)."""
+
+    @abstractmethod
+    def give_back(self) -> None:
+        """The round failed: leave this peer's values to the next round (a no-op for a round over live state)."""
+
+
 class Strategy(ABC):
     """One training algorithm. Instances are bound to one optimizer; pass a fresh instance per optimizer."""
 
     #: a short stable name; peers only average with peers running the same strategy
     name: str = "strategy"
+    _bound = False  # set by ``bind``: an instance serves one optimizer
+
+    # --- capabilities, declared by each class (the optimizer, the privacy check and the command line read them) ---
+    #: every value its rounds send is computed from the inner optimizer's steps, so that DP-SGD steps
+    #: (``privacy=OpacusPrivacy(...)``) keep the run private (``swarm_opt.privacy``). Read from the class itself, not
+    #: inherited: a subclass may send more, so it declares ``dp_safe = True`` itself (``privacy_refusal``)
+    dp_safe: ClassVar[bool] = False
+    #: it stays correct when rounds average in Moshpit groups (``groups=Groups(...)``: ``use_groups``)
+    supports_groups: ClassVar[bool] = False
+    #: the command line's options it is built from (their argparse dests, e.g. ``("fedprox_mu",)``: ``from_options``)
+    cli_options: ClassVar[Tuple[str, ...]] = ()
+    #: those of ``cli_options`` that the run's peers must share (they join the run's identity); None: all of them.
+    #: Options that ``variant`` already carries need not
+    cli_settings: ClassVar[Optional[Tuple[str, ...]]] = None
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> Strategy:
+        """An instance built from the values of its ``cli_options`` (by dest); default: the class's defaults."""
+        return cls()
+
+    @classmethod
+    def identity_options(cls) -> Tuple[str, ...]:
+        """The command-line options whose values the run's peers must share (``cli_settings``)."""
+        return cls.cli_options if cls.cli_settings is None else cls.cli_settings
+
+    def privacy_refusal(self) -> Optional[str]:
+        """Why DP-SGD local steps would not keep a run with this strategy private (None: they do). Default: refused
+        unless the class itself declares ``dp_safe``."""
+        if type(self).__dict__.get("dp_safe", False):
+            return None
+        name = type(self).__name__
+        return (f"{name} is not known to keep DP-SGD private in a swarm (see swarm_opt.privacy); use LocalUpdates(), "
+                f"Scaffold() or DiLoCo(...), or, if every value {name}'s rounds send is computed from its DP-SGD "
+                f"steps, declare dp_safe = True on {name}")
 
     def bind(self, params: Sequence[torch.Tensor], inner: torch.optim.Optimizer) -> None:
         """Attach to the trainable parameters and the inner optimizer; allocate buffers."""
-        if getattr(self, "_bound", False):
+        if self._bound:
             raise ConfigError(
                 f"This {type(self).__name__} instance is already used by another optimizer; "
                 f"pass a new instance, e.g. strategy={type(self).__name__}()"
@@ -109,7 +170,9 @@ class Strategy(ABC):
 
     def use_groups(self, groups: Groups) -> None:
         """The optimizer averages in Moshpit groups (``swarm_opt.Groups``): members of different groups then hold
-        different values after a round. Strategies that stay correct with that accept it; the default refuses."""
+        different values after a round. Strategies that stay correct with that (``supports_groups``) accept it."""
+        if self.supports_groups:
+            return
         raise ConfigError(
             f"{type(self).__name__} does not average in groups (groups={groups!r}): use GradientAveraging(), "
             f"LocalUpdates(), FedProx(), Scaffold() or DiLoCo(), or groups=None")
@@ -137,6 +200,12 @@ class Strategy(ABC):
         """Whether every value a round averages is a change (a gradient, DiLoCo's pseudo-gradient ``x - y``) whose
         mean the strategy applies as a step: a codec with error feedback (``TopK``) may then delay part of it to
         later rounds. Not for model states (parameters, optimizer statistics), whose values cannot be left out."""
+        return False
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether a round averages this peer's gradients of the round and nothing else (the mean of which the inner
+        optimizer steps on): a codec of gradients (``PowerSGD``'s low-rank factors) serves only such strategies."""
         return False
 
     def keeps_local_state_when_behind(self, missed_rounds: int) -> bool:

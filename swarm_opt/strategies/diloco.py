@@ -51,6 +51,16 @@ class DiLoCo(Anchored):
     """
 
     name = "diloco"
+    outer: Optional[torch.optim.Optimizer] = None  # made at ``bind``
+    dp_safe = True  # the round's change comes from DP-SGD steps
+    supports_groups = True
+    cli_options = ("outer_lr", "outer_momentum")
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> DiLoCo:
+        """The outer Nesterov SGD of ``--outer-lr`` and ``--outer-momentum``."""
+        lr, momentum = options["outer_lr"], options["outer_momentum"]
+        return cls(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0))
 
     def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = (),
                  exchange: Optional[KeepLocal] = None, select: Optional[DriftedLayers] = None,
@@ -90,7 +100,7 @@ class DiLoCo(Anchored):
         groups send ``x`` and the outer momentum too: they average only with each other."""
         if self._groups is None:
             return "+changes"
-        outer = getattr(self, "outer", None)  # bound: whether momentum buffers travel
+        outer = self.outer  # bound: whether momentum buffers travel
         return "+changes+groups" + ("+momentum" if outer is not None and _momentum_buffers(outer) else "")
 
     @property

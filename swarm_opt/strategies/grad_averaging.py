@@ -12,9 +12,8 @@ from swarm_opt.buffers import AveragingResult
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
-from swarm_opt.round import Round
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
-from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Round, Strategy, grads_are_finite, state_dtype
 from swarm_opt.strategies.statistics import OptimizerStatistics
 
 
@@ -124,6 +123,18 @@ class GradientAveraging(Strategy):
     """
 
     name = "grad"
+    supports_groups = True
+    cli_options = ("worker_momentum",)
+    cli_settings = ()  # the momentum is in ``variant``
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> GradientAveraging:
+        return cls(momentum=options["worker_momentum"])
+
+    def privacy_refusal(self) -> Optional[str]:
+        return ("GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "
+                "step only afterwards, so nothing it sends is clipped or noised: use strategy=swarm_opt.LocalUpdates()"
+                " (FedAvg), Scaffold() or DiLoCo(...), whose local steps are DP-SGD steps")
 
     def __init__(self, *, overlap: Optional[Overlap] = None, momentum: Optional[WorkerMomentum] = None) -> None:
         if overlap is not None and not isinstance(overlap, Overlap):
@@ -144,6 +155,11 @@ class GradientAveraging(Strategy):
     @property
     def sends_changes(self) -> bool:
         """Not in groups: rounds then also send the parameters and the optimizer's statistics."""
+        return self._groups is None
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Not in groups (as ``sends_changes``); with ``WorkerMomentum``, the momenta of the round gradients."""
         return self._groups is None
 
     @property

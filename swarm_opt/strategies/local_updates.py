@@ -38,6 +38,8 @@ class LocalUpdates(Strategy):
     """
 
     name = "local"
+    dp_safe = True  # every round sends parameters (and statistics) that DP-SGD steps computed
+    supports_groups = True
 
     def __init__(self, *, average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
                  select: Optional[DriftedLayers] = None, peer_dp: Optional[PeerDP] = None) -> None:
@@ -200,6 +202,20 @@ class FedProx(LocalUpdates):
     """
 
     name = "fedprox"
+    dp_safe = True  # with mu = 0 and no adaptive mu (``privacy_refusal``)
+    cli_options = ("fedprox_mu",)
+
+    @classmethod
+    def from_options(cls, options: Dict[str, Any]) -> FedProx:
+        return cls(mu=options["fedprox_mu"])
+
+    def privacy_refusal(self) -> Optional[str]:
+        if self.mu > 0 or self.adaptive is not None:
+            return (f"FedProx(mu={self.mu:g}{', adaptive=...' if self.adaptive is not None else ''}) adds its "
+                    f"proximal term to p.grad, which Opacus's DPOptimizer replaces with the noised per-sample "
+                    f"gradients: the term would be silently dropped. Use strategy=swarm_opt.LocalUpdates() or "
+                    f"Scaffold() with DP")
+        return super().privacy_refusal()
 
     def __init__(self, mu: float = 0.01, *, adaptive: Optional[AdaptiveMu] = None,
                  average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
@@ -293,6 +309,8 @@ class Anchored(LocalUpdates):
     as SCAFFOLD's controls or DiLoCo's outer optimizer): each peer trains them with its inner optimizer alone, and
     they never leave it. ``select=`` and ``peer_dp=`` are refused (see ``__init__``).
     """
+
+    supports_groups = False  # unless the variant says otherwise (``use_groups``)
 
     def __init__(self, *, average_optimizer_state: Sequence[str] = (), exchange: Optional[KeepLocal] = None,
                  select: Optional[DriftedLayers] = None, peer_dp: Optional[PeerDP] = None) -> None:

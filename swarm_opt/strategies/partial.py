@@ -85,11 +85,13 @@ class DriftedLayers:
             raise ConfigError(f"DriftedLayers threshold must be a number >= 0, got {threshold!r}; e.g. 0.01")
         self.threshold = float(threshold)
 
+    anchor: Optional[Anchor] = None  # the round's start, from ``bind``
+
     def __repr__(self) -> str:
         return f"DriftedLayers(threshold={self.threshold})"
 
     def bind(self, shared: Sequence[torch.Tensor]) -> None:
-        if getattr(self, "anchor", None) is not None:
+        if self.anchor is not None:
             raise ValueError("This DriftedLayers instance is already used by another strategy; pass a new one")
         self.anchor = Anchor([list(shared)])
 

@@ -100,6 +100,8 @@ class PeerDP:
 
     names = ("unclipped", "clip")  # the scalars a round carries with AdaptiveClip (SharedScalars)
 
+    anchor: Optional[Anchor] = None  # the round's start, from ``bind``
+
     def __init__(self, *, noise_multiplier: float, clip: Union[float, AdaptiveClip], split: int = 1,
                  delta: Optional[float] = None) -> None:
         if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float)) \
@@ -147,7 +149,7 @@ class PeerDP:
 
     def bind(self, shared: Sequence[torch.Tensor]) -> None:
         """Attach to the tensors a round averages; their values now are the first round's start ``x``."""
-        if getattr(self, "anchor", None) is not None:
+        if self.anchor is not None:
             raise ValueError("This PeerDP instance is already used by another strategy; pass a new PeerDP(...)")
         self.anchor = Anchor([list(shared)])
 

@@ -51,6 +51,8 @@ class Scaffold(Anchored):
     """
 
     name = "scaffold"
+    dp_safe = True  # controls are computed from the model's change over DP-SGD steps
+    supports_groups = True
 
     def use_groups(self, groups: Groups) -> None:
         """Accepted: the next round starts from the group's mean, and rounds in partial groups update the controls

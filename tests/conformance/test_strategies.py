@@ -165,6 +165,20 @@ def test_every_registered_strategy_has_an_entry_under_its_name():
 
 
 @names
+def test_capabilities_match_what_the_strategy_does(name):
+    """What a class declares (``supports_groups``, ``dp_safe``) is what its instances do."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))
+    strategy = STRATEGIES[name].build(model)
+    if type(strategy).supports_groups:
+        strategy.use_groups(swarm_opt.Groups(size=4))
+    else:
+        with pytest.raises(swarm_opt.ConfigError, match="groups"):
+            strategy.use_groups(swarm_opt.Groups(size=4))
+    if not vars(type(strategy)).get("dp_safe", False):  # declared by the class itself, or refused under DP-SGD
+        assert "DP" in strategy.privacy_refusal() or "dp_safe" in strategy.privacy_refusal()
+
+
+@names
 def test_bad_arguments_raise_clear_errors(name):
     for make, error, match in STRATEGIES[name].bad_arguments:
         with pytest.raises(error, match=match):

@@ -13,7 +13,7 @@ async def ask_for_state(cfg: dict) -> int:
     from hivemind.p2p import P2P, PeerID
     from hivemind.proto import averaging_pb2
 
-    from swarm_opt._hivemind.averager import _Engine
+    from swarm_opt._hivemind.engine import _Engine
     from swarm_opt.optimizer import averaging_prefix, model_schema
     from tests.swarm.peer import make_model
 

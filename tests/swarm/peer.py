@@ -160,7 +160,7 @@ def install_fault(cfg: dict) -> None:
 
         SampledRecords._request = lambda self, shard: LateAnswer(original_request(self, shard))
     if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
-        from swarm_opt._hivemind.averager import TensorAverager
+        from swarm_opt._hivemind.tensor_averager import TensorAverager
 
         original_all_reduce = TensorAverager.all_reduce
 
@@ -173,7 +173,7 @@ def install_fault(cfg: dict) -> None:
 
         TensorAverager.all_reduce = all_reduce
     if cfg.get("bug_in_write"):
-        from swarm_opt._hivemind.averager import TensorAverager
+        from swarm_opt._hivemind.tensor_averager import TensorAverager
 
         original_all_reduce = TensorAverager.all_reduce
 
@@ -186,7 +186,7 @@ def install_fault(cfg: dict) -> None:
 
         TensorAverager.all_reduce = all_reduce
     if cfg.get("never_averages"):
-        from swarm_opt._hivemind.averager import TensorAverager
+        from swarm_opt._hivemind.tensor_averager import TensorAverager
 
         def all_reduce(self, write, weight, round_id, round_is_over=lambda: False):
             deadline = time.monotonic() + self.timeouts.averaging_timeout
@@ -199,7 +199,7 @@ def install_fault(cfg: dict) -> None:
 
         TensorAverager.all_reduce, TensorAverager.schedule = all_reduce, schedule
     if cfg.get("serve_perturbed"):
-        from swarm_opt._hivemind.averager import TensorAverager
+        from swarm_opt._hivemind.tensor_averager import TensorAverager
         from swarm_opt.optimizer import Optimizer
 
         original_state, original_offer = Optimizer._shareable_state, TensorAverager.offer_state
@@ -285,7 +285,7 @@ def install_fault(cfg: dict) -> None:
 
         GlooLane._reduce = _reduce
     if cfg.get("die_while_serving"):
-        from swarm_opt._hivemind.averager import _Engine
+        from swarm_opt._hivemind.engine import _Engine
 
         original_download = _Engine.rpc_download_state
 

@@ -1,5 +1,5 @@
 """What swarm_opt's processes ask of the DHT, counted where the DHT process searches and stores (real DHTs, a real
-averager process): matchmaking reads its group key at a bounded rate (``swarm_opt._hivemind.averager._pace_reads``),
+averager process): matchmaking reads its group key at a bounded rate (``swarm_opt._hivemind.engine._pace_reads``),
 and the records written again and again (matchmaking declarations, progress records) go straight to their key's
 nearest nodes (``swarm_opt._hivemind.near_store``), without the search that downloads every record under the key."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.averager import _READ_INTERVAL, TensorAverager
+from swarm_opt._hivemind.engine import _READ_INTERVAL
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.config import Timeouts, TrackerConfig
 from swarm_opt.progress import ProgressTracker
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import swarm_opt
-from swarm_opt._hivemind.averager import _member_info
+from swarm_opt._hivemind.gather import member_info as _member_info
 from swarm_opt.errors import IncompatibleStateError
 from swarm_opt.progress import ProgressRecord, aggregate_progress, parse_records
 from swarm_opt.serialization import flatten, unflatten

@@ -146,7 +146,7 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
     from hivemind.utils import get_dht_time
 
     from swarm_opt import Gloo, NoCompression
-    from swarm_opt._hivemind.averager import TensorAverager
+    from swarm_opt._hivemind.tensor_averager import TensorAverager
     from swarm_opt.config import Timeouts
 
     first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -195,6 +195,10 @@ def test_two_averagers_run_lane_rounds_in_their_own_process_and_discard_a_poison
             assert result is not None, failure
             assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in result.averaged)
         assert [a.lane_rounds for a in averagers] == [3, 3]
+        # the bytes the lane moved are counted as traffic, the poisoned round's too (they crossed the wire): 3 rounds
+        # of 300,005 fp32 values, each member sending and receiving 2 (n - 1) / n of them with n = 2
+        moved = 3 * 300_005 * 4
+        assert all(a.traffic == (moved, moved) for a in averagers), [a.traffic for a in averagers]
         assert all(len(a._engine.lane._groups) == 1 for a in averagers)  # one process group served all three
     finally:
         for averager in averagers:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hivemind.utils import get_dht_time
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 from swarm_opt.config import Timeouts
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]

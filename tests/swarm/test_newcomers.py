@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt._hivemind import averager as averager_module
+from swarm_opt._hivemind import engine as engine_module
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(180)]
 
@@ -27,7 +27,7 @@ def _optimizer(dht, model):
 
 
 def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monkeypatch):
-    monkeypatch.setattr(averager_module, "MAX_UPLOADS_AT_ONCE", 1)  # read in the averager process, forked below
+    monkeypatch.setattr(engine_module, "MAX_UPLOADS_AT_ONCE", 1)  # read in the averager process, forked below
     dhts, opts = [hivemind.DHT(host_maddrs=LOOPBACK, start=True)], []
     try:
         donor_model = torch.nn.Linear(16, 4)

@@ -115,7 +115,7 @@ def test_a_leader_refuses_followers_of_another_round_but_never_helpers():
 
     from hivemind.utils import MSGPackSerializer
 
-    from swarm_opt._hivemind.averager import _rounds_differ
+    from swarm_opt._hivemind.gather import rounds_differ as _rounds_differ
 
     def gather(info) -> bytes:
         return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(info)])
@@ -166,7 +166,7 @@ def test_a_cancelled_step_is_cancelled_before_the_averager_is_woken():
     from hivemind.averaging.control import StepControl
     from hivemind.utils import MPFuture
 
-    from swarm_opt._hivemind.averager import cancel_step
+    from swarm_opt._hivemind.engine import cancel_step
 
     seen = []
 
@@ -185,7 +185,7 @@ def test_a_cancelled_step_is_cancelled_before_the_averager_is_woken():
 async def _stubborn_and_obedient() -> tuple:
     """One task that ignores its cancellation (keeps waiting, as a stream close inside hivemind may), one that
     obeys: ``cancel_within`` returns after its grace period anyway, the obedient task cancelled."""
-    from swarm_opt._hivemind.averager import cancel_within
+    from swarm_opt._hivemind.engine import cancel_within
 
     async def stubborn() -> None:
         try:
@@ -206,7 +206,7 @@ async def _stubborn_and_obedient() -> tuple:
 
 
 def test_a_cancelled_aggregation_that_does_not_unwind_does_not_hold_the_round(caplog):
-    with caplog.at_level("DEBUG", logger="swarm_opt._hivemind.averager"):
+    with caplog.at_level("DEBUG", logger="swarm_opt._hivemind.engine"):
         ended, took, left_pending, obedient_cancelled = asyncio.run(_stubborn_and_obedient())
     assert not ended and left_pending and obedient_cancelled
     assert took < 5.0, took
@@ -219,7 +219,7 @@ async def _own_share_whose_part_fails() -> tuple:
     Does the round's output still end (with the part marked failed) and does the watchdog see the failure?"""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from swarm_opt._hivemind.averager import _partial_failure
+    from swarm_opt._hivemind.engine import _partial_failure
 
     container = TensorPartContainer([torch.ones(3)], peer_fractions=(1.0, 0.0), return_deltas=False)
     runner = _bare_runner(["me", "b"])
@@ -268,7 +268,7 @@ def test_a_search_that_left_its_group_future_finished_is_renewed_before_the_next
     cancelled, and the next search failed at once. A finished future is renewed, but never during a search."""
     from types import SimpleNamespace
 
-    from swarm_opt._hivemind.averager import _renew_finished_search
+    from swarm_opt._hivemind.engine import _renew_finished_search
 
     async def run() -> tuple:
         left = asyncio.get_event_loop().create_future()

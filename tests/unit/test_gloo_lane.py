@@ -258,7 +258,7 @@ def test_the_host_hears_first_what_the_averager_process_said_first_of_a_step_and
 
     from hivemind.utils import MPFuture
 
-    from swarm_opt._hivemind.averager import _Engine
+    from swarm_opt._hivemind.engine import _Engine
 
     engine = SimpleNamespace(_watches={}, _unheard=OrderedDict())
     step, call, watch = SimpleNamespace(_uid=7), object(), MPFuture()
@@ -275,7 +275,7 @@ def test_news_of_steps_whose_watch_never_comes_is_bounded():
     from collections import OrderedDict
     from types import SimpleNamespace
 
-    from swarm_opt._hivemind.averager import _MOST_UNHEARD, _Engine
+    from swarm_opt._hivemind.engine import _MOST_UNHEARD, _Engine
 
     engine = SimpleNamespace(_watches={}, _unheard=OrderedDict())
     for uid in range(3 * _MOST_UNHEARD):

@@ -56,6 +56,19 @@ def test_an_unknown_strategy_is_refused():
         swarm_opt.OpacusPrivacy(engine, delta=1e-5).check(Custom(), dp_sgd)
 
 
+def test_a_subclass_is_accepted_when_it_declares_dp_safe_itself():
+    class Declared(swarm_opt.Scaffold):
+        dp_safe = True  # its rounds send only what the DP-SGD steps computed
+
+    class Undeclared(swarm_opt.Scaffold):
+        pass
+
+    engine, _, dp_sgd, _ = _private()
+    swarm_opt.OpacusPrivacy(engine, delta=1e-5).check(Declared(), dp_sgd)
+    with pytest.raises(ConfigError, match="declare dp_safe = True on Undeclared"):
+        swarm_opt.OpacusPrivacy(engine, delta=1e-5).check(Undeclared(), dp_sgd)
+
+
 @pytest.mark.parametrize("strategy", [swarm_opt.LocalUpdates(), swarm_opt.Scaffold(), swarm_opt.FedProx(mu=0.0),
                                       swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7))])
 def test_strategies_whose_local_steps_are_dp_sgd_steps_are_accepted(strategy):

@@ -179,6 +179,39 @@ def test_a_stream_is_read_by_shard_and_its_end_and_failure_are_told_apart():
     assert failing.failure == "OSError: disk gone" and not failing.exhausted
 
 
+class _Numbers(torch.utils.data.IterableDataset):
+    """A stream of numbered samples that remembers what was read of it."""
+
+    def __init__(self, values) -> None:
+        self.values, self.read = list(values), []
+
+    def __iter__(self):
+        for v in self.values:
+            self.read.append(v)
+            yield torch.full((4,), float(v)), torch.tensor(v % 2)
+
+
+def test_an_iterable_dataset_is_sharded_by_its_own_shard_method_when_it_has_one():
+    plain = _Numbers(range(12))
+    assert [int(x[0]) for x, _ in make_recipe(train_data=plain).stream(DataShard(1, 3))] == [1, 4, 7, 10]
+    assert plain.read == list(range(12))  # kept every third sample of the whole stream
+
+    class Shardable(_Numbers):  # as Hugging Face ``datasets`` streams: reads only the shard it is asked for
+        def shard(self, num_shards, index):
+            return _Numbers(self.values[index::num_shards])
+
+    shardable = Shardable(range(12))
+    assert [int(x[0]) for x, _ in make_recipe(train_data=shardable).stream(DataShard(1, 3))] == [1, 4, 7, 10]
+    assert shardable.read == []  # read nothing but its shard
+
+    class Broken(_Numbers):
+        def shard(self, num_shards, index):
+            raise KeyError("no such split")
+
+    with pytest.raises(ConfigError, match=r"train_data.shard raised KeyError.*fix the recipe's train_data.shard"):
+        make_recipe(train_data=Broken(range(4))).stream(DataShard(0, 2))
+
+
 def test_the_language_model_recipe_is_complete_and_sized():
     recipe = language_model("tiny")
     s = recipe.settings(target_batch_size=64, strategy="grad")

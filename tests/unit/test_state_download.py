@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from swarm_opt._hivemind.averager import TensorAverager
+from swarm_opt._hivemind.tensor_averager import TensorAverager
 
 
 class _Engine:
@@ -96,7 +96,7 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
 def test_a_step_cancelled_twice_raises_nothing():
     """``shutdown()`` cancels the round that ``all_reduce()`` waits on in another thread, and the waiter then cancels
     it again as it cleans up: the second cancel must not raise (hivemind's does) into the thread running the round."""
-    from swarm_opt._hivemind.averager import cancel_step
+    from swarm_opt._hivemind.engine import cancel_step
 
     control = _control()
     cancel_step(control)

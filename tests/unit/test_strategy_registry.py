@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import swarm_opt
-from swarm_opt.cli.commands import build_parser, resolve_options
+from swarm_opt.cli.commands import OPTIONS, build_parser, resolve_options
 from swarm_opt.cli.train import make_strategy
 
 
@@ -14,6 +14,13 @@ def test_registry_keys_are_the_strategies_names():
     assert list(swarm_opt.strategies.STRATEGIES) == ["grad", "local", "fedprox", "scaffold", "diloco", "fednova"]
     for name, strategy in swarm_opt.strategies.STRATEGIES.items():
         assert issubclass(strategy, swarm_opt.Strategy) and strategy.name == name
+
+
+def test_the_strategy_option_lists_and_explains_every_registered_strategy():
+    option = next(o for o in OPTIONS["train"] if o.flag == "--strategy")
+    assert tuple(option.current_choices()) == tuple(swarm_opt.strategies.STRATEGIES)
+    for name in swarm_opt.strategies.STRATEGIES:  # fednova was missing from a hand-written help
+        assert f"{name}: " in option.help()
 
 
 def _train_args(*flags: str):

@@ -1,19 +1,14 @@
-"""The one module that talks to hivemind's averaging: all-reduce a fixed list of tensors and serve state to peers.
+"""The averager process's engine: hivemind's ``DecentralizedAverager``, changed where swarm_opt needs it.
 
-``TensorAverager`` owns a hivemind ``DecentralizedAverager`` process with shared-memory buffers shaped like the
-tensors it averages. A round is scheduled ahead of time (matchmaking runs while the peer still computes), then
-triggered: the caller writes its values straight into the buffers and gets the group's average back as views of
-them (``AveragingResult.averaged``), so nothing is copied that the caller does not need. The result says who took
-part; a round that failed or produced non-finite numbers returns ``None`` and the caller's own tensors were never
-touched. A group that formed for the gloo lane (``swarm_opt.gloo_lane``) averages in the caller's process: the
-averager process hands it the group as it forms (``LaneCall``), so that no hand-off between processes lies on the
-round's critical path.
+``_Engine`` runs in a process of its own (forked by ``swarm_opt._hivemind.tensor_averager.TensorAverager``, the host
+side): matchmaking over the run's Moshpit grid, all-or-nothing all-reduces (``swarm_opt._hivemind.allreduce``) with the
+run's aggregation and audits, lane groups handed to the host (``LaneCall``), and state served to newcomers from the
+host's ``state_provider``. What members tell each other as a group forms is ``swarm_opt._hivemind.gather``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -21,7 +16,6 @@ import math
 import multiprocessing as mp
 import random
 import signal
-import threading
 import time
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -29,8 +23,8 @@ from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List,
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
-from hivemind.averaging.control import AveragingStage, StepControl
-from hivemind.compression import NoCompression, deserialize_torch_tensor
+from hivemind.averaging.control import StepControl
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
@@ -47,22 +41,32 @@ from swarm_opt._hivemind.allreduce import (
     liars,
     part_owners,
 )
-from swarm_opt._hivemind.fork import die_with_parent, without_tensor_memory
+from swarm_opt._hivemind.fork import die_with_parent
+from swarm_opt._hivemind.gather import (
+    AUX_KEY,
+    CELL_KEY,
+    COUNTED_KEY,
+    DISTRUSTS_KEY,
+    DUE_KEY,
+    LINE_KEY,
+    ROUND_KEY,
+    STEP_PERIOD_KEY,
+)
+from swarm_opt._hivemind.gather import member_info as _member_info
+from swarm_opt._hivemind.gather import rounds_differ as _rounds_differ
+from swarm_opt._hivemind.gather import valid_cell as _valid_cell
 from swarm_opt._hivemind.near_store import store_near
 from swarm_opt.aggregation import (
     Aggregation,
-    Audited,
     Mean,
     Reputations,
     RoundScores,
-    as_aggregation,
     left_out,
     reputation_of,
 )
 from swarm_opt.auth import RunAccess
-from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
-from swarm_opt.config import Timeouts
-from swarm_opt.gloo_lane import LANE_KEY, Gloo, GlooLane, LaneFailure, lane_addresses, lane_codec_dtype, lane_key
+from swarm_opt.buffers import AveragingResult
+from swarm_opt.gloo_lane import GlooLane, LaneFailure, lane_addresses
 from swarm_opt.trust import Suspensions
 
 logger = logging.getLogger(__name__)
@@ -80,15 +84,10 @@ _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round tha
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
 _MOST_UNHEARD = 64  # what the averager process keeps of steps whose watch has not come (it always comes)
 _ASSEMBLY_POLL = 0.01  # seconds between a leader's checks whether its group is complete before its deadline
-CELL_KEY = "cell"  # the gather's entry naming the round's line of the averaging grid
-DUE_KEY = "due"  # the gather's entry saying when (DHT time) the member expected the round to be due
-COUNTED_KEY = "counted"  # the live peers a member counted, having read every progress record (not a sample)
-LINE_KEY = "line"  # the peers a leader found declared this round under its line's matchmaking key (Moshpit grid)
 _LINE_READ_TIMEOUT = 2.0  # seconds a leader's read of its line's declarations may take
 #: seconds between two reads of the group key's declarations by this peer's matchmaking (``_pace_reads``): the first
 #: after a read that found something new, doubling while reads find nothing new, up to the last
 _FIRST_READ_INTERVAL, _READ_INTERVAL = 0.002, 0.05
-DISTRUSTS_KEY = "distrusts"  # the gather's entry naming the senders this member's reducer distrusts (Reputation)
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
@@ -328,7 +327,7 @@ class _Engine(DecentralizedAverager):
         if not (matchmaking.is_looking_for_group and matchmaking.step_control is step and not matchmaking.client_mode
                 and matchmaking.current_leader is None and not matchmaking.assembled_group.done()):
             return False
-        helpers = sum(bool(_member_info(self.serializer, request.gather).get("aux"))
+        helpers = sum(bool(_member_info(self.serializer, request.gather).get(AUX_KEY))
                       for request in matchmaking.current_followers.values())
         trainers = len(matchmaking.current_followers) - helpers
         return 1 + trainers >= expected and helpers >= self._helpers_seen
@@ -390,8 +389,8 @@ class _Engine(DecentralizedAverager):
             return
         if _rounds_differ(self.serializer, request.gather, self._matchmaking.step_control):
             logger.debug("Refused %s as a follower: it looks for a group of round %s, this peer of round %s",
-                         context.remote_id, _member_info(self.serializer, request.gather).get("round"),
-                         _member_info(self.serializer, self._matchmaking.step_control.data_for_gather).get("round"))
+                         context.remote_id, _member_info(self.serializer, request.gather).get(ROUND_KEY),
+                         _member_info(self.serializer, self._matchmaking.step_control.data_for_gather).get(ROUND_KEY))
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
             return
         async for message in super().rpc_join_group(request, context):
@@ -403,7 +402,7 @@ class _Engine(DecentralizedAverager):
         so that none of them waits out a timeout for streams that will never come. A group whose every member
         offers the gloo lane averages there instead (``_lane_round``)."""
         self._unstarted = {step: group for step, group in self._unstarted.items() if group is not group_info}
-        self._helpers_seen = sum(bool(_member_info(self.serializer, data).get("aux")) for data in group_info.gathered)
+        self._helpers_seen = sum(bool(_member_info(self.serializer, data).get(AUX_KEY)) for data in group_info.gathered)
         known_liars = [peer for peer in group_info.peer_ids if self._liars.suspended(peer, time.monotonic())]
         if known_liars:  # a group formed around a liar by a groupmate that does not know it yet
             self._say_goodbye(group_info)
@@ -441,7 +440,7 @@ class _Engine(DecentralizedAverager):
         self._host_lanes[group_info.group_id] = outcome
         self._tell_host(step, "lane", LaneCall(
             group_id=group_info.group_id, peer_ids=[peer.to_bytes() for peer in group_info.peer_ids],
-            addresses=addresses, start_timeout=_start_allowance(info.get("step_period") for info in infos),
+            addresses=addresses, start_timeout=_start_allowance(info.get(STEP_PERIOD_KEY) for info in infos),
             gathered=self._gathered(group_info), outcome=outcome))
 
     def _gathered(self, group_info: Any) -> dict:
@@ -463,7 +462,7 @@ class _Engine(DecentralizedAverager):
             if failure is not None:
                 raise AllreduceException(f"gloo lane: {failure}")
             return self._gathered(group_info)
-        start_timeout = _start_allowance(info.get("step_period") for info in infos)
+        start_timeout = _start_allowance(info.get(STEP_PERIOD_KEY) for info in infos)
         async with self._tensors_now() as tensors:
             await self._run_allreduce_inplace_(tensors, group_info, lane=(addresses, start_timeout), **kwargs)
         with self._lane_rounds.get_lock():
@@ -508,7 +507,7 @@ class _Engine(DecentralizedAverager):
     def _register_allreduce_group(self, group_info: Any) -> Iterator[None]:
         """hivemind's, registering the second all-reduce of an audited round as well (before the group is signalled:
         a groupmate may start sending to it first)."""
-        audit = group_info.group_id + AUDIT_SUFFIX if isinstance(self.aggregation, Audited) else None
+        audit = group_info.group_id + AUDIT_SUFFIX if self.aggregation.reducers_per_part == 2 else None
         if audit is not None:
             self._running_groups[audit] = asyncio.Future()
         try:
@@ -536,7 +535,7 @@ class _Engine(DecentralizedAverager):
         # peers act as senders of zero-weight tensors; ours only reduce
         modes = tuple(AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered)
         # a member starts sending at its next step: hivemind's reducers would ban it after next_chunk_timeout
-        kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get("step_period")
+        kwargs["start_timeout"] = _start_allowance(_member_info(self.serializer, data).get(STEP_PERIOD_KEY)
                                                    for data in group_info.gathered)
         kwargs["left_out"] = self._left_out(group_info)
         kwargs["traffic"] = self._traffic
@@ -544,11 +543,11 @@ class _Engine(DecentralizedAverager):
                                     group_id=group_id, ordered_peer_ids=group_info.peer_ids, modes=modes,
                                     aggregation=self.aggregation, **kwargs)
         audit = audit_order(group_info.peer_ids, runner.tensor_part_container.num_parts_by_peer) \
-            if isinstance(self.aggregation, Audited) else None
+            if self.aggregation.reducers_per_part == 2 else None
         assert group_id in self._running_groups, "hivemind registers the group before it runs an all-reduce"
         self._running_groups[group_id].set_result(runner)
         runners = [runner]
-        if isinstance(self.aggregation, Audited):
+        if self.aggregation.reducers_per_part == 2:
             runners.append(await self._audited_allreduce(runner, tensors, group_info, modes, audit, **kwargs))
         else:
             await self._consume(runner, tensors)
@@ -745,7 +744,7 @@ class _Engine(DecentralizedAverager):
         sending to this peer's share long after it should have. A member starts sending when its training loop
         hands it its values, at most one of its steps (it announces their duration) after the group formed; one
         that is later than that is dead or stuck, and hivemind would wait out ``next_chunk_timeout`` for it."""
-        periods = {peer: _member_info(self.serializer, data).get("step_period", 0.0)
+        periods = {peer: _member_info(self.serializer, data).get(STEP_PERIOD_KEY, 0.0)
                    for peer, data in zip(group_info.peer_ids, group_info.gathered)}
         first_seen: Dict[int, float] = {}
         next_report = time.monotonic() + _STALL_REPORT_PERIOD
@@ -922,30 +921,6 @@ def _where_tasks_wait(limit: int = 40) -> str:
     return "Tasks waiting: " + " | ".join(sorted(lines))
 
 
-def _member_info(serializer: Any, data: bytes) -> dict:
-    """What a member sent along in the matchmaking gather ({} if it is not a dict: a peer we do not trust)."""
-    try:
-        info = serializer.loads(serializer.loads(data)[2])
-    except Exception:
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _rounds_differ(serializer: Any, gather: bytes, control: Any) -> bool:
-    """Whether a follower's gather names another round than this leader's step ``control`` (``None``: not looking).
-    Helpers are never refused (their round does not matter), nor members that name no round (the check after the
-    all-reduce decides)."""
-    if control is None:
-        return False
-    theirs, ours = _member_info(serializer, gather), _member_info(serializer, control.data_for_gather)
-    rounds = [info.get("round") for info in (theirs, ours)]
-    return not (theirs.get("aux") or ours.get("aux")) and all(type(r) is int for r in rounds) and rounds[0] != rounds[1]
-
-
-def _valid_cell(cell: Any) -> bool:
-    return isinstance(cell, str) and len(cell) <= 256 and all(bit in "01" for bit in cell)
-
-
 def _pace_reads(matchmaking: Any) -> None:
     """Space hivemind's reads of the group key's declarations: ``_FIRST_READ_INTERVAL`` after a read that found a
     declaration the previous read had not (a peer arrived, or this peer's own search began), doubling while reads find
@@ -1028,356 +1003,3 @@ def _missing_senders(runner: Any) -> set:
     if own_parts == 0 or runner.all_senders_started.is_set():
         return set()
     return set(runner.sender_peer_ids) - runner.active_senders
-
-
-def _start_child(engine: _Engine) -> None:
-    """Fork the averager process: without the model's memory (it never reads it), and ignoring Ctrl-C (the user's
-    process shuts it down). hivemind's ``run_in_background`` ignores SIGINT in the *calling* process as well, which
-    would leave a training script that created an Optimizer deaf to Ctrl-C; here the caller's handler is restored."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
-    try:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
-            engine.dies_with_parent = True  # with the main thread, i.e. the process (not a thread that may end)
-        with without_tensor_memory():
-            engine.start()
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
-
-
-class TensorAverager:
-    """All-reduce tensors shaped like ``templates`` with the peers of ``prefix``; serve and download state."""
-
-    _feedback: Any = None  # what the codec keeps between this peer's rounds (TopK's residuals), if anything
-
-    def __init__(
-        self,
-        dht: DHT,
-        *,
-        prefix: str,
-        templates: Sequence[torch.Tensor],
-        timeouts: Timeouts,
-        compression: Any = NoCompression(),
-        aggregation: Optional[Aggregation] = None,
-        state_provider: Optional[StateProvider] = None,
-        member_info: MemberInfo = dict,
-        auxiliary: bool = False,
-        access: Optional[RunAccess] = None,
-        lane: Optional[Gloo] = None,
-        target_group_size: Optional[int] = None,
-    ) -> None:
-        self.timeouts = timeouts
-        #: the matchmaking key of round ``round_id`` (hivemind's group bits: the round's line of the Moshpit grid,
-        #: ``swarm_opt.groups``); '' (the default) puts every peer under one key
-        self.group_key: Callable[[int], str] = lambda round_id: ""
-        #: what this peer sends its groupmates along with each round, besides the round itself (e.g. a digest of its
-        #: parameters); called once per round, when its matchmaking starts
-        self.member_info = member_info
-        self.auxiliary = auxiliary
-        # a codec the lane cannot carry, or a private run without a secret, is refused before anything starts
-        lane_setup = None if lane is None else (lane_codec_dtype(compression), lane_key(access))
-        #: seconds between this peer's steps; groupmates wait about twice that for it to start sending
-        self.step_period = 0.0
-        buffers = [buffer_like(t) for t in templates]
-        # a helper sends nothing of its own, so it keeps no feedback
-        make_feedback = getattr(compression, "feedback", None)
-        self._feedback = make_feedback(buffers) if make_feedback is not None and not auxiliary else None
-        # an elementwise codec travels inside hivemind's all-reduce; one with a protocol of its own (PowerSGD) names
-        # the engine that runs it, and gets itself as ``compression``
-        engine_type = getattr(compression, "averaging_engine", _Engine)
-        self._engine: _Engine = engine_type(
-            buffers, dht, start=False, prefix=prefix, min_matchmaking_time=timeouts.matchmaking_time,
-            request_timeout=timeouts.request_timeout, allreduce_timeout=timeouts.averaging_timeout,
-            next_chunk_timeout=timeouts.next_chunk_timeout, compression=compression,
-            declare_state_period=max(2.0, timeouts.matchmaking_time), shutdown_timeout=5.0, auxiliary=auxiliary,
-            allow_state_sharing=False,  # until offer_state()
-            target_group_size=target_group_size,
-            # parts of up to 2 MiB (hivemind: 512 KiB): fewer messages through asyncio and p2pd, 4-12 % faster
-            # all-reduces of 10M-50M parameters (benchmarks/NOTEBOOK.md); about 16 parts in all below 32 MiB (a part
-            # never spans two tensors: a model's small tensors add more), so that each member of a group of up
-            # to 8 still reduces a share of a small model
-            part_size_bytes=min(2**21, max(2**10, sum(b.numel() * b.element_size() for b in buffers) // 16)),
-        )
-        self._engine.state_provider = state_provider
-        self._engine.aggregation = as_aggregation(aggregation, compression)  # None: the codec's default (Mean())
-        self._aggregation = repr(self._engine.aggregation)  # told to the groupmates: a round needs the same everywhere
-        self._mismatches_reported: set = set()
-        if lane_setup is not None and not auxiliary and not self._engine.client_mode:  # before the fork
-            self._engine.lane = GlooLane(lane, wire_dtype=lane_setup[0], key=lane_setup[1],
-                                         timeout=timeouts.next_chunk_timeout, namespace=prefix)
-        elif lane is not None:
-            logger.info("The gloo lane is off for this peer (client mode or auxiliary): it averages through hivemind")
-        self._state_bytes = sum(b.numel() * b.element_size() for b in buffers)
-        if access is not None:  # before the fork: the matchmaking of the averager process reads both
-            self._engine.access = access
-            self._engine.schema_hash = access.schema_hash(self._engine.schema_hash)
-        try:
-            _start_child(self._engine)
-        finally:
-            lane = self._engine.lane
-            if lane is not None:
-                lane.start() if self._engine.lane_in_host and self._engine.is_alive() else lane.release()
-        self._engine.wait_until_ready(timeout=60)
-        #: announced in every round's gather: groups whose every member offers the lane average over it
-        self.lane_address = None if self._engine.lane is None else self._engine.lane.address
-        if self.lane_address is not None:
-            logger.info(f"Offering the gloo lane at {self.lane_address} (trusted networks only: gloo neither "
-                        f"authenticates nor encrypts)")
-        self._scheduled: Optional[StepControl] = None
-        self._scheduled_watch: Optional[MPFuture] = None  # what the averager process says of it (_Engine.watch)
-        self._scheduled_round = -1
-        self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
-        self.last_failure = ""  # why the last all_reduce() returned None, in a few words
-        self.last_download_failure = ""  # why the last load_state() returned None, in a few words
-        self._lock = threading.Lock()
-
-    @property
-    def client_mode(self) -> bool:
-        return self._engine.client_mode
-
-    @property
-    def values_reduced(self) -> int:
-        """How many values this (auxiliary) peer has reduced for the others in all its rounds."""
-        return int(self._engine._values_reduced.value)
-
-    @property
-    def lane_rounds(self) -> int:
-        """How many of this peer's rounds averaged over the gloo lane."""
-        return int(self._engine._lane_rounds.value)
-
-    @property
-    def uploads(self) -> Uploads:
-        """What this peer did as a state donor (``Uploads``)."""
-        engine = self._engine
-        return Uploads(int(engine._uploads_most.value), int(engine._uploads_declined.value),
-                       int(engine._uploads_served.value))
-
-    @property
-    def traffic(self) -> Tuple[int, int]:
-        """Bytes of tensor parts this peer sent and received in its all-reduces over hivemind's path, so far."""
-        return self._engine._traffic.totals
-
-    @property
-    def lane_setup_seconds(self) -> float:
-        """How long the last lane round took to meet its group and find (or create) the process group."""
-        return float(self._engine._lane_setup.value)
-
-    @property
-    def peer_id(self) -> PeerID:
-        return self._engine.peer_id
-
-    def offer_state(self, priority: float) -> None:
-        """Serve this peer's state to downloading peers from now on (a peer offers it once its state is the swarm's:
-        a newcomer that has not caught up yet would hand out its own initial model), at ``priority``: newcomers ask
-        the donors of highest priority first (we use the epoch)."""
-        if self.client_mode or self.auxiliary:
-            return
-        if self._engine.state_sharing_priority != priority:
-            self._engine.state_sharing_priority = float(priority)
-        if not self._engine.allow_state_sharing:
-            self._engine.allow_state_sharing = True
-
-    def schedule(self, when: float, round_id: int) -> None:
-        """Start matchmaking now for round ``round_id`` (the epoch it completes), due at DHT time ``when``."""
-        with self._lock:
-            if self._scheduled is not None and not self._scheduled.done():
-                if self._scheduled_round == round_id:
-                    return
-                cancel_step(self._scheduled)
-            due = float(when)  # a leader may assemble its group from then on, once complete (_assemble_once_complete)
-            when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
-            if self.auxiliary:
-                # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
-                # wait at least until the leader's own deadline: say so for any leader due in the first half of
-                # the search
-                when = get_dht_time() + (self.timeouts.matchmaking_time + self.timeouts.averaging_timeout) / 2
-            self._scheduled_round = round_id
-            self._scheduled = self._engine.step(
-                scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
-                require_trigger=True, wait=False, allow_retries=False,
-                gather={**self.member_info(), "round": round_id, "step_period": self.step_period, DUE_KEY: due,
-                        "aux": self.auxiliary, "aggregation": self._aggregation, CELL_KEY: self.group_key(round_id),
-                        **({LANE_KEY: self.lane_address} if self.lane_address else {})},
-            )
-            self._scheduled_watch = self._engine.watch(self._scheduled)
-
-    def matched(self, round_id: int) -> bool:
-        """Whether this peer's matchmaking for ``round_id``, scheduled ahead, found a group that now waits for it."""
-        with self._lock:
-            control = self._scheduled if self._scheduled_round == round_id else None
-        return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
-
-    def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
-                   round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
-        """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
-        buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
-        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()``
-        (the swarm completed it without us: waiting on would only find the swarm's next round)."""
-        with self._engine.get_tensors() as buffers:
-            write(buffers)
-            # a group formed ahead for the lane sends unchecked: every member checks the sum, which a non-finite value
-            # from anyone poisons, and nobody is banned for it there (hivemind's reducers would ban the sender)
-            lane_ahead = self._lane_formed(round_id)
-            finite = lane_ahead or all_finite(buffers)
-            if finite and self._feedback is not None:
-                self._feedback.select(buffers, weight, round_id)
-        if not finite:
-            # sit the round out instead of sending poison: a sender whose part fails mid-round gets banned by the
-            # reducers, and a groupmate whose parts were reduced elsewhere could not tell it got a partial average
-            logger.warning("This peer's tensors hold NaN/inf values; it sits out the averaging round")
-            self.cancel_scheduled()
-            return self._failed("non-finite local values")
-        self.schedule(get_dht_time(), round_id)
-        with self._lock:
-            control, self._scheduled = self._scheduled, None
-            watch, self._scheduled_watch = self._scheduled_watch, None
-            self._running = control
-        assert control is not None and watch is not None
-        try:
-            if not lane_ahead:  # (a lane round formed ahead needs no weight, and triggers its step once done: below)
-                control.weight = float(weight)
-                control.allow_allreduce()
-            # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
-            # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
-            # the averager completes anyway, with our values in the groupmates' average and not in ours
-            deadline = time.monotonic() + 2 * self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
-            while True:
-                try:
-                    what, call = watch.result(timeout=0.2)
-                    break
-                except concurrent.futures.TimeoutError:
-                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
-                        raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
-                    if time.monotonic() > deadline:
-                        raise
-            finite = None  # not checked yet
-            if what == "lane":
-                gathered, finite = self._lane_round(call, weight)
-                if lane_ahead:  # the averager process slept through the round, leaving the cores to it
-                    self._engine.lane.later(control.allow_allreduce)
-            else:
-                gathered = control.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (Exception, asyncio.CancelledError) as e:  # matchmaking or all-reduce failed, or the round was
-            # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
-            logger.debug("Averaging round failed: %r", e)
-            cancel_step(control)
-            return self._failed(_reason(e) if not isinstance(e, asyncio.CancelledError) else "the round was cancelled")
-        finally:
-            with self._lock:
-                self._running = None
-        if not gathered:
-            return self._failed("no group")
-        # auxiliary members only reduced: they count in no majority, and the round they think it is does not matter
-        contributors = {peer: info for peer, info in gathered.items()
-                        if not (isinstance(info, dict) and info.get("aux"))}
-        helpers = tuple(peer for peer in gathered if peer not in contributors)
-        rounds = {info.get("round") if isinstance(info, dict) else None for info in contributors.values()}
-        if not self.auxiliary and rounds != {round_id}:
-            # a peer that fell behind joined the swarm's next round: nobody may apply this mixture
-            logger.debug("Discarding a round that mixed peers of rounds %s", rounds)
-            return self._failed(f"the group mixed peers of rounds {sorted(map(str, rounds))}")
-        if not contributors:
-            return self._failed("a group of helpers only")
-        aggregations = {info.get("aggregation") if isinstance(info, dict) else None for info in gathered.values()}
-        if aggregations != {self._aggregation}:
-            # each member reduces its share with its own aggregation: a mixture, robust on some parts only
-            others = sorted(map(str, aggregations - {self._aggregation}))
-            if tuple(others) not in self._mismatches_reported:
-                self._mismatches_reported.add(tuple(others))
-                logger.error(f"Groupmates aggregate with {', '.join(others)}, this peer with {self._aggregation}: "
-                             f"every peer of a run must pass the same aggregation=; rounds with them are discarded")
-            return self._failed(f"the group mixed aggregations {others + [self._aggregation]}")
-        with self._engine.get_tensors() as buffers:
-            if not (all_finite(buffers) if finite is None else finite):
-                logger.warning("A peer (over the gloo lane: possibly this one) sent non-finite values; the round is "
-                               "discarded and retried")
-                return self._failed("non-finite averaged values")
-        # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
-        return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
-                               helpers=helpers)
-
-    def _lane_formed(self, round_id: int) -> bool:
-        """Whether the group of round ``round_id``, scheduled ahead, formed for the lane."""
-        with self._lock:
-            watch = self._scheduled_watch if self._scheduled_round == round_id else None
-        return watch is not None and watch.done() and watch.result()[0] == "lane"
-
-    def _lane_round(self, call: LaneCall, weight: float) -> Tuple[Dict[PeerID, Any], bool]:
-        """Average the buffers over the lane with the group of ``call``, here in the host process; tell the averager
-        process's step how it went. Returns the members' gathers and whether the mean is finite (the lane checks it
-        in a pass it makes anyway); raises when the round failed."""
-        lane = self._engine.lane
-        assert lane is not None and self._engine.lane_in_host
-        try:
-            with self._engine.get_tensors() as buffers:
-                setup, finite = lane.all_reduce(buffers, call.peer_ids, self.peer_id.to_bytes(), call.group_id,
-                                                call.addresses, weight, call.start_timeout)
-        except LaneFailure as e:
-            call.outcome.set_result(str(e))
-            raise RuntimeError(f"gloo lane: {e}") from None
-        lane.later(call.outcome.set_result, None)  # nobody waits for it: its pipe message is off the critical path
-        with self._engine._lane_rounds.get_lock():
-            self._engine._lane_rounds.value += 1
-        self._engine._lane_setup.value = setup
-        return call.gathered, finite
-
-    def _failed(self, reason: str) -> None:
-        """``all_reduce``'s result for a round that failed: ``None``, with ``reason`` kept in ``last_failure``."""
-        self.last_failure = reason
-        return None
-
-    def commit(self, result: AveragingResult, round_id: int) -> None:
-        """The caller applied ``result`` as round ``round_id`` (an averaged round or a round alone). Engines that keep
-        state between rounds (PowerSGD's error feedback) make that round's state permanent; a round never committed
-        leaves it as it was; so do codecs that keep state (TopK's residuals)."""
-        self._engine.commit(result, round_id)
-        if self._feedback is not None:
-            self._feedback.commit(round_id, averaged=result.averaged is not None)
-
-    def cancel_scheduled(self) -> None:
-        with self._lock:
-            control, self._scheduled, self._scheduled_watch = self._scheduled, None, None
-        if control is not None and not control.done():
-            cancel_step(control)
-
-    def load_state(self, timeout: float, *, donors: Sequence[bytes] = (), exclude: Sequence[bytes] = ()
-                   ) -> Optional[Tuple[Any, List[torch.Tensor], bytes]]:
-        """Download (metadata, tensors, donor's peer id) from the first of ``donors`` that serves its state, or
-        without donors from the best donor listed on the DHT, never from one in ``exclude``; ``None`` if none sent
-        its state, with why in ``last_download_failure``. A donor may send at most 16x the averaged tensors' size,
-        plus 64 MiB (optimizer state)."""
-        try:
-            downloaded = self._engine.load_state_from_peers(
-                timeout=timeout, donors=[d.to_bytes() if isinstance(d, PeerID) else d for d in donors],
-                exclude=exclude, max_bytes=16 * self._state_bytes + 2**26)
-        except concurrent.futures.TimeoutError:
-            return self._download_failed(f"no donor sent its state within {timeout:.0f} s")
-        except Exception as e:  # the averager process or its connection broke: say how
-            logger.debug("State download failed: %r", e)
-            return self._download_failed(f"the download failed ({type(e).__name__}: {_reason(e)})")
-        if downloaded is None:
-            # every donor listed for this run and model was tried: none is listed, or each download failed (each
-            # donor's error is logged at DEBUG)
-            return self._download_failed("no peer sent its state (none listed, or each download failed: see the "
-                                         "DEBUG log of swarm_opt._hivemind.averager)")
-        return downloaded
-
-    def _download_failed(self, reason: str) -> None:
-        """``load_state``'s result for a download that failed: ``None``, with ``reason`` kept in
-        ``last_download_failure``."""
-        self.last_download_failure = reason
-        return None
-
-    def shutdown(self) -> None:
-        self.cancel_scheduled()
-        with self._lock:
-            running = self._running
-        if running is not None and not running.done():
-            cancel_step(running)  # an all_reduce() in another thread returns None at once
-        self._engine.state_provider = None
-        if self._engine.lane is not None and self._engine.lane_in_host:
-            self._engine.lane.close()  # a lane round in another thread fails at once
-        if self._engine.is_alive():
-            self._engine.shutdown()

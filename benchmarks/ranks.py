@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import socket
 import tempfile
 import time
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import torch
-from _common import REPO, command_line, quantiles, table, tcp_bytes_sent, write_json
+from _common import REPO, RESULTS_DIR, command_line, quantiles, table, tcp_bytes_sent, write_json
 
 from swarm_opt import testing
 
@@ -74,9 +75,13 @@ def run_swarm(machine_ranks: bool, args: argparse.Namespace, workdir: Path) -> D
                     raise RuntimeError(f"peer {cfg['rank']} failed: see {workdir}")
                 time.sleep(0.1)
         ranks, partner = procs[:2], procs[2:]
-        swarm_link = sum(tcp_bytes_sent(testing.processes_named(ranks, "p2pd")).values())
+        # the ranks' own sockets are gloo's (the local link); a forked DHT process (and its p2pd) inherits them, so
+        # a socket the rank process holds is never counted as the swarm's
+        local = tcp_bytes_sent([p.pid for p in ranks])
+        swarm_link = sum(v for k, v in tcp_bytes_sent(testing.processes_named(ranks, "p2pd")).items()
+                         if k not in local)
         partner_link = sum(tcp_bytes_sent(testing.processes_named(partner, "p2pd")).values())
-        local_link = sum(tcp_bytes_sent([p.pid for p in ranks]).values())
+        local_link = sum(local.values())
         results = [torch.load(cfg["out"]) for cfg in configs]
         seen = [rep["num_peers"] for rep in results[2]["reports"] if not rep["caught_up"]]
     finally:
@@ -163,9 +168,11 @@ def main() -> None:
     parser.add_argument("--out", default="ranks.json")
     args = parser.parse_args()
     started = time.time()
+    work = RESULTS_DIR / "ranks_work"  # the peers' logs stay there (results/ is not committed)
+    shutil.rmtree(work, ignore_errors=True)
+    one = run_swarm(True, args, work / "machine")
+    two = run_swarm(False, args, work / "peers")
     with tempfile.TemporaryDirectory() as tmp:
-        one = run_swarm(True, args, Path(tmp) / "machine")
-        two = run_swarm(False, args, Path(tmp) / "peers")
         local = run_local(args, Path(tmp))
     print(f"Part 1: two ranks (16 samples each per step) beside a partner, gradient averaging, MLP 16-{args.width}-4 "
           f"({one['params']} parameters, {one['params'] * 4 / 1e6:.2f} MB fp32), {args.epochs} epochs\n")

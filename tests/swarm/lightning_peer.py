@@ -158,7 +158,7 @@ class Recorder(L.Callback):
             testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
         opt = trainer.optimizers[0]
         assert isinstance(opt, __import__("swarm_opt").Optimizer), type(opt)
-        wait_until = time.monotonic() + 30
+        wait_until = time.monotonic() + (self.cfg.get("expect_wait", 30) if trainer.global_rank == 0 else 0)
         while opt.progress.num_peers < self.cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
             time.sleep(0.05)
         if not self.cfg.get("resume"):  # a resumed peer's epoch is restored after this hook

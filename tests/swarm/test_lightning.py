@@ -174,6 +174,7 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
         assert len(times) > 3 and max(b - a for a, b in zip(times, times[1:])) < 20, r["rounds"]
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(560)  # Lightning's ddp starts its second rank after the first one's imports
 def test_a_lightning_ddp_machine_of_two_ranks_is_one_peer(swarm, tmp_path):
     """``Trainer(strategy="ddp", devices=2, accelerator="cpu")`` with an unchanged module: its two ranks are one
@@ -181,16 +182,12 @@ def test_a_lightning_ddp_machine_of_two_ranks_is_one_peer(swarm, tmp_path):
     epoch as that peer, and train."""
     epochs = 4
     common = dict(script=SCRIPT, module="mlp", batch_size=8, target_batch_size=96, epochs=epochs, expect_peers=2,
-                  step_sleep=0.01, max_seconds=450)  # a cap for a run gone wrong; start-up is slow under load
-    swarm.start(0, devices=2, lightning_strategy="ddp", **common)
-    deadline = time.monotonic() + 240  # its second rank starts after the first one's imports: slow on a loaded machine
-    while not (tmp_path / "peer0.pt.maddrs").exists() and swarm.procs[0].poll() is None \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    swarm.start(1, **common)
-    swarm.wait(timeout=300)
-    machine, other = swarm.result(0), swarm.result(1)
-    follower = torch.load(tmp_path / "peer0.pt.rank1")
+                  step_sleep=0.01, max_seconds=450, expect_wait=240)  # the ddp machine starts slowly under load
+    swarm.start(0, **common)
+    swarm.start(1, devices=2, lightning_strategy="ddp", **common)
+    swarm.wait(timeout=400)
+    other, machine = swarm.result(0), swarm.result(1)
+    follower = torch.load(tmp_path / "peer1.pt.rank1")
     assert_same_params_at_each_epoch([machine, follower, other], epochs)
     assert len(follower["params"]) >= 2  # the second rank mirrored several epochs, not only the last one
     together = [r for r in other["rounds"] if not r["caught_up"]]

@@ -31,7 +31,7 @@ def start_machine(swarm, first: int, batch_sizes, **config) -> None:
                     local=dict(rank=r, size=len(batch_sizes), port=port), **config)
 
 
-@pytest.mark.parametrize("inner", ["sgd", "adamw"])
+@pytest.mark.parametrize("inner", ["sgd", pytest.param("adamw", marks=pytest.mark.extended)])
 def test_a_two_rank_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_batches(swarm, inner):
     """Ranks of 8 and 12 samples on one machine and a peer of 20 end with the parameters of one process on the
     union of every epoch's batches, all three processes identical; the machine publishes one progress record."""
@@ -86,8 +86,8 @@ def simulate(strategy: str, rounds: int, steps: int = 10) -> torch.Tensor:
     return peers[0][0].detach()[0]
 
 
-@pytest.mark.parametrize("strategy", ["local", "diloco", *(pytest.param(s, marks=pytest.mark.extended)
-                                                           for s in ("scaffold", "fedprox", "fednova"))])
+@pytest.mark.parametrize("strategy", ["local", *(pytest.param(s, marks=pytest.mark.extended)
+                                               for s in ("diloco", "scaffold", "fedprox", "fednova"))])
 def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ranks_gradients(swarm, strategy):
     """LocalUpdates and DiLoCo in lockstep: the machine's ranks step on their combined gradient and stay identical
     (each repeats the inner step; the round's state reaches the follower from rank 0), and the swarm follows the
@@ -107,6 +107,7 @@ def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ran
     assert_quiet(swarm)
 
 
+@pytest.mark.extended
 def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(swarm, tmp_path):
     """Both ranks of a DiLoCo machine build a Checkpointer on one directory: rank 0 writes (no lock clash), and a
     restarted machine resumes on both ranks from the same state and trains on identically."""
@@ -136,7 +137,7 @@ def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(sw
     assert (ckpt / "epoch-00000003.pt").exists()
 
 
-@pytest.mark.parametrize("victim", [1, 0])
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.extended)])
 def test_a_killed_rank_takes_its_machine_out_and_the_other_peer_trains_on(swarm, victim):
     """SIGKILL one rank of the 2-rank peer (1: a follower, 0: the rank that speaks for the machine) after epoch 2:
     the machine's other rank stops within seconds with one LocalGroupError line (rank 0 first withdraws the

@@ -45,6 +45,7 @@ from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
 from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
+from swarm_opt.ranks import LocalGroup, join_local_group
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -146,6 +147,7 @@ class Optimizer(torch.optim.Optimizer):
         groups: Optional[Groups] = None,
         clip_grad_norm: Optional[float] = None,
         identity: Optional[str] = None,
+        local_group: Union[LocalGroup, Any, None] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         # every rule that pairs two options, checked before anything is bound (swarm_opt.options)
@@ -153,9 +155,8 @@ class Optimizer(torch.optim.Optimizer):
                             groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
                             averaging_timeout=averaging_timeout, clip_grad_norm=clip_grad_norm)
         max_norm, self.timeouts, strategy = averaging.clip_grad_norm, averaging.timeouts, averaging.strategy
-        if not isinstance(dht, DHT):
+        if dht is not None and not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
-        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -190,6 +191,15 @@ class Optimizer(torch.optim.Optimizer):
         #: the schemas older releases give this model -> their protocol (swarm_opt.protocol): resumable checkpoints,
         #: and the peers the tracker names as another version
         self.legacy_schemas = legacy_schemas(self._params, strategy, identity)
+        # the machine's other ranks (swarm_opt.ranks): collective; on a follower, rank 0 is this peer's swarm part
+        self._ranks = join_local_group(local_group, self, dht=dht, offloaded=self._offload is not None,
+                                       report_type=RoundReport)
+        if self._ranks.follows:
+            self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
+            return
+        if dht is None:
+            raise ConfigTypeError("dht must be a started hivemind.DHT, got None")
+        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
 
         access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
@@ -246,7 +256,7 @@ class Optimizer(torch.optim.Optimizer):
         """The swarm's progress as this peer sees it (no network call). ``epsilon`` is the privacy this peer spent so
         far: with ``privacy=``, its DP-SGD's (Opacus's accountant, sample-level); otherwise the strategy's peer-level
         DP's (``PeerDP(..., delta=...)``), if any."""
-        progress = self._tracker.progress
+        progress = self._ranks.progress if self._ranks.follows else self._tracker.progress
         epsilon = self.privacy.epsilon() if self.privacy is not None else self.strategy.epsilon()
         return progress if epsilon is None else replace(progress, epsilon=epsilon)
 
@@ -281,12 +291,14 @@ class Optimizer(torch.optim.Optimizer):
         """Consume this step's gradients; when the swarm reaches the global batch, average and update together."""
         if self._closed:
             raise RuntimeError("this swarm_opt.Optimizer was shut down; create a new one to keep training")
+        if self._ranks.follows:  # this machine's rank 0 does the swarm's part of the step (swarm_opt.ranks)
+            return self._ranks.follow(self, closure, batch_size)
         self._note_step_period()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batch_size = self._resolve_batch_size(batch_size)
+        batch_size = self._ranks.combine(self, self._resolve_batch_size(batch_size))  # the machine's, over its ranks
         if loss is not None:
             self.report_loss(loss)
 
@@ -326,6 +338,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._resync_donors:
             self._resync()
         self._push_offloaded()
+        self._ranks.publish(self)  # the machine's other ranks repeat the local step, or take the new state
         self._step_returned = time.monotonic()
         return loss
 
@@ -594,7 +607,11 @@ class Optimizer(torch.optim.Optimizer):
         """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
 
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
-        ``StateDownloadError``."""
+        ``StateDownloadError``. With a local group every rank calls it: rank 0 downloads, the others take its state.
+        """
+        self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors))
+
+    def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any]) -> None:
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
         self._rounds.settle()
         started = time.monotonic()
@@ -718,10 +735,21 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self._ranks.follows:
+            self._load_state_locally(state_dict)
+            return
+        self._rounds.settle()
+        if self._load_state_locally(state_dict):
+            self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
+            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
+            self._averager.offer_state(self._epoch)
+
+    def _load_state_locally(self, state_dict: Dict[str, Any]) -> bool:
+        """Load ``state_dict()``'s output into the inner optimizer, scheduler and strategy; True if it held an epoch
+        (which this peer then is at)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
         extra = state_dict.get("swarm_opt", {})
-        self._rounds.settle()
         with self._state_lock:
             self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
             if self.scheduler is not None and extra.get("scheduler") is not None:
@@ -729,10 +757,7 @@ class Optimizer(torch.optim.Optimizer):
             self.strategy.load_state_dict(extra.get("strategy") or {})
             if "epoch" in extra:
                 self._epoch, self._samples = int(extra["epoch"]), 0
-                self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
-        if "epoch" in extra:
-            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
-            self._averager.offer_state(self._epoch)
+        return "epoch" in extra
 
     # --- lifetime ---------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -740,9 +765,10 @@ class Optimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        self._tracker.shutdown()
-        self._averager.shutdown()  # a round in flight returns at once
-        self._rounds.abandon(timeout=10.0)
+        if not self._ranks.follows:  # a follower holds no part of the swarm
+            self._tracker.shutdown()
+            self._averager.shutdown()  # a round in flight returns at once
+            self._rounds.abandon(timeout=10.0)
         if self._clipping is not None:  # the inner optimizer is the user's: it steps unclipped again
             self._clipping.remove()
 

@@ -15,6 +15,7 @@ from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logg
 from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
+    CheckpointWriteError,
     ConfigError,
     ConfigTypeError,
     IncompatibleStateError,
@@ -35,9 +36,10 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
+    from swarm_opt.ranks import LocalGroup, LocalGroupError
     from swarm_opt.recipe import DataShard, Evaluation, Recipe
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "Reputation", "TrimmedMean"),
@@ -54,6 +56,7 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.compression.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
+    **dict.fromkeys(("LocalGroup", "LocalGroupError"), "swarm_opt.ranks"),
     **dict.fromkeys(("DataShard", "Evaluation", "Recipe"), "swarm_opt.recipe"),
 }
 #: the strategies and their options: every name of ``swarm_opt.strategies``' table (``REGISTRY``, ``HELPERS``)
@@ -89,6 +92,8 @@ __all__ = [
     *_STRATEGY_NAMES,
     "Offload",
     "Gloo",
+    "LocalGroup",
+    "LocalGroupError",
     "Codec",
     "CODECS",
     "NoCompression",
@@ -119,6 +124,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "IncompatibleStateError",
+    "CheckpointWriteError",
     "NonFiniteTensorError",
     "StateDownloadError",
     "__version__",

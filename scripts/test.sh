@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 set +e
-# the extended swarm scenarios run with `bash scripts/test.sh -m extended` (a later -m wins)
+# the extended swarm scenarios run with `bash scripts/test_extended.sh` (CI runs both: .ci/run)
 .venv/bin/python -m pytest -q -m "not extended" --durations=15 "$@"
 status=$?
 set -e

@@ -15,6 +15,7 @@ from swarm_opt._hivemind.logs import tame_hivemind_logging as tame_hivemind_logg
 from swarm_opt._hivemind.logs import tame_hivemind_logging_when_imported
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig, TrustConfig
 from swarm_opt.errors import (
+    CheckpointWriteError,
     ConfigError,
     ConfigTypeError,
     IncompatibleStateError,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.ranks import LocalGroup, LocalGroupError
     from swarm_opt.recipe import DataShard, Evaluation, Recipe
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY: Dict[str, str] = {
     **dict.fromkeys(("AGGREGATIONS", "Aggregation", "Audited", "CenteredClip", "Mean", "Reputation", "TrimmedMean"),
@@ -123,6 +124,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "IncompatibleStateError",
+    "CheckpointWriteError",
     "NonFiniteTensorError",
     "StateDownloadError",
     "__version__",

@@ -18,6 +18,10 @@ Two writers of the same files would overwrite and prune each other's: each write
 lock file next to what it writes (``.epochs.lock`` for the numbered checkpoints of a directory, ``.<name>.pt.lock``
 for a scored file), which a second writer, in this process or another one, cannot take: it is refused with an error
 that names the fix. The kernel releases the lock when the writer closes or its process dies, killed or not.
+
+A write that fails (a full disk, a directory made read-only, an I/O error) raises ``CheckpointWriteError``, one line
+naming the cause, the fix and the newest checkpoint still intact; it leaves no partial file and deletes nothing, so a
+caller may log it and train on (the next save tries again).
 """
 
 from __future__ import annotations
@@ -30,11 +34,11 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from swarm_opt.errors import ConfigError, IncompatibleStateError
+from swarm_opt.errors import CheckpointWriteError, ConfigError, IncompatibleStateError
 
 _FORMAT = 1
 _NAME = re.compile(r"^epoch-(\d{8})\.pt$")
@@ -106,7 +110,10 @@ class _WriterLock:
                 raise ConfigError(refusal)
             # opened only once no writer of this process holds it: closing any descriptor of the file would drop
             # the process's record lock
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:  # a read-only or forbidden directory: refused before any training
+                raise _write_error(f"cannot write checkpoints in {path.parent}", e) from None
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -122,6 +129,15 @@ class _WriterLock:
         if path is not None:
             with _held_lock:
                 os.close(_held.pop(path))
+
+
+def _make_directory(directory: os.PathLike | str) -> Path:
+    path = Path(directory).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _write_error(f"cannot create the checkpoint directory {path}", e) from None
+    return path
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -158,10 +174,12 @@ def _training_state(opt: Any, model: torch.nn.Module, metrics: Optional[Metrics]
     }
 
 
-def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path]) -> Optional[dict]:
+def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path], schemas: Sequence[str] = ()) -> Optional[dict]:
     if path is None:
         return None
-    state = load_checkpoint(path, expected_schema=opt.model_schema)
+    # a checkpoint of this model saved by an older release (another protocol, the same shapes) resumes too
+    accepted = (opt.model_schema, *getattr(opt, "legacy_schemas", {}), *schemas)
+    state = load_checkpoint(path, expected_schema=accepted)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "metrics": state["metrics"], "extra": state["extra"]}
@@ -197,8 +215,7 @@ class ScoredCheckpointer:
             raise ConfigError(f"checkpoint name {name!r} must be a plain file name of letters, digits, '_', '-' and "
                               f"'.', other than epoch-NNNNNNNN (the numbered checkpoints' names)")
         self.score, self.every_epochs = score, _positive_int(every_epochs, "every_epochs")
-        directory = Path(directory).resolve()
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = _make_directory(directory)
         self.path = directory / f"{name}.pt"
         self.writer = _writes_here(writer)
         self._lock: Optional[_WriterLock] = None
@@ -227,7 +244,7 @@ class ScoredCheckpointer:
         if not self.writer or value is None or not math.isfinite(value) or \
                 (self.best_score is not None and not value > self.best_score):
             return None
-        _atomic_save(state, self.path)
+        _atomic_save(state, self.path, intact=self.path if self.path.exists() else None)
         self.best_score = float(value)
         return self.path
 
@@ -276,9 +293,8 @@ class Checkpointer:
             raise ConfigError(f"keep_last must be a non-negative int (0 keeps only best.pt), got {keep_last!r}")
         if keep_last == 0 and best is None:
             raise ConfigError("keep_last=0 without best=BestMetric(...) would keep nothing; raise keep_last")
-        self.directory = Path(directory).resolve()
+        self.directory = _make_directory(directory)
         self.every_epochs, self.keep_last = every_epochs, keep_last
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.writer = _writes_here(writer)
         self._lock: Optional[_WriterLock] = None
         if self.writer:
@@ -324,14 +340,16 @@ class Checkpointer:
 
     def save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Metrics] = None,
              extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
-        """Save now; returns the path, or None in a process that does not write (``writer``: rank 0 writes)."""
+        """Write the training state now; returns the path, or None in a process that does not write (``writer``:
+        rank 0 writes). A write that fails (disk full, read-only directory, I/O error) raises
+        ``CheckpointWriteError`` and changes nothing on disk; training may go on, and the next save tries again."""
         if not (self.writer and _saves(opt)):
             return None
         state = _training_state(opt, model, metrics, extra)
         path = self.directory / f"epoch-{opt.local_epoch:08d}.pt"
+        self._last_saved_epoch = opt.local_epoch  # a failed attempt too: maybe_save does not retry it every step
         if self.keep_last:
-            _atomic_save(state, path)
-        self._last_saved_epoch = opt.local_epoch
+            _atomic_save(state, path, intact=self.latest())
         if self._best is not None:
             self._best.consider(state)
         self._prune()
@@ -350,15 +368,19 @@ class Checkpointer:
         found = self.checkpoints()
         return found[-1] if found else None
 
-    def restore(self, opt: Any, model: torch.nn.Module, path: Optional[os.PathLike | str] = None) -> Optional[dict]:
+    def restore(self, opt: Any, model: torch.nn.Module, path: Optional[os.PathLike | str] = None, *,
+                schemas: Sequence[str] = ()) -> Optional[dict]:
         """Load ``path`` (default: the latest checkpoint) into the model and optimizer. Returns the checkpoint's
         ``{"epoch", "metrics", "extra"}``, or None if there is none. If the swarm has moved on meanwhile, the
-        optimizer catches up from peers at its next step, as any peer that fell behind does."""
-        return _restore(opt, model, Path(path) if path is not None else self.latest())
+        optimizer catches up from peers at its next step, as any peer that fell behind does. Besides the
+        optimizer's ``model_schema`` and ``legacy_schemas`` (this model under an older release), ``schemas`` are
+        accepted too (what an older release gave a caller's own identity)."""
+        return _restore(opt, model, Path(path) if path is not None else self.latest(), schemas)
 
 
-def load_checkpoint(path: os.PathLike | str, *, expected_schema: Optional[str] = None) -> dict:
-    """Read and validate a checkpoint written by ``Checkpointer``."""
+def load_checkpoint(path: os.PathLike | str, *, expected_schema: Union[str, Sequence[str], None] = None) -> dict:
+    """Read and validate a checkpoint written by ``Checkpointer``; ``expected_schema``: the model schema (or any of
+    several) it must have been saved with."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -368,7 +390,9 @@ def load_checkpoint(path: os.PathLike | str, *, expected_schema: Optional[str] =
     missing = {"model_schema", "epoch", "model", "optimizer"} - set(state)
     if missing:
         raise IncompatibleStateError(f"{path} lacks {sorted(missing)}")
-    if expected_schema is not None and state["model_schema"] != expected_schema:
+    if isinstance(expected_schema, str):
+        expected_schema = (expected_schema,)
+    if expected_schema is not None and state["model_schema"] not in expected_schema:
         raise IncompatibleStateError(
             f"{path} holds a different model or strategy (parameter shapes/dtypes differ); load it into the model "
             f"it was saved from, or start a fresh checkpoint directory"
@@ -378,18 +402,61 @@ def load_checkpoint(path: os.PathLike | str, *, expected_schema: Optional[str] =
     return state
 
 
-def _atomic_save(state: dict, path: Path) -> None:
+#: what to do about the operating system errors a checkpoint write meets
+_REMEDIES = {
+    errno.ENOSPC: "free space on that disk or checkpoint to another one",
+    errno.EDQUOT: "raise the disk quota or checkpoint to another disk",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f) or the file system allows",
+    errno.EROFS: "the file system is mounted read-only: remount it read-write or checkpoint elsewhere",
+    errno.EACCES: "this user may not write there: fix the directory's permissions or checkpoint elsewhere",
+    errno.EPERM: "this user may not write there: fix the directory's permissions or checkpoint elsewhere",
+    errno.EIO: "the disk reported an I/O error: check it, and checkpoint elsewhere meanwhile",
+}
+
+
+def _os_error(error: BaseException) -> Optional[OSError]:
+    """The operating system's error behind ``error``: torch.save reports a failed write as a RuntimeError of its
+    zip writer, with the OSError as its context."""
+    seen = 0
+    current: Optional[BaseException] = error
+    while current is not None and seen < 8:
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        current, seen = current.__cause__ or current.__context__, seen + 1
+    return None
+
+
+def _write_error(what: str, cause: OSError, intact: Optional[Path] = None) -> CheckpointWriteError:
+    """One line: what could not be written, why, the fix, and (``intact``) the newest checkpoint still there."""
+    code = errno.errorcode.get(cause.errno or 0, str(cause.errno))
+    remedy = _REMEDIES.get(cause.errno or 0, "checkpoint elsewhere")
+    kept = f"; the previous checkpoint {intact} is intact" if intact is not None else ""
+    error = CheckpointWriteError(f"{what}: {cause.strerror or cause} ({code}); {remedy}{kept}")
+    error.errno = cause.errno
+    return error
+
+
+def _atomic_save(state: dict, path: Path, intact: Optional[Path] = None) -> None:
+    """Write ``state`` to ``path`` or leave everything as it was: a write that fails (disk full, read-only, I/O
+    error) removes its temporary file and raises ``CheckpointWriteError`` naming ``intact``, the newest checkpoint
+    still there."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except (OSError, RuntimeError) as e:
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        raise _write_error(f"could not write checkpoint {path}", cause, intact) from e

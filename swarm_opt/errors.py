@@ -26,3 +26,9 @@ class IncompatibleStateError(SwarmOptError, ValueError):
 
 class NonFiniteTensorError(SwarmOptError, ValueError):
     """A tensor about to be sent to peers holds NaN or infinite values; sending it would poison their averages."""
+
+
+class CheckpointWriteError(SwarmOptError, OSError):
+    """A checkpoint could not be written (disk full, read-only or forbidden directory, I/O error). Nothing was
+    replaced: the checkpoints written before are intact. The message names the cause, the fix and the newest intact
+    checkpoint; ``errno`` is the operating system's."""

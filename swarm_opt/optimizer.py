@@ -25,6 +25,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from swarm_opt import protocol as swarm_protocol
 from swarm_opt import state_sync
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
@@ -38,7 +39,7 @@ from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
-from swarm_opt.groups import Grid
+from swarm_opt.groups import Grid, RoundPlan
 from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
@@ -187,6 +188,9 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round: Optional[RoundReport] = None
         self.metrics: Metrics = NO_METRICS  # see observe()
         self.model_schema = identified_schema(strategy_schema(self._params, strategy), identity)
+        #: the schemas older releases give this model -> their protocol (swarm_opt.protocol): resumable checkpoints,
+        #: and the peers the tracker names as another version
+        self.legacy_schemas = legacy_schemas(self._params, strategy, identity)
         # the machine's other ranks (swarm_opt.ranks): collective; on a follower, rank 0 is this peer's swarm part
         self._ranks = join_local_group(local_group, self, dht=dht, offloaded=self._offload is not None,
                                        report_type=RoundReport)
@@ -202,7 +206,7 @@ class Optimizer(torch.optim.Optimizer):
         if access is not None:  # a private run's donors admit peers by their record under the run's one key
             tracker = replace(tracker, exact_up_to=PRIVATE_RUN_EXACT_UP_TO)  # (RunAccess): it is never sharded
         self._tracker = ProgressTracker(dht, run_id, target_batch_size, model_schema=self.model_schema, config=tracker,
-                                        digest_tolerance=self._digest_tolerance)
+                                        digest_tolerance=self._digest_tolerance, legacy_schemas=self.legacy_schemas)
         self._averager = TensorAverager(
             dht, prefix=averaging_prefix(run_id, strategy.name, self.model_schema),
             templates=self.strategy.buffer_templates(), timeouts=self.timeouts,
@@ -223,6 +227,8 @@ class Optimizer(torch.optim.Optimizer):
         if self._tracker.progress.epoch == 0:
             self._mark_synced()
             self._averager.offer_state(self._epoch)
+        else:
+            self._join_running_swarm(self._tracker.progress.epoch)
         # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
         # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
         self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
@@ -253,6 +259,12 @@ class Optimizer(torch.optim.Optimizer):
         progress = self._ranks.progress if self._ranks.follows else self._tracker.progress
         epsilon = self.privacy.epsilon() if self.privacy is not None else self.strategy.epsilon()
         return progress if epsilon is None else replace(progress, epsilon=epsilon)
+
+    @property
+    def deadlines(self) -> Tuple[float, float]:
+        """``(matchmaking_time, averaging_timeout)`` of this peer's next round: with ``Timeouts(adaptive=True)`` (the
+        default) they follow the swarm's measured round times, within the given ones (``swarm_opt.deadlines``)."""
+        return self._averager.deadlines.now
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -369,8 +381,19 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
-                         round_is_over=lambda: self._tracker.epoch_reached(round_id),  # completed without us
-                         plan=plan)
+                         round_is_over=self._round_is_over(round_id, plan), plan=plan)
+
+    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], bool]:
+        """Whether the swarm completed round ``round_id`` without this peer, asked while it looks for its group. With
+        Moshpit groups every line of the grid averages on its own: another line's commit does not end this line's
+        round, only a commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's
+        once this peer has looked for ``matchmaking_time`` since the round began (a line too short to form a group
+        then gives up, as without groups, rather than at its averaging deadline)."""
+        if plan.whole_swarm:
+            return lambda: self._tracker.epoch_reached(round_id)
+        began = time.monotonic()
+        return lambda: self._tracker.line_reached(round_id, plan.cell) or (
+            time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
@@ -378,7 +401,8 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round = RoundReport(flight.round_id, result.group_size, num_peers, flight.samples,
                                       flight.round.weight, time.monotonic() - flight.started, caught_up=False,
                                       helpers=len(result.helpers))
-        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
+        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second,
+                            line=None if flight.plan.whole_swarm else flight.plan.cell)
 
     def _look_ahead(self, progress: SwarmProgress, *, contributes: bool) -> None:
         """Start looking for the next round's group if the swarm is due to reach its target within
@@ -433,6 +457,10 @@ class Optimizer(torch.optim.Optimizer):
                                        _donors=tuple(random.sample(list(donors), len(donors))))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on, and trying again at the next read of the swarm's progress")
+            return
+        # the records counted at the last read were judged against our old epoch, ahead of theirs: a peer of our old
+        # side that has not switched yet would pass for the swarm, ahead, and we would download its state back
+        self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
@@ -526,13 +554,13 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, 0)
         self._averager.offer_state(self._epoch)
 
-    def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
+    def _advance_epoch(self, report: RoundReport, samples_per_second: float, line: Optional[str] = None) -> None:
         self._epoch += 1
         self._samples -= report.samples  # what remains was computed while a background round was in flight
         self._mark_synced()
         if self.scheduler is not None:
             self.scheduler.step()
-        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
+        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest(), line=line)
         self._averager.offer_state(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
@@ -546,6 +574,16 @@ class Optimizer(torch.optim.Optimizer):
                     f"{samples_per_second:.0f} samples/s{loss}{clipped}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
+    def _join_running_swarm(self, epoch: int) -> None:
+        """A newcomer to a swarm already at ``epoch``: download its state now, before the training loop computes a
+        first step at this peer's initial parameters that the catch-up at that step would throw away. Within
+        ``state_sync.NEWCOMER_PATIENCE``: failing that, ``step()`` catches up as for any peer behind."""
+        try:
+            self.load_state_from_peers(timeout=state_sync.NEWCOMER_PATIENCE, _min_epoch=epoch)
+        except StateDownloadError as e:
+            logger.info(f"{e}; catching up at the first step instead")
+            self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
+
     def _catch_up(self, global_epoch: int) -> None:
         """The swarm finished rounds without us: go on from our own state if the strategy allows it (local updates
         are averaged back in next round), otherwise download the swarm's state."""
@@ -557,8 +595,9 @@ class Optimizer(torch.optim.Optimizer):
         if time.monotonic() < self._next_catch_up:
             return
         self._averager.cancel_scheduled()
-        try:
-            self.load_state_from_peers(_min_epoch=self._epoch + 1)  # within Timeouts.state_download_timeout
+        try:  # from a peer at the swarm's epoch, not from the most advanced one (a side of a partition, ahead)
+            self.load_state_from_peers(_min_epoch=self._epoch + 1,  # within Timeouts.state_download_timeout
+                                       _donors=self._tracker.holders(global_epoch))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
@@ -837,12 +876,17 @@ def contributed_share(*, samples: int, batch_size: int, share: Optional[float]) 
     return share is not None and samples > 0 and samples + batch_size / 2 >= share
 
 
-def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = ()) -> str:
-    """What peers must share to average together: the strategy, every parameter's shape and dtype, and which of them
-    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average)."""
+def model_schema(params: List[torch.Tensor], strategy_name: str, kept: Sequence[int] = (),
+                 protocol: Optional[int] = None) -> str:
+    """What peers must share to average together: the strategy, every parameter's shape and dtype, which of them
+    stay on each peer (``KeepLocal``: peers keeping different ones, even of the same shapes, must not average), and
+    the protocol they speak (``swarm_opt.protocol``; default this release's; protocol 1 mixed in nothing)."""
     description = strategy_name + ";" + ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
     if kept:
         description += ";kept:" + ",".join(map(str, kept))
+    protocol = swarm_protocol.current() if protocol is None else protocol
+    if protocol > 1:
+        description += f";protocol:{protocol}"
     return hashlib.sha256(description.encode()).hexdigest()[:32]
 
 
@@ -852,11 +896,18 @@ def personal_indices(params: Sequence[torch.Tensor], strategy: Strategy) -> set:
     return {i for i, p in enumerate(params) if id(p) in personal}
 
 
-def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy) -> str:
+def strategy_schema(params: Sequence[torch.Tensor], strategy: Strategy, protocol: Optional[int] = None) -> str:
     """``model_schema`` of ``params`` trained by ``strategy``: its name and the options that change what peers
     exchange (``Strategy.variant``), and the parameters it keeps local."""
     return model_schema(list(params), strategy.name + strategy.variant,
-                        kept=sorted(personal_indices(params, strategy)))
+                        kept=sorted(personal_indices(params, strategy)), protocol=protocol)
+
+
+def legacy_schemas(params: Sequence[torch.Tensor], strategy: Strategy, identity: Optional[str]) -> Dict[str, int]:
+    """The schema each older protocol gives this model and identity -> that protocol: how a peer recognises peers
+    (and checkpoints) of an older release."""
+    return {identified_schema(strategy_schema(params, strategy, protocol=p), identity): p
+            for p in range(1, swarm_protocol.current())}
 
 
 def identified_schema(schema: str, identity: Optional[str]) -> str:

@@ -16,11 +16,12 @@ import functools
 import logging
 import math
 import os
+import random
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -31,6 +32,7 @@ from swarm_opt._hivemind.near_store import store_near
 from swarm_opt._hivemind.validation import KeysSchemaValidator, RememberingSignatureValidator, SignedSubkey
 from swarm_opt.config import TrackerConfig
 from swarm_opt.digest import majority, valid_digest
+from swarm_opt.protocol import mismatch as protocol_mismatch
 from swarm_opt.sharding import (
     MAX_LEVEL,
     Shard,
@@ -71,6 +73,9 @@ class ProgressRecord(pydantic.BaseModel):
     # the digest of the peer's parameters at this epoch (``swarm_opt.digest``), where every peer at an epoch holds
     # the same parameters (``Strategy.shares_parameters``): what a newcomer checks a downloaded state against
     params_digest: Optional[pydantic.conlist(pydantic.StrictFloat, max_items=8)] = None  # type: ignore[valid-type]
+    # with Moshpit groups: the line of the averaging grid (its matchmaking key's group bits) in which the peer
+    # committed the round that brought it to this epoch; what a line still looking for its group follows
+    line: Optional[pydantic.constr(max_length=64, regex=r"^[01]*$", strict=True)] = None  # type: ignore[valid-type]
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
@@ -277,17 +282,32 @@ def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> f
     return typical if fresh and record.epoch >= epoch - 1 else 0.0
 
 
+def mismatch_line(run_id: str, schemas: Sequence[str], legacy: Mapping[str, int]) -> str:
+    """One line about the peers of ``run_id`` whose records carry another ``schemas`` than ours: peers of an older
+    release when their schema is one an older protocol gives our model (``legacy``), another model otherwise."""
+    older = sorted({legacy[s] for s in schemas if s in legacy})
+    if older:
+        count = sum(s in legacy for s in schemas)
+        return (f"{count} peer(s) in run '{run_id}' train this model with {protocol_mismatch(older[-1])}; they are "
+                f"kept apart")
+    return (f"{len(schemas)} peer(s) in run '{run_id}' train a different model or recipe (parameter shapes or "
+            f"dtypes, strategy or Optimizer(identity=...) differ), or run another swarm_opt version; they are kept "
+            f"apart. Give each model its own run_id, and every peer the same swarm_opt release.")
+
+
 def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard: Shard = (0, 0),
-                  departed: Optional[set] = None) -> tuple[List[ProgressRecord], int]:
-    """Validate what the DHT returned for ``shard``. Returns the usable records and how many came from a different
-    model; the instance of each peer that withdrew its record (it left) is added to ``departed``.
+                  departed: Optional[set] = None) -> tuple[List[ProgressRecord], List[str]]:
+    """Validate what the DHT returned for ``shard``. Returns the usable records and the schemas of those that came
+    from a different model (or protocol); the instance of each peer that withdrew its record (it left) is added to
+    ``departed``.
 
     Anything malformed, out of range, from the far future, stored under a shard its signer's key does not hash to
     or (unless ``model_schema`` is None: an observer) from a peer with another model is dropped.
     """
     if not isinstance(raw, ValueWithExpiration) or not isinstance(raw.value, dict):
-        return [], 0
-    records, mismatched = [], 0
+        return [], []
+    records: List[ProgressRecord] = []
+    mismatched: List[str] = []
     for subkey, entry in raw.value.items():
         value = entry.value if isinstance(entry, ValueWithExpiration) else None
         if value is None:
@@ -308,7 +328,7 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard
             logger.debug("Ignoring a progress record from the future: %r", record)
             continue
         if model_schema is not None and record.model_schema != model_schema:
-            mismatched += 1
+            mismatched.append(record.model_schema)
             continue
         records.append(record)
     return records, mismatched
@@ -427,8 +447,9 @@ class SampledRecords:
             self._burst = max(0, self._burst - 1)
         return self.bursting
 
-    def read(self, timeout: float) -> Tuple[List[ProgressRecord], int]:
-        """Read the next shard; return every record held (other peers') and how many read came from another model.
+    def read(self, timeout: float) -> Tuple[List[ProgressRecord], List[str]]:
+        """Read the next shard; return every record held (other peers') and the schemas of those read that came from
+        another model.
         A reader that holds nobody's record probes every level (a newcomer to a large swarm, or a lonely peer)."""
         if not self.sample.records(get_dht_time()) and time.monotonic() - self._last_probe > self._probe_period:
             mismatched = self.probe(timeout)
@@ -439,7 +460,7 @@ class SampledRecords:
             self._hold(shard, records, now)
         return self.sample.records(get_dht_time()), mismatched
 
-    def probe(self, timeout: float) -> int:
+    def probe(self, timeout: float) -> List[str]:
         """Read our own shard at every level at once and settle on the level that holds the most records."""
         self._last_probe = time.monotonic()
         shards = [shard_of(self.owner, level) for level in range(MAX_LEVEL + 1)]
@@ -466,7 +487,7 @@ class SampledRecords:
         beam = {} if shard[0] == 0 else {"beam_size": _SHARD_READ_BEAM}
         return self.dht.get(shard_key(self.run_id, shard), latest=True, return_future=True, **beam)
 
-    def _parse(self, shard: Shard, raw: object, now: float) -> Tuple[List[ProgressRecord], int]:
+    def _parse(self, shard: Shard, raw: object, now: float) -> Tuple[List[ProgressRecord], List[str]]:
         records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now, shard=shard,
                                             departed=self.departed)
         return [r for r in records if r.instance != self._exclude], mismatched
@@ -494,8 +515,10 @@ class ProgressTracker:
         model_schema: str,
         config: TrackerConfig = TrackerConfig(),
         digest_tolerance: float = 0.0,
+        legacy_schemas: Mapping[str, int] = {},
     ) -> None:
         self.dht, self.target_batch_size, self.config = dht, target_batch_size, config
+        self._legacy_schemas = dict(legacy_schemas)  # this model's schema under older protocols -> the protocol
         self._digest_tolerance = digest_tolerance
         self.key = progress_key(run_id)
         self.model_schema = model_schema
@@ -513,6 +536,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
         self._params_digest: Optional[List[float]] = None
+        self._line: Optional[str] = None  # the grid line in which this peer committed its epoch (``report``)
         self._joined = False  # see ``mark_joined``
         self._epoch_started: Optional[float] = None
         self._first_step: Optional[float] = None  # epoch 0's start for ``aggregate_progress`` (not for trust checks)
@@ -551,14 +575,16 @@ class ProgressTracker:
         self.refresh()
         self._thread.start()
 
-    def report(self, epoch: int, samples: int, params_digest: Optional[List[float]] = None) -> None:
+    def report(self, epoch: int, samples: int, params_digest: Optional[List[float]] = None,
+               line: Optional[str] = None) -> None:
         """Record local progress; published by the background thread (at once when the epoch changed). A new epoch
-        forgets the parameters' digest unless it comes along."""
+        forgets the parameters' digest and the line of the grid it was committed in unless they come along."""
         with self._lock:
             if epoch != self._epoch:
                 self._throughput.restart()
                 self._epoch_started = get_dht_time()
                 self._params_digest = None
+                self._line = line
                 self._version, self._version_streak = None, 0
                 self._wake.set()
             if params_digest is not None:
@@ -627,6 +653,26 @@ class ProgressTracker:
             self._wake.set()
         self._watched_until = now + self.config.refresh_period
         return self.progress.epoch >= epoch
+
+    def line_reached(self, epoch: int, line: str) -> bool:
+        """Whether the round that ends at ``epoch`` is over for the peers of the grid's ``line`` (Moshpit groups):
+        a peer published that it committed it in that line (at most one group per line holds a majority), or the
+        swarm is a round further. Lines average on their own, so another line's commit says nothing of this one's;
+        asked like ``epoch_reached``, which it reads through."""
+        if self.epoch_reached(epoch + 1):
+            return True
+        with self._lock:
+            return any(r.epoch == epoch and r.line == line for r in self._others)
+
+    def holders(self, epoch: int) -> List[bytes]:
+        """The peers whose counted records stand at ``epoch`` (the swarm's epoch, as this peer believes it), in
+        random order: the donors a peer catching up asks, rather than the most advanced donor listed on the DHT,
+        which may be a part of the swarm that a partition cut off and that trained on alone (``believed_epoch``).
+        Empty in a sampled view (its records are a sample: any listed donor then)."""
+        with self._lock:
+            peers = [] if self.sampled else list({r.peer_id for r in self._others if r.epoch == epoch})
+        random.shuffle(peers)
+        return peers
 
     def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float
                                ) -> Optional[Tuple[Tuple[float, ...], str]]:
@@ -735,7 +781,7 @@ class ProgressTracker:
             peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
-            params_digest=self._params_digest,
+            params_digest=self._params_digest, line=self._line,
         )
 
     def _publish(self, *, force: bool, timeout: float) -> None:
@@ -782,14 +828,12 @@ class ProgressTracker:
         now = get_dht_time()
         if mismatched and not self._mismatch_reported:
             self._mismatch_reported = True
-            logger.error(
-                f"{mismatched} peer(s) in run '{self.key[:-len('_swarm_progress')]}' train a different model "
-                f"or recipe (parameter shapes or dtypes, strategy or Optimizer(identity=...) differ); they are kept "
-                f"apart. Give each model its own run_id."
-            )
+            logger.error(mismatch_line(self.key[:-len('_swarm_progress')], mismatched, self._legacy_schemas))
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
+            remembered = () if self.sampled else tuple(self._memory)  # see ``recent_peers``
+        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined,
+                                      remembered=remembered)
         scale = self._records.sample.scale
         departed, self._records.departed = self._records.departed, set()
         with self._lock:

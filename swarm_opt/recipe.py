@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
+from swarm_opt import protocol
 from swarm_opt._hivemind.beacon import Beacon
 from swarm_opt.errors import ConfigError
 
@@ -396,8 +397,19 @@ def check_run_recipe(dht: Any, run_id: str, settings: Mapping[str, Any], model_s
     for subkey, entry in sorted(entries.items(), key=lambda item: -getattr(item[1], "expiration_time", 0)):
         theirs = parse_record(subkey, getattr(entry, "value", None))
         if theirs is not None and subkey in live:
-            return difference(theirs, settings, flags)
+            return protocol_difference(theirs, settings) or difference(theirs, settings, flags)
     return None
+
+
+def protocol_difference(theirs: Mapping[str, Any], mine: Mapping[str, Any]) -> Optional[str]:
+    """Whether the run's peers speak another protocol than this peer (``swarm_opt.protocol``), as a phrase naming
+    the release to install; None if they speak ours, or if ``mine`` does not say (a caller without the setting)."""
+    if protocol.SETTING not in mine:
+        return None
+    ours, found = protocol.parse_label(mine[protocol.SETTING]), protocol.parse_label(theirs.get(protocol.SETTING))
+    if ours is None or found is None or found[0] == ours[0]:
+        return None
+    return f"its live peers run {protocol.mismatch(*found)}"
 
 
 def recipe_beacon(dht: Any, run_id: str, settings: Mapping[str, Any], base_schema: str, model_schema: str) -> Beacon:

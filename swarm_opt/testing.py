@@ -134,3 +134,66 @@ def initial_peers(config: dict) -> List[str]:
     if config.get("initial_peers_file"):
         return read_addresses(config["initial_peers_file"])
     return list(config.get("initial_peers", []))
+
+
+# --- what a peer's processes hold (benchmarks/soak.py, benchmarks/peer_memory.py, tests/e2e/test_soak.py) ---
+
+def _stat(pid: int) -> Optional[tuple]:
+    """(state, ppid, pgrp, session) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[2]), int(fields[3])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def session_members(sid: int) -> List[int]:
+    """Live processes of the session ``sid``: a peer started by ``swarm_opt.testing`` leads its own, and its DHT
+    process and p2pd stay in it (they leave the peer's process group, not its session)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat and stat[3] == sid and stat[0] != "Z":
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def process_sample(pid: int) -> Optional[Dict[str, float]]:
+    """PSS, USS, RSS, anonymous and shared-memory PSS (bytes), open fds and threads of one process; None if it went
+    away while being read."""
+    try:
+        memory: Dict[str, int] = {}
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, value = line.split(":", 1)
+            memory[key.strip()] = int(value.split()[0]) * 1024
+        threads = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("Threads:"))
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, StopIteration, ValueError):
+        return None
+    return {"pid": pid, "comm": comm, "pss": memory.get("Pss", 0), "rss": memory.get("Rss", 0),
+            "uss": memory.get("Private_Clean", 0) + memory.get("Private_Dirty", 0),
+            # what the process adds beyond shared library files, whose PSS depends on who else maps them
+            "anon": memory.get("Pss_Anon", 0) + memory.get("Pss_Shmem", 0), "fds": fds, "threads": threads}
+
+
+def name_roles(leader: int, procs: List[Dict]) -> None:
+    """Label each process of a peer's tree: trainer (the leader), p2pd, dht (p2pd's parent), shm_manager (torch's
+    torch_shm_manager), averager (any other process; numbered when there are several)."""
+    parents = {p["pid"]: _stat(p["pid"]) for p in procs}
+    dht_pids = {parents[p["pid"]][1] for p in procs if p["comm"] == "p2pd" and parents.get(p["pid"])}
+    others = 0
+    for p in procs:
+        if p["pid"] == leader:
+            p["role"] = "trainer"
+        elif p["comm"] == "p2pd":
+            p["role"] = "p2pd"
+        elif p["comm"].startswith("torch_shm"):
+            p["role"] = "shm_manager"
+        elif p["pid"] in dht_pids:
+            p["role"] = "dht"
+        else:
+            others += 1
+            p["role"] = "averager" if others == 1 else f"averager{others}"

@@ -16,12 +16,13 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from swarm_opt import strategies
+from swarm_opt import protocol, strategies
 from swarm_opt._hivemind.beacon import Beacon
 from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
 from swarm_opt.cli.options import private_run, start_metrics
@@ -225,6 +226,28 @@ class _ProgressBar:
             self._bar.close()
 
 
+class _LongestStep:
+    """The longest ``step()`` of the run, and the epoch it ended at: said when the peer leaves. A step blocks for a
+    round, a catch-up download or a partition's reconciliation, each bounded (``docs/optimizer.md``); a long one
+    tells a volunteer where its time went. A step that ends after a stop was requested is not counted: the peer is
+    leaving, and so may its groupmates be (a Ctrl-C to a whole swarm)."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        self.seconds, self.epoch = 0.0, 0
+        self._stop = stop
+
+    @contextmanager
+    def timing(self, opt: Any) -> Iterator[None]:
+        started = time.monotonic()
+        yield
+        took = time.monotonic() - started
+        if took > self.seconds and not self._stop.requested:
+            self.seconds, self.epoch = took, opt.local_epoch
+
+    def describe(self) -> str:
+        return f" (the longest step() took {self.seconds:.1f} s, at epoch {self.epoch})" if self.seconds else ""
+
+
 class _EpochLoss:
     """The mean training loss of the steps of one epoch, summed on the loss's device (no sync per step)."""
 
@@ -273,6 +296,7 @@ class _Identity:
     fingerprint: str
     base: str
     schema: str
+    legacy: Tuple[str, ...] = ()  # the schema older releases gave these settings: their checkpoints resume
 
 
 def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _Identity:
@@ -282,10 +306,23 @@ def _identity(recipe: Recipe, strategy: Strategy, args: argparse.Namespace) -> _
                                strategy=f"{args.strategy}{strategy.variant}")
     # the strategy's command-line options that change training (a run's peers must agree on them)
     settings.update({dest: getattr(args, dest) for dest in type(strategy).identity_options()})
+    # the protocol, published with the recipe: a volunteer of another release, older ones included, is refused in
+    # the recipe check's one line naming the release to install (swarm_opt.protocol)
+    if protocol.label() is not None:
+        settings[protocol.SETTING] = protocol.label()
     params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
     base = model_schema(params, strategy.name + strategy.variant)  # = strategy_schema: the CLI keeps no parameter local
     identity = fingerprint(settings)
-    return _Identity(settings, identity, base, identified_schema(base, identity))
+    legacy = tuple(identified_schema(model_schema(params, strategy.name + strategy.variant, protocol=p),
+                                     fingerprint(_settings_of(settings, p))) for p in range(1, protocol.current()))
+    return _Identity(settings, identity, base, identified_schema(base, identity), legacy)
+
+
+def _settings_of(settings: Dict[str, Any], release_protocol: int) -> Dict[str, Any]:
+    """``settings`` as a release of ``release_protocol`` published them (protocol 1 published none)."""
+    older = {k: v for k, v in settings.items() if k != protocol.SETTING}
+    label = protocol.label(release_protocol)
+    return older if label is None else {**older, protocol.SETTING: label}
 
 
 def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> Beacon:
@@ -330,6 +367,7 @@ def run_train(args: argparse.Namespace) -> int:
 
         board = TensorBoardLog(args.log_dir)  # an unwritable directory fails here, before the DHT starts
     metrics = start_metrics(args)  # and so does a port in use
+    ckpt = _Checkpoints(args, identity) if args.checkpoint_dir else None  # and a directory it cannot write
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args),
@@ -355,7 +393,7 @@ def run_train(args: argparse.Namespace) -> int:
         return _run_auxiliary(args, recipe, strategy, dht, stop, identity.fingerprint, beacon, stats, metrics)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
-    ckpt: Optional[swarm_opt.Checkpointer] = None
+    longest: Optional[_LongestStep] = None
     model, scaler = recipe.model, recipe.grad_scaler()
     try:
         with children_ignore_sigint():  # the optimizer's averager is a child process too
@@ -380,25 +418,15 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.client_mode:
             for maddr in dht.get_visible_maddrs():
                 _say(f"others can join through {maddr}")
-        if args.checkpoint_dir:
-            checkpointer = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every, keep_last=3)
-            try:
-                restored = checkpointer.restore(opt, model)
-            except swarm_opt.IncompatibleStateError:
-                checkpointer.close()  # and nothing is saved over it
-                raise ConfigError(f"cannot resume from --checkpoint-dir {args.checkpoint_dir}: its checkpoint was "
-                                  f"saved with another model, strategy or recipe settings; start with a fresh "
-                                  f"--checkpoint-dir, or with the settings it was saved with") from None
-            ckpt = checkpointer
-            if restored is not None:
-                _say(f"resumed from {ckpt.latest()} (epoch {restored['epoch']}); the swarm's newer state, if any, "
-                     f"is downloaded at the first step")
+        if ckpt is not None:
+            ckpt.restore(opt, model)
         _wait_for_peers(opt, args.min_peers, stop)
 
         bar = _ProgressBar(args.target_batch_size)
         last_epoch = opt.local_epoch
         stats.publish(last_epoch)
         losses = _EpochLoss()
+        longest = _LongestStep(stop)
         model.train()
         while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
             batch = batches.next()
@@ -410,11 +438,13 @@ def run_train(args: argparse.Namespace) -> int:
                 loss = recipe.loss_fn(model(x), y)
             if scaler is not None:
                 scaler.scale(loss).backward()
-                scaler.step(opt, batch_size=_batch_size_of(y))
+                with longest.timing(opt):
+                    scaler.step(opt, batch_size=_batch_size_of(y))
                 scaler.update()
             else:
                 loss.backward()
-                opt.step(batch_size=_batch_size_of(y))
+                with longest.timing(opt):
+                    opt.step(batch_size=_batch_size_of(y))
             losses.add(loss)
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
@@ -425,7 +455,7 @@ def run_train(args: argparse.Namespace) -> int:
                     board.log_epoch(opt, loss=epoch_loss, test_metrics=test_metrics)
                 bar.write(_epoch_line(opt, test_metrics))
                 if ckpt is not None:
-                    ckpt.maybe_save(opt, model, extra=_checkpoint_extra(args, identity))
+                    ckpt.maybe_save(opt, model)
                 bar.update(opt, force=True)
             else:
                 stats.publish(last_epoch)  # a heartbeat: stores only once a minute within an epoch
@@ -438,7 +468,7 @@ def run_train(args: argparse.Namespace) -> int:
             claim.stop()
         if bar is not None:
             bar.close()
-        save = None if ckpt is None else lambda: _save_checkpoint(opt, model, args, ckpt, identity)
+        save = None if ckpt is None or not ckpt.restored else lambda: ckpt.save_at_exit(opt, model)
         _leave(opt, dht, save, stats, metrics, board)
     epoch = opt.local_epoch if opt else 0
     if batches.failure is not None:
@@ -450,12 +480,13 @@ def run_train(args: argparse.Namespace) -> int:
              f"epoch {epoch}; left the run. To train on, give the task's source more data (or let it repeat), or "
              f"join with another --shard")
         return 0
+    steps = "" if longest is None else longest.describe()
     if stop.requested:
-        _say(f"stopped by {stop.signal_name} at epoch {epoch}")
+        _say(f"stopped by {stop.signal_name} at epoch {epoch}{steps}")
     else:
         lane = f", {opt._averager.lane_rounds} round(s) over the gloo lane" if args.gloo_lane else ""
-        _say(f"reached epoch {epoch}{lane}; done")
-    return 0
+        _say(f"reached epoch {epoch}{lane}; done{steps}")
+    return 1 if ckpt is not None and ckpt.exit_failed else 0
 
 
 def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht: Any, stop: StopRequest,
@@ -507,15 +538,69 @@ def _wait_for_peers(opt: Any, min_peers: int, stop: StopRequest) -> None:
         stop.wait(0.1)
 
 
-def _checkpoint_extra(args: argparse.Namespace, identity: _Identity) -> Dict[str, Any]:
-    return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time(),
-            "recipe": identity.fingerprint}
+class _Checkpoints:
+    """``--checkpoint-dir``: resume from it, save every ``--checkpoint-every`` epochs and at exit. A directory that
+    cannot be written at start is bad input (one line, before the DHT starts); a save that fails later (disk full,
+    directory made read-only) is one line and training goes on, the next save tries again and says when saves work
+    again; a failed save at exit makes the exit status 1. What was saved before stays intact (``Checkpointer``)."""
 
+    def __init__(self, args: argparse.Namespace, identity: _Identity) -> None:
+        import swarm_opt
 
-def _save_checkpoint(opt: Any, model: torch.nn.Module, args: argparse.Namespace, ckpt: Any,
-                     identity: _Identity) -> None:
-    path = ckpt.save(opt, model, extra=_checkpoint_extra(args, identity))
-    _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
+        self._args, self._identity = args, identity
+        try:
+            self._writer = swarm_opt.Checkpointer(args.checkpoint_dir, every_epochs=args.checkpoint_every,
+                                                  keep_last=3)
+        except swarm_opt.CheckpointWriteError as e:
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: {e}") from None
+        self._failing: Optional[int] = None  # errno of the failure said last, until a save works again
+        self.restored = False  # nothing is saved over a checkpoint that was not restored (another run's)
+        self.exit_failed = False
+
+    def restore(self, opt: Any, model: torch.nn.Module) -> None:
+        import swarm_opt
+
+        try:
+            restored = self._writer.restore(opt, model, schemas=self._identity.legacy)
+        except swarm_opt.IncompatibleStateError:
+            self._writer.close()  # and nothing is saved over it
+            raise ConfigError(f"cannot resume from --checkpoint-dir {self._args.checkpoint_dir}: its checkpoint was "
+                              f"saved with another model, strategy or recipe settings; start with a fresh "
+                              f"--checkpoint-dir, or with the settings it was saved with") from None
+        self.restored = True
+        if restored is not None:
+            _say(f"resumed from {self._writer.latest()} (epoch {restored['epoch']}); the swarm's newer state, if "
+                 f"any, is downloaded at the first step")
+
+    def maybe_save(self, opt: Any, model: torch.nn.Module) -> None:
+        import swarm_opt
+
+        try:
+            path = self._writer.maybe_save(opt, model, extra=self._extra())
+        except swarm_opt.CheckpointWriteError as e:
+            if e.errno != self._failing:  # said once per cause, not at every epoch it persists
+                _say(f"{e}; training continues, and the next checkpoint tries again")
+            self._failing = e.errno
+            return
+        if path is not None and self._failing is not None:
+            self._failing = None
+            _say(f"checkpoints are saved again: {path} (epoch {opt.local_epoch})")
+
+    def save_at_exit(self, opt: Any, model: torch.nn.Module) -> None:
+        import swarm_opt
+
+        try:
+            path = self._writer.save(opt, model, extra=self._extra())
+        except swarm_opt.CheckpointWriteError as e:
+            self.exit_failed = True
+            _say(f"{e}; leaving without a checkpoint of epoch {opt.local_epoch}")
+            return
+        _say(f"saved checkpoint {path} (epoch {opt.local_epoch})")
+
+    def _extra(self) -> Dict[str, Any]:
+        args = self._args
+        return {"run_id": args.run_id, "task": args.task, "strategy": args.strategy, "time": time.time(),
+                "recipe": self._identity.fingerprint}
 
 
 def _leave(member: Any, dht: Any, save: Optional[Callable[[], None]] = None, stats: Any = None, metrics: Any = None,

@@ -33,10 +33,11 @@ def run_cli(*args: str, timeout: float = 90, cwd: Optional[Path] = None, **env: 
 
 
 class CliProcess:
-    def __init__(self, name: str, args: List[str], workdir: Path, env: Dict[str, str]) -> None:
+    def __init__(self, name: str, args: List[str], workdir: Path, env: Dict[str, str],
+                 module: str = "swarm_opt") -> None:
         self.name, self.args = name, args
         self.out, self.err = workdir / f"{name}.out", workdir / f"{name}.err"
-        self.proc = testing.start(["-m", "swarm_opt", *args], log=self.out, stderr_log=self.err, env=env, cwd=workdir)
+        self.proc = testing.start(["-m", module, *args], log=self.out, stderr_log=self.err, env=env, cwd=workdir)
 
     @property
     def stdout(self) -> str:
@@ -104,8 +105,9 @@ class Cli:
         self.tag = uuid.uuid4().hex
         self.processes: List[CliProcess] = []
 
-    def start(self, name: str, *args: str) -> CliProcess:
-        process = CliProcess(name, list(args), self.workdir, cli_env(**{TAG_VARIABLE: self.tag}))
+    def start(self, name: str, *args: str, module: str = "swarm_opt") -> CliProcess:
+        """``python -m MODULE ARGS...`` (``swarm-opt``, or a stand-in such as ``tests.e2e.previous_release``)."""
+        process = CliProcess(name, list(args), self.workdir, cli_env(**{TAG_VARIABLE: self.tag}), module)
         self.processes.append(process)
         return process
 

@@ -133,7 +133,9 @@ def install_fault(cfg: dict) -> None:
       the first to claim the file ``die_while_serving``.
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
-      ``OUT.slowed`` the first time.
+      ``OUT.slowed`` the first time. With ``slow_from_epoch``, only once the peer reached that epoch (a swarm that
+      becomes slow: its links, or its machines' load). With ``slow_once``, only the first reply so delayed (a member
+      stuck once mid-round: a laptop's lid closed, a link down for a while).
     * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
       the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
@@ -231,8 +233,10 @@ def install_fault(cfg: dict) -> None:
 
         @functools.wraps(original_reply)
         async def _encoded_mean(self, *args, **kwargs):
-            open(cfg["out"] + ".slowed", "w").close()
-            await asyncio.sleep(cfg["slow_replies"])
+            if (cfg.get("slow_from_epoch") is None or os.path.exists(cfg["out"] + ".slow")) and not (
+                    cfg.get("slow_once") and os.path.exists(cfg["out"] + ".slowed")):
+                open(cfg["out"] + ".slowed", "w").close()
+                await asyncio.sleep(cfg["slow_replies"])
             return await original_reply(self, *args, **kwargs)
 
         AllOrNothingRunner._encoded_mean = _encoded_mean
@@ -363,7 +367,9 @@ def main(config_path: str) -> None:
                                         **cfg.get("tracker", {})),  # e.g. {"shard_size": 2, "exact_up_to": 2}: sharded
         scheduler=make_scheduler(cfg.get("scheduler"), cfg["epochs"]),  # True (StepLR) or "warmup_cosine"
         clip_grad_norm=cfg.get("clip_grad_norm"),
-        matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
+        timeouts=swarm_opt.Timeouts(matchmaking_time=cfg.get("matchmaking_time", 1.0),
+                                    averaging_timeout=cfg.get("averaging_timeout", 15.0),
+                                    adaptive=cfg.get("adaptive_deadlines", True)),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
         aggregation=(parse_aggregation(cfg["aggregation"]) if ":" in cfg.get("aggregation", "")  # the CLI's form
@@ -494,7 +500,11 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round
+            if opt.local_epoch >= cfg.get("slow_from_epoch", float("inf")):
+                open(cfg["out"] + ".slow", "w").close()  # (install_fault: slow_replies)
             reports.append(dict(last_report.__dict__, time=time.time(), grad_norm=opt.grad_norm,  # before clipping
+                                # the next round's (matchmaking_time, averaging_timeout): rank 0 holds the averager
+                                deadlines=opt.deadlines if hasattr(opt, "_averager") else None,
                                 tracker_level=_tracker_level(opt)))  # > 0: records sharded
             if not last_report.caught_up:
                 # the round's batches come first: later ones were computed while it averaged in the background

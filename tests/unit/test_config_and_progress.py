@@ -129,6 +129,6 @@ def test_parse_records_drops_malformed_hostile_and_foreign_records():
     })
     records, mismatched = parse_records(raw, model_schema="s", now=10.0)
     assert [r.peer_id for r in records] == [b"a"]
-    assert mismatched == 1
-    assert parse_records(None, model_schema="s", now=0.0) == ([], 0)
-    assert parse_records(ValueWithExpiration("junk", 1.0), model_schema="s", now=0.0) == ([], 0)
+    assert mismatched == ["other"]
+    assert parse_records(None, model_schema="s", now=0.0) == ([], [])
+    assert parse_records(ValueWithExpiration("junk", 1.0), model_schema="s", now=0.0) == ([], [])

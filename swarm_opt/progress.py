@@ -21,7 +21,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -76,6 +76,16 @@ class ProgressRecord(pydantic.BaseModel):
     # with Moshpit groups: the line of the averaging grid (its matchmaking key's group bits) in which the peer
     # committed the round that brought it to this epoch; what a line still looking for its group follows
     line: Optional[pydantic.constr(max_length=64, regex=r"^[01]*$", strict=True)] = None  # type: ignore[valid-type]
+
+    def dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        """The record as stored, and as hivemind's schema validator compares it with what it parsed: without
+        ``line`` while it is None, so that a record outside Moshpit groups is exactly what releases before the field
+        store and accept (their validator refuses a record with a field it does not know), and their records pass
+        ours."""
+        values = super().dict(**kwargs)
+        if values.get("line", "") is None:
+            del values["line"]
+        return values
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)

@@ -477,6 +477,11 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     last_report, resources, after, first_step, computed = None, {}, {}, None, 0
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
+    if opt.last_round is not None:  # a newcomer that downloaded the swarm's state as it was built
+        last_report = opt.last_round
+        reports.append(dict(last_report.__dict__, time=time.time(), grad_norm=None, deadlines=opt.deadlines,
+                            tracker_level=opt._tracker._records.sample.level))
+        lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         while opt.local_epoch >= cfg.get("hold_at_epoch", float("inf")) and os.path.exists(cfg["out"] + ".hold"):
             time.sleep(0.05)  # the test holds the swarm at an epoch until it released this peer

@@ -196,6 +196,7 @@ class Optimizer(torch.optim.Optimizer):
                                        report_type=RoundReport)
         if self._ranks.follows:
             self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
+            self._ranks.joined(self)  # takes rank 0's state once it joined the swarm
             return
         if dht is None:
             raise ConfigTypeError("dht must be a started hivemind.DHT, got None")
@@ -232,6 +233,7 @@ class Optimizer(torch.optim.Optimizer):
         # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
         # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
         self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
+        self._ranks.joined(self)  # the machine's other ranks take this state (swarm_opt.ranks)
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
     @property

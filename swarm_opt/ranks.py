@@ -118,6 +118,9 @@ class Solo:
     def around_download(self, opt: Any, download: Callable[[], None]) -> None:
         download()
 
+    def joined(self, opt: Any) -> None:
+        return None
+
 
 SOLO = Solo()
 
@@ -322,10 +325,10 @@ class _Ranks:
             offset += p.numel()
         return int(round(total))
 
-    def _state(self, opt: Any, *, joined: bool = True) -> Dict[str, Any]:
-        """What a follower loads: the parameters, the optimizer's full state, and (once the voice joined the swarm)
-        its progress and last round, which the follower shows as its own."""
-        progress = dataclasses.asdict(opt.progress) if joined else None
+    def _state(self, opt: Any) -> Dict[str, Any]:
+        """What a follower loads: the parameters, the optimizer's full state, and the voice's progress and last
+        round, which the follower shows as its own."""
+        progress = dataclasses.asdict(opt.progress)
         last = None if opt.last_round is None else dataclasses.asdict(opt.last_round)
         return {"params": list(opt._params), "optimizer": opt.state_dict(), "progress": progress, "last_round": last}
 
@@ -337,16 +340,17 @@ class _Voice(_Ranks):
         super().__init__(link, config, opt)
         self._local_steps = 0  # inner-optimizer steps since the last message
         self._published: Any = None  # the last_round the followers hold
-        self._in_step = False
+        self._in_step = True  # until ``joined``: what the construction does (a newcomer's download) goes with it
         opt.inner.register_step_post_hook(self._count_step)
 
     def _count_step(self, *_: Any) -> None:
         self._local_steps += 1
 
-    def agree(self, opt: Any, *, has_dht: bool) -> None:
-        super().agree(opt, has_dht=has_dht)  # (not yet in the swarm: nothing to leave if it fails)
-        self.link.send_state(_STATE, self._state(opt, joined=False), opt.local_epoch, "sending the initial state")
-        self._published = opt.last_round
+    def joined(self, opt: Any) -> None:
+        """The end of the voice's construction (in the swarm, a newcomer's state downloaded): the followers take
+        its state, as DDP broadcasts the module at construction."""
+        self._in_step = False
+        self._share(opt)
 
     def combine(self, opt: Any, batch_size: int) -> int:
         self._in_step, self._local_steps = True, 0
@@ -405,9 +409,9 @@ class _Follower(_Ranks):
         self.progress = SwarmProgress(epoch=0, samples_accumulated=0, target_batch_size=opt.config.target_batch_size,
                                       num_peers=0, num_clients=0, samples_per_second=0.0, eta=math.inf, time=0.0)
 
-    def agree(self, opt: Any, *, has_dht: bool) -> None:
-        super().agree(opt, has_dht=has_dht)
-        self._receive(opt, self.link.timeout)
+    def joined(self, opt: Any) -> None:
+        """Wait for the voice to join the swarm (it may download a running swarm's state) and take its state."""
+        self._receive(opt, self.swarm_bound)
 
     def follow(self, opt: Any, closure: Optional[Callable[[], Any]], batch_size: Optional[int]) -> Any:
         """A follower's ``step()``: compute, combine, then do what the voice says."""

@@ -85,6 +85,9 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
     joined = sum(bool(re.search(r"Loaded the swarm's state at epoch", logs[args.peers + i]))
                  for i in range(len(killed)))
     commits = sum(map(len, committed))
+    # failed attempts (every one, retries included), and those that gave up because the round was over elsewhere
+    attempts = sum(len(re.findall(r"did not reach a majority", log)) for log in logs.values())
+    round_over = sum(len(re.findall(r"completed round \d+ without this peer", log)) for log in logs.values())
     failures = sum(len(f - c) for c, f in zip(committed, failed))  # epochs never committed by that peer
     rounds = [rnd for res in results.values() for rnd in res["rounds"] if not rnd["caught_up"]]
     seconds = [rnd["seconds"] for rnd in rounds]
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace, size: Optional[int], workdir: Path) -> dict:
     epochs = [res["epoch"] for res in results.values()]
     return {"size": size, "peers": args.peers, "killed": killed, "commits": commits, "failures": failures,
             "success_rate": commits / max(1, commits + failures), "group_sizes": dict(sorted(sizes.items())),
+            "failed_attempts": attempts, "failed_as_round_over": round_over,
             "median_round_seconds": statistics.median(seconds) if seconds else None,
             "epochs_reached": epochs, "epochs_per_minute": 60 * statistics.median(epochs) / elapsed,
             "final_spread": float((finals - finals.mean(0)).norm(dim=1).max()), "seconds": elapsed,
@@ -157,12 +161,14 @@ def main() -> None:
     rows = [["one group" if r["size"] is None else f"Groups({r['size']})", r["peers"],
              f"{len(r['killed'])} ({r['newcomers_joined']} joined)",
              f"{r['success_rate']:.0%} ({r['commits']}/{r['commits'] + r['failures']})",
+             f"{r['failed_as_round_over']} of {r['failed_attempts']}",
              ", ".join(f"{k}: {v}" for k, v in r["group_sizes"].items()),
              "-" if r["median_round_seconds"] is None else f"{r['median_round_seconds']:.2f}",
              f"{r['epochs_per_minute']:.1f}", f"{min(r['epochs_reached'])}-{max(r['epochs_reached'])}",
              f"{r['final_spread']:.1e}",
              f"{r['simulated_spread']['mean']:.1e} / {r['simulated_spread']['max']:.1e}"] for r in runs]
-    print(table(["averaging", "peers", "killed+replaced (joined)", "round success", "committed group sizes (count)",
+    print(table(["averaging", "peers", "killed+replaced (joined)", "round success",
+                 "failed attempts: round over elsewhere", "committed group sizes (count)",
                  "median s/round", "epochs/min", "epochs reached", "final spread", "simulated (mean / max)"], rows))
     path = write_json("many_peers", {"command": command_line(), "code": code_version(), "machine": machine(),
                                      "args": vars(args), "runs": runs, "repo": str(REPO)})

@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from swarm_opt.optimizer import Optimizer
     from swarm_opt.privacy import OpacusPrivacy
     from swarm_opt.progress import ProgressTracker, SwarmProgress
+    from swarm_opt.ranks import LocalGroup, LocalGroupError
     from swarm_opt.recipe import DataShard, Evaluation, Recipe
 
 __version__ = "0.2.0"
@@ -55,6 +56,7 @@ _LAZY: Dict[str, str] = {
     "PowerSGD": "swarm_opt.compression.powersgd",
     "OpacusPrivacy": "swarm_opt.privacy",
     **dict.fromkeys(("ProgressTracker", "SwarmProgress"), "swarm_opt.progress"),
+    **dict.fromkeys(("LocalGroup", "LocalGroupError"), "swarm_opt.ranks"),
     **dict.fromkeys(("DataShard", "Evaluation", "Recipe"), "swarm_opt.recipe"),
 }
 #: the strategies and their options: every name of ``swarm_opt.strategies``' table (``REGISTRY``, ``HELPERS``)
@@ -90,6 +92,8 @@ __all__ = [
     *_STRATEGY_NAMES,
     "Offload",
     "Gloo",
+    "LocalGroup",
+    "LocalGroupError",
     "Codec",
     "CODECS",
     "NoCompression",

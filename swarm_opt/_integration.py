@@ -81,12 +81,13 @@ class PeerOptions:
         self.dht = dht  # the caller's, or None: join starts one
 
     def join(self, inner: torch.optim.Optimizer, *, scheduler: Optional[Any] = None,
-             clip_grad_norm: Optional[float] = None,
-             batch_size_per_step: Optional[int] = None) -> Tuple[Any, Optimizer]:
-        """Start a DHT (unless the options hold one) and a swarm optimizer around ``inner``; returns both. If the
-        optimizer cannot be built, the DHT started here is stopped again."""
-        dht = self.dht if self.dht is not None else start_dht(initial_peers=self.initial_peers,
-                                                              host_maddrs=self.host_maddrs)
+             clip_grad_norm: Optional[float] = None, batch_size_per_step: Optional[int] = None,
+             local_group: Any = None, starts_dht: bool = True) -> Tuple[Any, Optimizer]:
+        """Start a DHT (unless the options hold one, or ``starts_dht`` is False: a rank of a machine other than its
+        rank 0, ``swarm_opt.ranks``) and a swarm optimizer around ``inner``; returns both. If the optimizer cannot
+        be built, the DHT started here is stopped again."""
+        dht = self.dht if self.dht is not None or not starts_dht else \
+            start_dht(initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
         try:
             with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
                 optimizer = Optimizer(
@@ -96,7 +97,7 @@ class PeerOptions:
                     timeouts=self.timeouts, compression=self.averaging.compression,
                     aggregation=self.averaging.aggregation, transport=self.averaging.transport,
                     groups=self.averaging.groups, privacy=self.averaging.privacy, tracker=self.tracker,
-                    clip_grad_norm=clip_grad_norm)
+                    clip_grad_norm=clip_grad_norm, local_group=local_group)
         except BaseException:
             self.leave(None, dht)
             raise

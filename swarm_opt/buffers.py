@@ -10,6 +10,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from hivemind.p2p import PeerID
 
+from swarm_opt.deadlines import RoundTiming
+
 
 def buffer_like(tensor: torch.Tensor) -> torch.Tensor:
     """The averaging buffer of one tensor: on the CPU, in at least fp32 whatever the model's precision."""
@@ -58,6 +60,7 @@ class AveragingResult:
     gathered: dict
     averaged: Optional[Sequence[torch.Tensor]] = None
     helpers: Tuple[PeerID, ...] = ()  # auxiliary members: they reduced parts and contributed nothing
+    timing: Optional[RoundTiming] = None  # what the round took (``swarm_opt.deadlines``); None for a round alone
 
     @property
     def group_size(self) -> int:

@@ -146,6 +146,25 @@ def _positive_int(value: Any, what: str) -> int:
     return value
 
 
+def _writes_here(writer: Optional[bool]) -> bool:
+    """Whether this process writes checkpoints: ``writer`` if given; by default every process but the ranks other
+    than 0 of an initialised ``torch.distributed`` (a machine's ranks are one peer, ``swarm_opt.ranks``: its rank 0
+    writes for all of them, and every rank restores)."""
+    if writer is not None:
+        if not isinstance(writer, bool):
+            raise ConfigError(f"writer must be True, False or None (rank 0 of torch.distributed), got {writer!r}")
+        return writer
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
+def _saves(opt: Any) -> bool:
+    """Whether ``opt`` writes its own state (not a follower rank of a machine, ``swarm_opt.ranks``)."""
+    ranks = getattr(opt, "_ranks", None)
+    return ranks is None or ranks.writes_checkpoints
+
+
 def _training_state(opt: Any, model: torch.nn.Module, metrics: Optional[Metrics],
                     extra: Optional[Dict[str, Any]]) -> dict:
     return {
@@ -174,6 +193,8 @@ class ScoredCheckpointer:
     :param name: the file's name without ``.pt``; default the score's (``best-loss``, ``best-accuracy``,
         ``latest``), required for a plain function. Each name has one writer at a time.
     :param every_epochs: ``maybe_save`` considers only epochs that are a multiple of this.
+    :param writer: whether this process writes (see ``Checkpointer``); default: all but the ranks other than 0 of
+        ``torch.distributed``.
 
     The best score kept is read back from the file when a checkpointer starts, so a restarted run only replaces it
     with a better state.
@@ -183,7 +204,7 @@ class ScoredCheckpointer:
     """
 
     def __init__(self, directory: os.PathLike | str, *, score: Score, name: Optional[str] = None,
-                 every_epochs: int = 1) -> None:
+                 every_epochs: int = 1, writer: Optional[bool] = None) -> None:
         if not callable(score):
             raise ConfigError(f"score must be BestLoss(), BestMetric(...), Latest() or a function (epoch, metrics) "
                               f"-> float; got {score!r}")
@@ -196,11 +217,14 @@ class ScoredCheckpointer:
         self.score, self.every_epochs = score, _positive_int(every_epochs, "every_epochs")
         directory = _make_directory(directory)
         self.path = directory / f"{name}.pt"
-        self._lock = _WriterLock(directory / f".{self.path.name}.lock",
-                                 f"another checkpointer already writes {self.path} (in this or another process); "
-                                 f"give each its own name= or directory, or close() the other first")
-        for stale in directory.glob(f".{self.path.name}.*.tmp"):  # left by a writer killed mid-save
-            stale.unlink(missing_ok=True)
+        self.writer = _writes_here(writer)
+        self._lock: Optional[_WriterLock] = None
+        if self.writer:
+            self._lock = _WriterLock(directory / f".{self.path.name}.lock",
+                                     f"another checkpointer already writes {self.path} (in this or another process); "
+                                     f"give each its own name= or directory, or close() the other first")
+            for stale in directory.glob(f".{self.path.name}.*.tmp"):  # left by a writer killed mid-save
+                stale.unlink(missing_ok=True)
         self._last_epoch: Optional[int] = None
         self.best_score = self._read_score()
 
@@ -209,7 +233,7 @@ class ScoredCheckpointer:
         """At a new epoch that is a multiple of ``every_epochs``: save if the score beats the kept one. Returns the
         path if it saved."""
         epoch = opt.local_epoch
-        if epoch == self._last_epoch or epoch % self.every_epochs:
+        if epoch == self._last_epoch or epoch % self.every_epochs or not (self.writer and _saves(opt)):
             return None
         self._last_epoch = epoch
         return self.consider(_training_state(opt, model, metrics, extra))
@@ -217,7 +241,7 @@ class ScoredCheckpointer:
     def consider(self, state: dict) -> Optional[Path]:
         """Write ``state`` (a checkpoint's contents) if its score beats the kept one; returns the path if it did."""
         value = self.score(state["epoch"], state["metrics"])
-        if value is None or not math.isfinite(value) or \
+        if not self.writer or value is None or not math.isfinite(value) or \
                 (self.best_score is not None and not value > self.best_score):
             return None
         _atomic_save(state, self.path, intact=self.path if self.path.exists() else None)
@@ -253,7 +277,9 @@ class Checkpointer:
     ``keep_last`` checkpoints (and ``best.pt`` if ``best`` is given).
 
     Two Checkpointers may not write to the same directory (they would delete each other's files); scored
-    checkpointers of other names may share it.
+    checkpointers of other names may share it. The ranks of one machine (``swarm_opt.LocalGroup``) each build one:
+    rank 0 writes (``writer``, default: all but the ranks other than 0 of ``torch.distributed``), and every rank
+    restores the same file.
 
     >>> ckpt = Checkpointer("ckpt/", every_epochs=5, keep_last=3, best=BestMetric("accuracy", mode="max"))
     >>> ckpt.restore(opt, model)                     # resume, if a checkpoint exists
@@ -261,7 +287,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: os.PathLike | str, *, every_epochs: int = 1, keep_last: int = 3,
-                 best: Optional[Score] = None) -> None:
+                 best: Optional[Score] = None, writer: Optional[bool] = None) -> None:
         _positive_int(every_epochs, "every_epochs")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0:
             raise ConfigError(f"keep_last must be a non-negative int (0 keeps only best.pt), got {keep_last!r}")
@@ -269,18 +295,23 @@ class Checkpointer:
             raise ConfigError("keep_last=0 without best=BestMetric(...) would keep nothing; raise keep_last")
         self.directory = _make_directory(directory)
         self.every_epochs, self.keep_last = every_epochs, keep_last
-        self._lock = _WriterLock(self.directory / ".epochs.lock",
-                                 f"another Checkpointer already writes to {self.directory} (in this or another "
-                                 f"process); give each its own directory, or close() the other first")
+        self.writer = _writes_here(writer)
+        self._lock: Optional[_WriterLock] = None
+        if self.writer:
+            self._lock = _WriterLock(self.directory / ".epochs.lock",
+                                     f"another Checkpointer already writes to {self.directory} (in this or another "
+                                     f"process); give each its own directory, or close() the other first")
         self._best: Optional[ScoredCheckpointer] = None
         try:
             if best is not None:
-                self._best = ScoredCheckpointer(self.directory, score=best, name="best")
+                self._best = ScoredCheckpointer(self.directory, score=best, name="best", writer=self.writer)
         except ConfigError:
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
             raise
-        for stale in self.directory.glob(".epoch-*.tmp"):  # left by a process killed mid-save
-            stale.unlink(missing_ok=True)
+        if self.writer:
+            for stale in self.directory.glob(".epoch-*.tmp"):  # left by a process killed mid-save
+                stale.unlink(missing_ok=True)
         self._last_saved_epoch: Optional[int] = None
 
     @property
@@ -303,14 +334,17 @@ class Checkpointer:
                    extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
         """Save if the optimizer reached a new epoch that is a multiple of ``every_epochs``; returns the path."""
         epoch = opt.local_epoch
-        if epoch == self._last_saved_epoch or epoch % self.every_epochs:
+        if epoch == self._last_saved_epoch or epoch % self.every_epochs or not (self.writer and _saves(opt)):
             return None
         return self.save(opt, model, metrics=metrics, extra=extra)
 
     def save(self, opt: Any, model: torch.nn.Module, *, metrics: Optional[Metrics] = None,
-             extra: Optional[Dict[str, Any]] = None) -> Path:
-        """Write the training state now. A write that fails (disk full, read-only directory, I/O error) raises
+             extra: Optional[Dict[str, Any]] = None) -> Optional[Path]:
+        """Write the training state now; returns the path, or None in a process that does not write (``writer``:
+        rank 0 writes). A write that fails (disk full, read-only directory, I/O error) raises
         ``CheckpointWriteError`` and changes nothing on disk; training may go on, and the next save tries again."""
+        if not (self.writer and _saves(opt)):
+            return None
         state = _training_state(opt, model, metrics, extra)
         path = self.directory / f"epoch-{opt.local_epoch:08d}.pt"
         self._last_saved_epoch = opt.local_epoch  # a failed attempt too: maybe_save does not retry it every step

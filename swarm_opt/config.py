@@ -42,16 +42,26 @@ class Timeouts:
         its local progress and retries. Increase it for large models on slow links.
     :param state_download_timeout: a newcomer or a peer that fell behind gives up downloading the swarm's state after
         this long and raises StateDownloadError.
+    :param adaptive: ``True`` (default): each round's averaging deadline follows the swarm's measured round times (a
+        high quantile of this peer's recent committed rounds, with a wide margin) and ``averaging_timeout`` is its
+        upper bound: a fast swarm drops a member that stopped sending mid-round within seconds, and a round that
+        misses its deadline puts it back to the bound (``swarm_opt.deadlines``). ``matchmaking_time`` is used as
+        given (groups assemble as soon as every contributing peer joined; it only bounds the wait for one that does
+        not come). ``False``: every round uses exactly these numbers, as hivemind does.
     """
 
     matchmaking_time: float = 5.0
     averaging_timeout: float = 60.0
     state_download_timeout: float = 120.0
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         _positive_float("matchmaking_time", self.matchmaking_time)
         _positive_float("averaging_timeout", self.averaging_timeout)
         _positive_float("state_download_timeout", self.state_download_timeout)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigTypeError(f"adaptive must be True (deadlines follow the measured rounds, the numbers are upper "
+                                  f"bounds) or False (the numbers as they are), got {self.adaptive!r}")
         if self.averaging_timeout <= self.matchmaking_time:
             raise ConfigError(
                 f"averaging_timeout ({self.averaging_timeout}) must exceed matchmaking_time ({self.matchmaking_time}): "

@@ -22,7 +22,7 @@ try:
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core.optimizer import _MockOptimizer
-    from lightning.pytorch.strategies import SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.utilities.data import extract_batch_size
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError as e:  # pragma: no cover - exercised by a test that hides lightning
@@ -41,6 +41,7 @@ from swarm_opt.gloo_lane import Gloo
 from swarm_opt.offload import Offload
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.privacy import OpacusPrivacy
+from swarm_opt.ranks import LocalGroup
 from swarm_opt.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
@@ -73,9 +74,15 @@ class SwarmCallback(Callback):
     then called with ``gradient_clip_val=None``. ``gradient_clip_algorithm="value"`` stays Lightning's, per optimizer
     step. The swarm's norm before clipping is logged as ``swarm/grad_norm``.
 
+    **Several devices.** Under ``Trainer(strategy="ddp", devices=N)`` (gloo: ``accelerator="cpu"``) the machine's N
+    ranks are one peer of the swarm (``swarm_opt.LocalGroup``, ``docs/ranks.md``): DDP averages their gradients,
+    rank 0 alone starts the DHT and averages with the swarm, and every rank takes its results; no change to the
+    module.
+
     Nothing happens at construction (no DHT, no process; the callback pickles). Refused at setup, each with the
-    alternative: manual optimization, several optimizers, Lightning's distributed strategies (DDP, FSDP, ...: run
-    one single-device peer per device instead), ``ReduceLROnPlateau`` and several LR schedulers.
+    alternative: manual optimization, several optimizers, Lightning's other distributed strategies (FSDP,
+    DeepSpeed, ...: use strategy="ddp", or one single-device peer per device), ``ReduceLROnPlateau`` and several
+    LR schedulers.
     """
 
     def __init__(
@@ -140,11 +147,11 @@ class SwarmCallback(Callback):
                 "SwarmCallback drives Lightning's automatic optimization; with automatic_optimization = False, "
                 "build swarm_opt.Optimizer(...) in configure_optimizers yourself and call "
                 "opt.step(batch_size=...) in training_step, without the callback")
-        if not isinstance(trainer.strategy, SingleDeviceStrategy):
+        if not isinstance(trainer.strategy, SingleDeviceStrategy) and not _ddp(trainer):
             raise ConfigError(
-                f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: each process is "
-                f"its own swarm peer. Use Trainer(devices=1) (strategy='auto') and start one peer per device with "
-                f"the same run_id")
+                f"SwarmCallback does not run under Lightning's {type(trainer.strategy).__name__}: use "
+                f"Trainer(strategy='ddp', devices=N) (the machine's ranks are one swarm peer) or Trainer(devices=1) "
+                f"and one peer per device with the same run_id")
         if _norm_clipping(trainer) is not None:
             checked_max_norm(trainer.gradient_clip_val)  # the swarm optimizer's clip_grad_norm: refused now if bad
         elif self._options.offload is not None and trainer.gradient_clip_val:
@@ -163,7 +170,10 @@ class SwarmCallback(Callback):
         scheduler = _single_scheduler(trainer.strategy.lr_scheduler_configs)
         self._check_restored_identity()
         clip = _norm_clipping(trainer)
-        self._dht, self._optimizer = self._options.join(inner, scheduler=scheduler, clip_grad_norm=clip)
+        ddp = _ddp(trainer)  # DDP averaged the gradients; rank 0 speaks for the machine
+        self._dht, self._optimizer = self._options.join(
+            inner, scheduler=scheduler, clip_grad_norm=clip, starts_dht=trainer.global_rank == 0,
+            local_group=LocalGroup(gradients_reduced=True) if ddp else False)
         if clip is not None:  # the swarm optimizer clips instead of Lightning (class docstring); given back at the end
             trainer.gradient_clip_val, self._routed_clip = None, (trainer, clip)
         trainer.strategy.optimizers = [self._optimizer]
@@ -247,6 +257,12 @@ class SwarmCallback(Callback):
         if routed is not None:
             routed[0].gradient_clip_val = routed[1]
         self._options.leave(swarm, dht)
+
+
+def _ddp(trainer: Trainer) -> bool:
+    """Lightning's own DDP, its processes started by ``strategy="ddp"`` (not spawned: a spawned process cannot
+    start a DHT), not a strategy built on it (DeepSpeed)."""
+    return type(trainer.strategy) is DDPStrategy and getattr(trainer.strategy, "_start_method", "popen") == "popen"
 
 
 def _norm_clipping(trainer: Trainer) -> Optional[float]:

@@ -39,12 +39,13 @@ from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
 from swarm_opt.digest import digest_tolerance, digests_agree, majority, parameter_digest, valid_digest
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError, StateDownloadError
 from swarm_opt.gloo_lane import Gloo
-from swarm_opt.groups import Grid
+from swarm_opt.groups import Grid, RoundPlan
 from swarm_opt.metrics import NO_METRICS, Metrics
 from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
 from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
+from swarm_opt.ranks import LocalGroup, join_local_group
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -146,6 +147,7 @@ class Optimizer(torch.optim.Optimizer):
         groups: Optional[Groups] = None,
         clip_grad_norm: Optional[float] = None,
         identity: Optional[str] = None,
+        local_group: Union[LocalGroup, Any, None] = None,
     ) -> None:
         self.config = SwarmConfig(run_id, target_batch_size, batch_size_per_step)
         # every rule that pairs two options, checked before anything is bound (swarm_opt.options)
@@ -153,9 +155,8 @@ class Optimizer(torch.optim.Optimizer):
                             groups=groups, privacy=privacy, timeouts=timeouts, matchmaking_time=matchmaking_time,
                             averaging_timeout=averaging_timeout, clip_grad_norm=clip_grad_norm)
         max_norm, self.timeouts, strategy = averaging.clip_grad_norm, averaging.timeouts, averaging.strategy
-        if not isinstance(dht, DHT):
+        if dht is not None and not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
-        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -190,6 +191,16 @@ class Optimizer(torch.optim.Optimizer):
         #: the schemas older releases give this model -> their protocol (swarm_opt.protocol): resumable checkpoints,
         #: and the peers the tracker names as another version
         self.legacy_schemas = legacy_schemas(self._params, strategy, identity)
+        # the machine's other ranks (swarm_opt.ranks): collective; on a follower, rank 0 is this peer's swarm part
+        self._ranks = join_local_group(local_group, self, dht=dht, offloaded=self._offload is not None,
+                                       report_type=RoundReport)
+        if self._ranks.follows:
+            self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
+            self._ranks.joined(self)  # takes rank 0's state once it joined the swarm
+            return
+        if dht is None:
+            raise ConfigTypeError("dht must be a started hivemind.DHT, got None")
+        watch_dht(dht)  # re-bootstraps it if it loses sight of the swarm; once per DHT, ends with the DHT process
 
         access = run_access(dht, run_id)
         tracker = tracker or TrackerConfig()
@@ -217,9 +228,12 @@ class Optimizer(torch.optim.Optimizer):
         if self._tracker.progress.epoch == 0:
             self._mark_synced()
             self._averager.offer_state(self._epoch)
+        else:
+            self._join_running_swarm(self._tracker.progress.epoch)
         # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
         # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
         self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
+        self._ranks.joined(self)  # the machine's other ranks take this state (swarm_opt.ranks)
 
     # --- torch.optim.Optimizer surface ------------------------------------------------------------------------------
     @property
@@ -244,9 +258,15 @@ class Optimizer(torch.optim.Optimizer):
         """The swarm's progress as this peer sees it (no network call). ``epsilon`` is the privacy this peer spent so
         far: with ``privacy=``, its DP-SGD's (Opacus's accountant, sample-level); otherwise the strategy's peer-level
         DP's (``PeerDP(..., delta=...)``), if any."""
-        progress = self._tracker.progress
+        progress = self._ranks.progress if self._ranks.follows else self._tracker.progress
         epsilon = self.privacy.epsilon() if self.privacy is not None else self.strategy.epsilon()
         return progress if epsilon is None else replace(progress, epsilon=epsilon)
+
+    @property
+    def deadlines(self) -> Tuple[float, float]:
+        """``(matchmaking_time, averaging_timeout)`` of this peer's next round: with ``Timeouts(adaptive=True)`` (the
+        default) they follow the swarm's measured round times, within the given ones (``swarm_opt.deadlines``)."""
+        return self._averager.deadlines.now
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -273,12 +293,14 @@ class Optimizer(torch.optim.Optimizer):
         """Consume this step's gradients; when the swarm reaches the global batch, average and update together."""
         if self._closed:
             raise RuntimeError("this swarm_opt.Optimizer was shut down; create a new one to keep training")
+        if self._ranks.follows:  # this machine's rank 0 does the swarm's part of the step (swarm_opt.ranks)
+            return self._ranks.follow(self, closure, batch_size)
         self._note_step_period()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        batch_size = self._resolve_batch_size(batch_size)
+        batch_size = self._ranks.combine(self, self._resolve_batch_size(batch_size))  # the machine's, over its ranks
         if loss is not None:
             self.report_loss(loss)
 
@@ -318,6 +340,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._resync_donors:
             self._resync()
         self._push_offloaded()
+        self._ranks.publish(self)  # the machine's other ranks repeat the local step, or take the new state
         self._step_returned = time.monotonic()
         return loss
 
@@ -360,8 +383,19 @@ class Optimizer(torch.optim.Optimizer):
         with torch.no_grad(), self._state_lock:
             begun = self.strategy.begin_round(plan)
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
-                         round_is_over=lambda: self._tracker.epoch_reached(round_id),  # completed without us
-                         plan=plan)
+                         round_is_over=self._round_is_over(round_id, plan), plan=plan)
+
+    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], bool]:
+        """Whether the swarm completed round ``round_id`` without this peer, asked while it looks for its group. With
+        Moshpit groups every line of the grid averages on its own: another line's commit does not end this line's
+        round, only a commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's
+        once this peer has looked for ``matchmaking_time`` since the round began (a line too short to form a group
+        then gives up, as without groups, rather than at its averaging deadline)."""
+        if plan.whole_swarm:
+            return lambda: self._tracker.epoch_reached(round_id)
+        began = time.monotonic()
+        return lambda: self._tracker.line_reached(round_id, plan.cell) or (
+            time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
@@ -369,7 +403,8 @@ class Optimizer(torch.optim.Optimizer):
         self.last_round = RoundReport(flight.round_id, result.group_size, num_peers, flight.samples,
                                       flight.round.weight, time.monotonic() - flight.started, caught_up=False,
                                       helpers=len(result.helpers))
-        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second)
+        self._advance_epoch(self.last_round, self._tracker.progress.samples_per_second,
+                            line=None if flight.plan.whole_swarm else flight.plan.cell)
 
     def _look_ahead(self, progress: SwarmProgress, *, contributes: bool) -> None:
         """Start looking for the next round's group if the swarm is due to reach its target within
@@ -424,6 +459,10 @@ class Optimizer(torch.optim.Optimizer):
                                        _donors=tuple(random.sample(list(donors), len(donors))))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on, and trying again at the next read of the swarm's progress")
+            return
+        # the records counted at the last read were judged against our old epoch, ahead of theirs: a peer of our old
+        # side that has not switched yet would pass for the swarm, ahead, and we would download its state back
+        self._tracker.read_again(timeout=state_sync.RECORDS_READ_TIMEOUT)
 
     def _reached_share(self, progress: SwarmProgress, batch_size: int) -> bool:
         """Whether this peer computed its share of the global batch (``contributed_share``); never alone, nor when
@@ -517,13 +556,13 @@ class Optimizer(torch.optim.Optimizer):
         self._tracker.report(self._epoch, 0)
         self._averager.offer_state(self._epoch)
 
-    def _advance_epoch(self, report: RoundReport, samples_per_second: float) -> None:
+    def _advance_epoch(self, report: RoundReport, samples_per_second: float, line: Optional[str] = None) -> None:
         self._epoch += 1
         self._samples -= report.samples  # what remains was computed while a background round was in flight
         self._mark_synced()
         if self.scheduler is not None:
             self.scheduler.step()
-        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest())
+        self._tracker.report(self._epoch, self._samples, params_digest=self._params_digest(), line=line)
         self._averager.offer_state(self._epoch)
         loss = f", loss {self._loss_sum / self._loss_count:.4f}" if self._loss_count else ""
         self._loss_sum, self._loss_count = 0.0, 0
@@ -537,6 +576,16 @@ class Optimizer(torch.optim.Optimizer):
                     f"{samples_per_second:.0f} samples/s{loss}{clipped}{privacy}")
 
     # --- state sharing ----------------------------------------------------------------------------------------------
+    def _join_running_swarm(self, epoch: int) -> None:
+        """A newcomer to a swarm already at ``epoch``: download its state now, before the training loop computes a
+        first step at this peer's initial parameters that the catch-up at that step would throw away. Within
+        ``state_sync.NEWCOMER_PATIENCE``: failing that, ``step()`` catches up as for any peer behind."""
+        try:
+            self.load_state_from_peers(timeout=state_sync.NEWCOMER_PATIENCE, _min_epoch=epoch)
+        except StateDownloadError as e:
+            logger.info(f"{e}; catching up at the first step instead")
+            self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
+
     def _catch_up(self, global_epoch: int) -> None:
         """The swarm finished rounds without us: go on from our own state if the strategy allows it (local updates
         are averaged back in next round), otherwise download the swarm's state."""
@@ -548,8 +597,9 @@ class Optimizer(torch.optim.Optimizer):
         if time.monotonic() < self._next_catch_up:
             return
         self._averager.cancel_scheduled()
-        try:
-            self.load_state_from_peers(_min_epoch=self._epoch + 1)  # within Timeouts.state_download_timeout
+        try:  # from a peer at the swarm's epoch, not from the most advanced one (a side of a partition, ahead)
+            self.load_state_from_peers(_min_epoch=self._epoch + 1,  # within Timeouts.state_download_timeout
+                                       _donors=self._tracker.holders(global_epoch))
         except StateDownloadError as e:
             logger.warning(f"{e}; training on and retrying in {_CATCH_UP_BACKOFF:.0f} s")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
@@ -559,7 +609,11 @@ class Optimizer(torch.optim.Optimizer):
         """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
 
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
-        ``StateDownloadError``."""
+        ``StateDownloadError``. With a local group every rank calls it: rank 0 downloads, the others take its state.
+        """
+        self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors))
+
+    def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any]) -> None:
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
         self._rounds.settle()
         started = time.monotonic()
@@ -683,10 +737,21 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self._ranks.follows:
+            self._load_state_locally(state_dict)
+            return
+        self._rounds.settle()
+        if self._load_state_locally(state_dict):
+            self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
+            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
+            self._averager.offer_state(self._epoch)
+
+    def _load_state_locally(self, state_dict: Dict[str, Any]) -> bool:
+        """Load ``state_dict()``'s output into the inner optimizer, scheduler and strategy; True if it held an epoch
+        (which this peer then is at)."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise IncompatibleStateError("expected a state_dict produced by swarm_opt.Optimizer.state_dict()")
         extra = state_dict.get("swarm_opt", {})
-        self._rounds.settle()
         with self._state_lock:
             self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != "swarm_opt"})
             if self.scheduler is not None and extra.get("scheduler") is not None:
@@ -694,10 +759,7 @@ class Optimizer(torch.optim.Optimizer):
             self.strategy.load_state_dict(extra.get("strategy") or {})
             if "epoch" in extra:
                 self._epoch, self._samples = int(extra["epoch"]), 0
-                self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
-        if "epoch" in extra:
-            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
-            self._averager.offer_state(self._epoch)
+        return "epoch" in extra
 
     # --- lifetime ---------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -705,9 +767,10 @@ class Optimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
-        self._tracker.shutdown()
-        self._averager.shutdown()  # a round in flight returns at once
-        self._rounds.abandon(timeout=10.0)
+        if not self._ranks.follows:  # a follower holds no part of the swarm
+            self._tracker.shutdown()
+            self._averager.shutdown()  # a round in flight returns at once
+            self._rounds.abandon(timeout=10.0)
         if self._clipping is not None:  # the inner optimizer is the user's: it steps unclipped again
             self._clipping.remove()
 

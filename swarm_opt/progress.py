@@ -16,11 +16,12 @@ import functools
 import logging
 import math
 import os
+import random
 import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import pydantic.v1 as pydantic
 from hivemind.dht import DHT
@@ -72,6 +73,19 @@ class ProgressRecord(pydantic.BaseModel):
     # the digest of the peer's parameters at this epoch (``swarm_opt.digest``), where every peer at an epoch holds
     # the same parameters (``Strategy.shares_parameters``): what a newcomer checks a downloaded state against
     params_digest: Optional[pydantic.conlist(pydantic.StrictFloat, max_items=8)] = None  # type: ignore[valid-type]
+    # with Moshpit groups: the line of the averaging grid (its matchmaking key's group bits) in which the peer
+    # committed the round that brought it to this epoch; what a line still looking for its group follows
+    line: Optional[pydantic.constr(max_length=64, regex=r"^[01]*$", strict=True)] = None  # type: ignore[valid-type]
+
+    def dict(self, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+        """The record as stored, and as hivemind's schema validator compares it with what it parsed: without
+        ``line`` while it is None, so that a record outside Moshpit groups is exactly what releases before the field
+        store and accept (their validator refuses a record with a field it does not know), and their records pass
+        ours."""
+        values = super().dict(**kwargs)
+        if values.get("line", "") is None:
+            del values["line"]
+        return values
 
     @pydantic.validator("samples_per_second", "time")
     def _finite(cls, value: float) -> float:  # noqa: N805 (pydantic validators are classmethods)
@@ -532,6 +546,7 @@ class ProgressTracker:
         self._lock = threading.Lock()
         self._epoch, self._samples = 0, 0
         self._params_digest: Optional[List[float]] = None
+        self._line: Optional[str] = None  # the grid line in which this peer committed its epoch (``report``)
         self._joined = False  # see ``mark_joined``
         self._epoch_started: Optional[float] = None
         self._first_step: Optional[float] = None  # epoch 0's start for ``aggregate_progress`` (not for trust checks)
@@ -570,14 +585,16 @@ class ProgressTracker:
         self.refresh()
         self._thread.start()
 
-    def report(self, epoch: int, samples: int, params_digest: Optional[List[float]] = None) -> None:
+    def report(self, epoch: int, samples: int, params_digest: Optional[List[float]] = None,
+               line: Optional[str] = None) -> None:
         """Record local progress; published by the background thread (at once when the epoch changed). A new epoch
-        forgets the parameters' digest unless it comes along."""
+        forgets the parameters' digest and the line of the grid it was committed in unless they come along."""
         with self._lock:
             if epoch != self._epoch:
                 self._throughput.restart()
                 self._epoch_started = get_dht_time()
                 self._params_digest = None
+                self._line = line
                 self._version, self._version_streak = None, 0
                 self._wake.set()
             if params_digest is not None:
@@ -646,6 +663,26 @@ class ProgressTracker:
             self._wake.set()
         self._watched_until = now + self.config.refresh_period
         return self.progress.epoch >= epoch
+
+    def line_reached(self, epoch: int, line: str) -> bool:
+        """Whether the round that ends at ``epoch`` is over for the peers of the grid's ``line`` (Moshpit groups):
+        a peer published that it committed it in that line (at most one group per line holds a majority), or the
+        swarm is a round further. Lines average on their own, so another line's commit says nothing of this one's;
+        asked like ``epoch_reached``, which it reads through."""
+        if self.epoch_reached(epoch + 1):
+            return True
+        with self._lock:
+            return any(r.epoch == epoch and r.line == line for r in self._others)
+
+    def holders(self, epoch: int) -> List[bytes]:
+        """The peers whose counted records stand at ``epoch`` (the swarm's epoch, as this peer believes it), in
+        random order: the donors a peer catching up asks, rather than the most advanced donor listed on the DHT,
+        which may be a part of the swarm that a partition cut off and that trained on alone (``believed_epoch``).
+        Empty in a sampled view (its records are a sample: any listed donor then)."""
+        with self._lock:
+            peers = [] if self.sampled else list({r.peer_id for r in self._others if r.epoch == epoch})
+        random.shuffle(peers)
+        return peers
 
     def expected_params_digest(self, epoch: int, donor: bytes, tolerance: float
                                ) -> Optional[Tuple[Tuple[float, ...], str]]:
@@ -754,7 +791,7 @@ class ProgressTracker:
             peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
-            params_digest=self._params_digest,
+            params_digest=self._params_digest, line=self._line,
         )
 
     def _publish(self, *, force: bool, timeout: float) -> None:
@@ -804,7 +841,9 @@ class ProgressTracker:
             logger.error(mismatch_line(self.key[:-len('_swarm_progress')], mismatched, self._legacy_schemas))
         with self._lock:
             local, started, joined = self._local_record(), self._epoch_started, self._joined
-        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined)
+            remembered = () if self.sampled else tuple(self._memory)  # see ``recent_peers``
+        checked = self._checker.check(records, local, now, self.target_batch_size, started, local_votes=joined,
+                                      remembered=remembered)
         scale = self._records.sample.scale
         departed, self._records.departed = self._records.departed, set()
         with self._lock:

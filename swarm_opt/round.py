@@ -180,6 +180,8 @@ class RoundRunner:
                 logger.info(f"Round for epoch {flight.round_id} did not reach a majority of {line} "
                             f"peers{of_line} ({outcome}); keeping local progress")
             self.metrics.round_concluded("failed", time.monotonic() - flight.started, result and result.group_size or 0)
+            if result is not None and not reached:  # members missed the group: the deadline may be too short
+                self._averager.deadlines.missed()
             with torch.no_grad(), self._lock:
                 flight.round.give_back()
             self._grid.missed(flight.plan, flight.round_id)
@@ -192,4 +194,9 @@ class RoundRunner:
             self._averager.commit(result, flight.round_id)
             self._grid.moved(flight.plan, result.peers, self._averager.peer_id, flight.round_id)
             self._on_commit(flight, result, num_peers)
+        if result.timing is not None:
+            self._averager.deadlines.committed(result.timing)
+            logger.debug("Round for epoch %d: group assembled %.2f s after it was due, averaged in %.2f s; next "
+                         "deadlines %s", flight.round_id, result.timing.waited, result.timing.averaged,
+                         self._averager.deadlines.now)
         self.metrics.round_concluded("committed", time.monotonic() - flight.started, result.group_size)

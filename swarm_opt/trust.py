@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
+from typing import Collection, Dict, FrozenSet, Generic, Hashable, List, NamedTuple, Optional, Tuple, TypeVar
 
 from hivemind.p2p import PeerID
 
@@ -94,13 +94,16 @@ class Suspensions(Generic[Key]):
             del self._entries[key]
 
 
-def believed_epoch(epochs: List[int], local_epoch: Optional[int]) -> int:
-    """The newest epoch that at least half of the peers (``epochs``, ours included) have reached, and never less
-    than our own: one peer cannot pull the swarm ahead, a majority that committed a round can."""
+def believed_epoch(epochs: List[int], local_epoch: Optional[int], voters: int = 0) -> int:
+    """The newest epoch that at least half of the peers (``epochs``, ours included; or ``voters``, if more) have
+    reached, and never less than our own: one peer cannot pull the swarm ahead, a majority that committed a round
+    can. ``voters``: the peers this peer knows to be in the run (seen live lately, ``TrackerConfig.forget_after``),
+    some of whose records a read may miss: right after a partition heals, a read may reach only one side's DHT
+    nodes, and the side that trained on alone must not pass for the swarm there."""
     if not epochs:
         return local_epoch or 0
     ordered = sorted(epochs, reverse=True)
-    n = len(ordered)
+    n = max(len(ordered), voters)
     believed = ordered[-1]
     for count, epoch in enumerate(ordered, start=1):
         if 2 * count >= n:
@@ -152,20 +155,26 @@ class ClaimChecker:
         self._reference_rate = 0.0
 
     def check(self, records: list, local, now: float, target_batch_size: int,
-              local_epoch_started: Optional[float] = None, *, local_votes: bool = True) -> Checked:
+              local_epoch_started: Optional[float] = None, *, local_votes: bool = True,
+              remembered: Collection[Tuple[bytes, str]] = ()) -> Checked:
         """Return the records that count, with samples and throughput bounded, and how many peers are ahead.
         ``local`` is our own record (None for an observer); ``now`` and ``local_epoch_started`` are DHT times;
         ``local_votes``: whether our own epoch is evidence of the swarm's (not while we are a newcomer deciding
-        whether to download; unless nobody else publishes one)."""
+        whether to download; unless nobody else publishes one). ``remembered``: the (peer id, instance) of the
+        other peers seen live lately, whether or not this read found their records: an epoch ahead of ours is
+        believed only once half of them and of this read's peers stand there (``believed_epoch``)."""
         with self._lock:
-            return self._check(records, local, now, target_batch_size, local_epoch_started, local_votes)
+            return self._check(records, local, now, target_batch_size, local_epoch_started, local_votes, remembered)
 
     def _check(self, records: list, local, now: float, target_batch_size: int,
-               local_epoch_started: Optional[float], local_votes: bool) -> Checked:
+               local_epoch_started: Optional[float], local_votes: bool,
+               remembered: Collection[Tuple[bytes, str]]) -> Checked:
         live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
         votes = [r.epoch for r in live] + ([local_epoch] if local is not None and (local_votes or not live) else [])
-        epoch = believed_epoch(votes, local_epoch)
+        known = {key for key in remembered if not self._ignored.suspended(key, now)}
+        voters = len(known.union(_key(r) for r in live)) + len(votes) - len(live)
+        epoch = believed_epoch(votes, local_epoch, voters)
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
 
         counted, ahead = [], []

@@ -46,6 +46,7 @@ from swarm_opt._hivemind.gather import (
     AUX_KEY,
     CELL_KEY,
     COUNTED_KEY,
+    DEADLINE_KEY,
     DISTRUSTS_KEY,
     DUE_KEY,
     LINE_KEY,
@@ -175,6 +176,9 @@ class _Engine(DecentralizedAverager):
         self._watches: Dict[int, MPFuture] = {}
         self._unheard: OrderedDict[int, Tuple[Tuple[str, Any], bool]] = OrderedDict()
         self._host_lanes: Dict[bytes, MPFuture] = {}  # the verdicts of lane rounds the host runs, by group id
+        self._assembled = mp.Value("d", 0.0)  # DHT time at which this peer's last group assembled (shared)
+        #: the all-reduce deadline this engine was made with: each round's own (``DEADLINE_KEY``) stays within it
+        self._bound_allreduce = kwargs.get("allreduce_timeout")
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan
@@ -203,6 +207,7 @@ class _Engine(DecentralizedAverager):
             self._remember_groups(self._matchmaking)
             self._matchmaking._adjusted = True
         _renew_finished_search(self._matchmaking)
+        self._apply_deadline(info.get(DEADLINE_KEY))
         self._tell_distrusted(step)
         helpers = []
         if self.mode != AveragingMode.AUX and self._matchmaking.target_group_size is None:
@@ -221,6 +226,18 @@ class _Engine(DecentralizedAverager):
             if unstarted is not None:
                 self._host_lanes.pop(unstarted.group_id, None)
             self._tell_host(step, "done", None)
+
+    def _apply_deadline(self, deadline: Any) -> None:
+        """This round's averaging deadline, sent by the host with the round (``swarm_opt.deadlines``), within the
+        one this engine was made with: the all-reduce's timeout, and a third of it for a silent sender (hivemind's
+        ``next_chunk_timeout``; a silent reducer gets twice that)."""
+        allreduce = self._bound_allreduce
+        if allreduce is None:
+            return
+        if isinstance(deadline, float) and math.isfinite(deadline) and deadline > 0:
+            allreduce = min(allreduce, deadline)
+        self._allreduce_timeout = allreduce
+        self.allreduce_kwargs.update(sender_timeout=allreduce / 3, reducer_timeout=2 * allreduce / 3)
 
     # --- what the host hears of a step: ("lane", LaneCall) when it runs the round, then ("done", None) ---------------
     def watch(self, step: StepControl) -> MPFuture:  # host process
@@ -264,6 +281,7 @@ class _Engine(DecentralizedAverager):
         async def remembered(step: StepControl) -> Any:
             group_info = await look_for_group(step)
             if group_info is not None:
+                self._assembled.value = get_dht_time()
                 self._unstarted[step] = group_info
                 addresses = self._lane_addresses(group_info)
                 if addresses is not None and self.lane_in_host:

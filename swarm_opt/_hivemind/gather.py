@@ -15,6 +15,8 @@ Written by ``TensorAverager.schedule`` (host process), for every round:
 * ``AGGREGATION_KEY`` (str): the ``repr`` of the member's aggregation: a group that mixes them discards its round;
 * ``CELL_KEY`` (str of '0'/'1'): the round's line of the Moshpit averaging grid (its matchmaking key);
 * ``LANE_KEY`` (str, "host:port"): the member's gloo lane address, if it offers the lane.
+* ``DEADLINE_KEY`` (float seconds): this round's averaging deadline (``swarm_opt.deadlines``), read by the
+  member's own averager process (its all-reduce timeouts), not by the groupmates.
 
 Written by the optimizer (``Optimizer._member_info``), for every round:
 
@@ -40,6 +42,7 @@ AUX_KEY = "aux"
 AGGREGATION_KEY = "aggregation"
 CELL_KEY = "cell"
 LANE_KEY = "lane"
+DEADLINE_KEY = "deadline"
 PEERS_KEY = "peers"
 BOUND_KEY = "bound"
 COUNTED_KEY = "counted"

@@ -30,6 +30,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MPFuture, get_dht_time
 
 from swarm_opt._hivemind.engine import (
+    _START_TIMEOUT,
     BufferWriter,
     LaneCall,
     MemberInfo,
@@ -40,13 +41,23 @@ from swarm_opt._hivemind.engine import (
     cancel_step,
 )
 from swarm_opt._hivemind.fork import without_tensor_memory
-from swarm_opt._hivemind.gather import AGGREGATION_KEY, AUX_KEY, CELL_KEY, DUE_KEY, LANE_KEY, ROUND_KEY, STEP_PERIOD_KEY
+from swarm_opt._hivemind.gather import (
+    AGGREGATION_KEY,
+    AUX_KEY,
+    CELL_KEY,
+    DEADLINE_KEY,
+    DUE_KEY,
+    LANE_KEY,
+    ROUND_KEY,
+    STEP_PERIOD_KEY,
+)
 from swarm_opt._hivemind.powersgd_engine import PowerSGDEngine
 from swarm_opt.aggregation import Aggregation
 from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.compression import Compression, NoCompression, PowerSGD
 from swarm_opt.config import Timeouts
+from swarm_opt.deadlines import RoundDeadlines, RoundTiming
 from swarm_opt.gloo_lane import Gloo, GlooLane, LaneFailure, lane_codec_dtype, lane_key
 
 logger = logging.getLogger(__name__)
@@ -97,6 +108,8 @@ class TensorAverager:
         target_group_size: Optional[int] = None,
     ) -> None:
         self.timeouts = timeouts
+        #: each round's averaging deadline, within ``timeouts`` (``swarm_opt.deadlines``): told how rounds go
+        self.deadlines = RoundDeadlines(timeouts)
         #: the matchmaking key of round ``round_id`` (hivemind's group bits: the round's line of the Moshpit grid,
         #: ``swarm_opt.groups``); '' (the default) puts every peer under one key
         self.group_key: Callable[[int], str] = lambda round_id: ""
@@ -156,6 +169,7 @@ class TensorAverager:
         self._scheduled: Optional[StepControl] = None
         self._scheduled_watch: Optional[MPFuture] = None  # what the averager process says of it (_Engine.watch)
         self._scheduled_round = -1
+        self._scheduled_at: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # its search's start, due time, safety net (s)
         self._running: Optional[StepControl] = None  # the round in all_reduce(), possibly in another thread
         self.last_failure = ""  # why the last all_reduce() returned None, in a few words
         self.last_download_failure = ""  # why the last load_state() returned None, in a few words
@@ -216,19 +230,24 @@ class TensorAverager:
                     return
                 cancel_step(self._scheduled)
             due = float(when)  # a leader may assemble its group from then on, once complete (_assemble_once_complete)
-            when = max(when, get_dht_time() + self.timeouts.matchmaking_time)
+            matchmaking = self.timeouts.matchmaking_time
+            # a member starts sending at its next step (``_start_allowance``): a deadline never cuts that short
+            averaging = min(self.timeouts.averaging_timeout, max(
+                self.deadlines.averaging_timeout, matchmaking + _START_TIMEOUT + 4 * self.step_period))
+            when = max(when, get_dht_time() + matchmaking)
             if self.auxiliary:
                 # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
                 # wait at least until the leader's own deadline: say so for any leader due in the first half of
                 # the search
                 when = get_dht_time() + (self.timeouts.matchmaking_time + self.timeouts.averaging_timeout) / 2
             self._scheduled_round = round_id
+            self._scheduled_at = (get_dht_time(), due, 2 * averaging + matchmaking)
             self._scheduled = self._engine.step(
-                scheduled_time=when, weight=0.0, timeout=self.timeouts.averaging_timeout,
+                scheduled_time=when, weight=0.0, timeout=averaging,
                 require_trigger=True, wait=False, allow_retries=False,
                 gather={**self.member_info(), ROUND_KEY: round_id, STEP_PERIOD_KEY: self.step_period, DUE_KEY: due,
                         AUX_KEY: self.auxiliary, AGGREGATION_KEY: self._aggregation, CELL_KEY: self.group_key(round_id),
-                        **({LANE_KEY: self.lane_address} if self.lane_address else {})},
+                        DEADLINE_KEY: float(averaging), **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
             self._scheduled_watch = self._engine.watch(self._scheduled)
 
@@ -263,7 +282,9 @@ class TensorAverager:
             control, self._scheduled = self._scheduled, None
             watch, self._scheduled_watch = self._scheduled_watch, None
             self._running = control
+            searched_since, due, safety_net = self._scheduled_at
         assert control is not None and watch is not None
+        ready = get_dht_time()
         try:
             if not lane_ahead:  # (a lane round formed ahead needs no weight, and triggers its step once done: below)
                 control.weight = float(weight)
@@ -271,14 +292,14 @@ class TensorAverager:
             # a safety net only, past the averager's own bounds (finding a group within averaging_timeout of the
             # scheduling, then all-reducing within averaging_timeout): giving up earlier could abandon a round that
             # the averager completes anyway, with our values in the groupmates' average and not in ours
-            deadline = time.monotonic() + 2 * self.timeouts.averaging_timeout + self.timeouts.matchmaking_time
+            deadline = time.monotonic() + safety_net
             while True:
                 try:
                     what, call = watch.result(timeout=0.2)
                     break
                 except concurrent.futures.TimeoutError:
                     if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
-                        raise RuntimeError(f"the swarm completed round {round_id} without this peer") from None
+                        raise _RoundOver(f"the swarm completed round {round_id} without this peer") from None
                     if time.monotonic() > deadline:
                         raise
             finite = None  # not checked yet
@@ -292,6 +313,8 @@ class TensorAverager:
             # cancelled (hivemind's futures raise asyncio's CancelledError, a BaseException): the caller keeps its state
             logger.debug("Averaging round failed: %r", e)
             cancel_step(control)
+            if not isinstance(e, (asyncio.CancelledError, _RoundOver)):  # no group in time, or a member too slow
+                self.deadlines.missed()
             return self._failed(_reason(e) if not isinstance(e, asyncio.CancelledError) else "the round was cancelled")
         finally:
             with self._lock:
@@ -325,7 +348,16 @@ class TensorAverager:
                 return self._failed("non-finite averaged values")
         # the buffers stay untouched until this peer triggers its next round: the caller reads them as they are
         return AveragingResult(peers=tuple(contributors), gathered=dict(gathered), averaged=tuple(buffers),
-                               helpers=helpers)
+                               helpers=helpers, timing=self._timing(searched_since, ready, due))
+
+    def _timing(self, searched_since: float, ready: float, due: float) -> Optional[RoundTiming]:
+        """What the round that just ended took (``RoundTiming``), from when this peer was ready and the round due;
+        None if its group's assembly was not seen (it predates the round's search)."""
+        assembled, now = self._engine._assembled.value, get_dht_time()
+        if not searched_since <= assembled <= now:
+            return None
+        start = max(ready, due)
+        return RoundTiming(waited=max(0.0, assembled - start), averaged=max(0.0, now - max(assembled, ready)))
 
     def _lane_formed(self, round_id: int) -> bool:
         """Whether the group of round ``round_id``, scheduled ahead, formed for the lane."""
@@ -410,3 +442,7 @@ class TensorAverager:
             self._engine.lane.close()  # a lane round in another thread fails at once
         if self._engine.is_alive():
             self._engine.shutdown()
+
+
+class _RoundOver(RuntimeError):
+    """The swarm completed the round this peer still looks for a group for (not a deadline missed)."""

@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -225,6 +226,28 @@ class _ProgressBar:
             self._bar.close()
 
 
+class _LongestStep:
+    """The longest ``step()`` of the run, and the epoch it ended at: said when the peer leaves. A step blocks for a
+    round, a catch-up download or a partition's reconciliation, each bounded (``docs/optimizer.md``); a long one
+    tells a volunteer where its time went. A step that ends after a stop was requested is not counted: the peer is
+    leaving, and so may its groupmates be (a Ctrl-C to a whole swarm)."""
+
+    def __init__(self, stop: StopRequest) -> None:
+        self.seconds, self.epoch = 0.0, 0
+        self._stop = stop
+
+    @contextmanager
+    def timing(self, opt: Any) -> Iterator[None]:
+        started = time.monotonic()
+        yield
+        took = time.monotonic() - started
+        if took > self.seconds and not self._stop.requested:
+            self.seconds, self.epoch = took, opt.local_epoch
+
+    def describe(self) -> str:
+        return f" (the longest step() took {self.seconds:.1f} s, at epoch {self.epoch})" if self.seconds else ""
+
+
 class _EpochLoss:
     """The mean training loss of the steps of one epoch, summed on the loss's device (no sync per step)."""
 
@@ -370,6 +393,7 @@ def run_train(args: argparse.Namespace) -> int:
         return _run_auxiliary(args, recipe, strategy, dht, stop, identity.fingerprint, beacon, stats, metrics)
     opt: Optional[swarm_opt.Optimizer] = None
     bar: Optional[_ProgressBar] = None
+    longest: Optional[_LongestStep] = None
     model, scaler = recipe.model, recipe.grad_scaler()
     try:
         with children_ignore_sigint():  # the optimizer's averager is a child process too
@@ -402,6 +426,7 @@ def run_train(args: argparse.Namespace) -> int:
         last_epoch = opt.local_epoch
         stats.publish(last_epoch)
         losses = _EpochLoss()
+        longest = _LongestStep(stop)
         model.train()
         while not stop.requested and (args.epochs is None or opt.local_epoch < args.epochs):
             batch = batches.next()
@@ -413,11 +438,13 @@ def run_train(args: argparse.Namespace) -> int:
                 loss = recipe.loss_fn(model(x), y)
             if scaler is not None:
                 scaler.scale(loss).backward()
-                scaler.step(opt, batch_size=_batch_size_of(y))
+                with longest.timing(opt):
+                    scaler.step(opt, batch_size=_batch_size_of(y))
                 scaler.update()
             else:
                 loss.backward()
-                opt.step(batch_size=_batch_size_of(y))
+                with longest.timing(opt):
+                    opt.step(batch_size=_batch_size_of(y))
             losses.add(loss)
             if opt.local_epoch != last_epoch:
                 last_epoch = opt.local_epoch
@@ -453,11 +480,12 @@ def run_train(args: argparse.Namespace) -> int:
              f"epoch {epoch}; left the run. To train on, give the task's source more data (or let it repeat), or "
              f"join with another --shard")
         return 0
+    steps = "" if longest is None else longest.describe()
     if stop.requested:
-        _say(f"stopped by {stop.signal_name} at epoch {epoch}")
+        _say(f"stopped by {stop.signal_name} at epoch {epoch}{steps}")
     else:
         lane = f", {opt._averager.lane_rounds} round(s) over the gloo lane" if args.gloo_lane else ""
-        _say(f"reached epoch {epoch}{lane}; done")
+        _say(f"reached epoch {epoch}{lane}; done{steps}")
     return 1 if ckpt is not None and ckpt.exit_failed else 0
 
 

@@ -11,7 +11,6 @@ reason, where namespaces cannot be created.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -24,11 +23,11 @@ import pytest
 
 from tests.e2e.conftest import REPO, cli_env
 from tests.hosts import Hosts, namespaces_unavailable
+from tests.partition_swarm import FOUND, LOST, PORT, Proc, TrainingSwarm
 
 PEER_SCRIPT = REPO / "tests" / "e2e" / "dht_peer.py"
-PORT = 31337
-LOST = "Lost sight of the swarm's DHT"
-FOUND = "Found the swarm's DHT again"
+RATE_WINDOW = 30.0  # seconds: the run's epoch rate is measured over this window before the cut and after healing
+RATE_KEPT = 0.7  # the rate after healing, at least this fraction of the rate before the cut (see the test)
 
 
 @pytest.fixture
@@ -47,39 +46,6 @@ def make_hosts():
     finally:
         for hosts in made:
             hosts.close()
-
-
-class Proc:
-    """A program on a test host, its output in files; its process group is killed by ``kill`` (and every process
-    in the hosts' namespaces by ``Hosts.close``)."""
-
-    def __init__(self, hosts: Hosts, index: int, name: str, args: List[str], workdir: Path) -> None:
-        self.name, self.out = name, workdir / f"{name}.out"
-        with open(self.out, "w") as out:
-            self.proc = subprocess.Popen([*hosts.prefix(index), *args], stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, cwd=workdir, env=cli_env(),
-                                         start_new_session=True)
-
-    def text(self) -> str:
-        return self.out.read_text()
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while True:
-            match = re.search(pattern, self.text(), re.MULTILINE)
-            if match:
-                return match
-            tail = self.text()[-3000:]
-            assert self.proc.poll() is None, f"{self.name} exited ({self.proc.returncode}):\n{tail}"
-            assert time.monotonic() < deadline, f"{self.name}: no {pattern!r} in {timeout:.0f} s:\n{tail}"
-            time.sleep(0.2)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
 
 
 class DhtPeer(Proc):
@@ -151,10 +117,12 @@ def cut_and_heal(hosts: Hosts, peers: Dict[int, DhtPeer], cut: Set[int], seconds
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
-def test_a_dht_node_cut_off_for_30_s_finds_the_others_again(make_hosts, tmp_path):
+def test_a_dht_node_cut_off_for_15_s_finds_the_others_again(make_hosts, tmp_path):
+    """15 s: five times what a node takes to empty its table once cut off, and longer than the watcher's longest
+    backoff (``WatchConfig.max_backoff``); the 3-minute cut of two nodes runs among the extended tests."""
     hosts = make_hosts(4)
     peers = start_swarm(hosts, 4, tmp_path)
-    cut_and_heal(hosts, peers, {3}, 30)
+    cut_and_heal(hosts, peers, {3}, 15)
     took = wait_until(lambda: everyone_sees_everyone(peers), 60, lambda: describe(peers))
     fresh_looks(peers)
     assert everyone_sees_everyone(peers), describe(peers)
@@ -225,7 +193,10 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
     bootstrap = node.wait_for(r"^(/ip4/10\.\S+/p2p/\S+)$", 60).group(1)
     hosts.cut(0)
 
-    # it gives up after --join-timeout, in one line naming the address and why
+    # two newcomers at once: one gives up after --join-timeout, in one line naming the address and why ...
+    waiting = Proc(hosts, 2, "newcomer", [sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
+                                          f"/ip4/{hosts.address(2)}/tcp/{PORT}", "--initial-peers", bootstrap,
+                                          "--join-timeout", "120"], tmp_path)
     started = time.monotonic()
     newcomer = subprocess.run([*hosts.prefix(1), sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
                                f"/ip4/{hosts.address(1)}/tcp/{PORT}", "--initial-peers", bootstrap,
@@ -240,64 +211,65 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
     assert len(error) == 1 and bootstrap in error[0] and "tried for 20 s" in error[0], newcomer.stderr
     assert "Traceback" not in newcomer.stderr, newcomer.stderr
 
-    # it joins once the link comes back within --join-timeout
-    waiting = Proc(hosts, 2, "newcomer", [sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
-                                          f"/ip4/{hosts.address(2)}/tcp/{PORT}", "--initial-peers", bootstrap,
-                                          "--join-timeout", "120"], tmp_path)
-    waiting.wait_for(r"none of the initial peers answered", 60)
+    # ... the other, meanwhile retrying with a growing pause, joins once the link comes back within --join-timeout
+    waiting.wait_for(r"none of the initial peers answered", 30)
     hosts.heal(0)
     waiting.wait_for(r"swarm-opt dht: running", 60)
-    assert waiting.text().count("none of the initial peers answered") <= 6, waiting.text()  # backoff, not a flood
+    pauses = [int(p) for p in re.findall(r"initial peers answered.*trying again in (\d+) s", waiting.text())]
+    assert pauses and pauses == sorted(pauses) and len(pauses) <= 5, waiting.text()  # backoff, not a flood
 
 
 # --- a training swarm: what issue 48 saw -----------------------------------------------------------------------------
 
 
-def epochs_after(text: str, offset: int) -> Dict[int, str]:
-    """epoch -> its test metrics, for the epoch lines a trainer printed after ``offset`` characters of its output."""
-    return {int(e): metrics for e, metrics in
-            re.findall(r"^epoch (\d+): (test accuracy [\d.]+%, test loss [\d.]+)", text[offset:], re.MULTILINE)}
-
-
-def one_model(trainers: Dict[int, Proc], offsets: Dict[int, int]) -> Optional[int]:
-    """An epoch that every trainer printed since ``offsets`` with the same test metrics (so the same parameters: the
-    test set is the same for all), or None."""
-    seen = {i: epochs_after(t.text(), offsets[i]) for i, t in trainers.items()}
-    common = set.intersection(*(set(s) for s in seen.values()))
-    return next((e for e in sorted(common) if len({s[e] for s in seen.values()}) == 1), None)
-
-
 @pytest.mark.swarm
 @pytest.mark.extended
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("size,cut,seconds", [(5, {2}, 30), (6, {2, 5}, 30), (5, {2}, 180), (6, {2, 5}, 180)],
-                         ids=["1of5-30s", "2of6-30s", "1of5-3min", "2of6-3min"])
+@pytest.mark.timeout(720)
+@pytest.mark.parametrize("size,sides,seconds", [(5, [{2}], 30), (6, [{2, 5}], 30), (5, [{2}], 180),
+                                                (6, [{2, 5}], 180), (6, [{2}, {5}], 180)],
+                         ids=["1of5-30s", "2of6-30s", "1of5-3min", "2of6-3min", "2of6-apart-3min"])
 def test_a_training_swarm_split_by_a_partition_holds_one_model_within_60_s_of_healing(make_hosts, tmp_path, size,
-                                                                                      cut, seconds):
-    """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own;
-    ``cut`` trainers lose their links for ``seconds``. Within 60 s of the links coming back, every trainer prints an
-    epoch with the same test metrics as every other (one model), and the cut ones said they lost sight of the swarm
-    and found it again."""
-    hosts = make_hosts(size + 1)  # host 0: the bootstrap node; trainer i on host i
-    node = Proc(hosts, 0, "dht", [sys.executable, "-m", "swarm_opt", "dht", "--host-maddrs",
-                                  f"/ip4/{hosts.address(0)}/tcp/{PORT}"], tmp_path)
-    bootstrap = node.wait_for(r"^(/ip4/10\.\S+/p2p/\S+)$", 60).group(1)
-    trainers = {i: Proc(hosts, i, f"trainer{i}", [
-        sys.executable, "-m", "swarm_opt", "train", "--run-id", "partition", "--initial-peers", bootstrap,
-        "--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/{PORT}", "--task", "digits", "--target-batch-size", "512",
-        "--batch-size", "32", "--min-peers", str(size), "--matchmaking-time", "2", "--averaging-timeout", "20",
-        "--data-seed", str(i)], tmp_path) for i in range(1, size + 1)}
-    for trainer in trainers.values():  # together before the cut
-        trainer.wait_for(rf"^epoch \d+: .*averaged with {size} of {size} peer", 240)
+                                                                                      sides, seconds):
+    """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own
+    (``tests/partition_swarm.py``); each set of trainers in ``sides`` loses its links to the others for ``seconds``
+    (trainers on one side still see each other). Within 60 s of the links coming back every trainer prints an epoch
+    with the same test metrics as every other (one model), reached by a round of the majority side and by a
+    download on the cut side (the majority never takes the minority's state, even when the minority, which trains
+    on alone after ``TrackerConfig.forget_after``, is ahead), and 30 s later they still hold one model (no side
+    goes back to its own version). The cut ones said they lost sight of the swarm and found it again.
 
-    hosts.cut(cut)
-    time.sleep(seconds)
-    offsets = {i: len(t.text()) for i, t in trainers.items()}
-    hosts.heal()
-    took = wait_until(lambda: one_model(trainers, offsets) is not None, 60,
-                      lambda: "; ".join(f"trainer {i}: {sorted(epochs_after(t.text(), offsets[i]).items())[-3:]}"
-                                        for i, t in trainers.items()))
-    print(f"one model at epoch {one_model(trainers, offsets)}, {took:.0f} s after the links came back")
+    The run goes on at its pre-split epoch rate: epochs per second over 30 s after one model is reached are at least
+    0.7 times those over the 30 s before the cut. The swarm is the same peers on the same machine before and after,
+    so the rate should come back whole; 0.7 leaves room for the scatter between 30 s windows of one steady run on
+    the loaded 2-core machine (``benchmarks/partition.py`` measures both windows). No ``step()`` of any trainer, over
+    the whole run (the split, the healing and the downloads included), is held for the split: the longest is a
+    round in flight when the links went down, which waits out its group search (``averaging_timeout``, 20 s, from
+    when it was scheduled, at most ``matchmaking_time`` before), so every step ends within 22 s; a peer cut off
+    then starts no round and keeps stepping."""
+    swarm = TrainingSwarm(make_hosts(size + 1), size, tmp_path)  # host 0: the bootstrap node; trainer i on host i
+    cut = set().union(*sides)
+    try:
+        swarm.wait_together()
+        start = time.monotonic()
+        time.sleep(RATE_WINDOW)
+        before = swarm.rate(swarm.trainers, start, time.monotonic())
+        swarm.cut(sides)
+        time.sleep(seconds)
+        healed = swarm.heal(timeout=60)
+        one = time.monotonic()
+        time.sleep(RATE_WINDOW)
+        after = swarm.rate(swarm.trainers, one, time.monotonic())
+        still = swarm.wait_one_model(swarm.offsets(), 30, "after the rate window")  # nobody went back
+        longest = swarm.stop()
+    finally:
+        swarm.close()
+    print(f"one model at epoch {healed.epoch}, {healed.seconds:.0f} s after the links came back (downloaded: "
+          f"{sorted(healed.downloaded)}); again at epoch {still}; {before:.2f} epochs/s before the cut, {after:.2f} "
+          f"after; longest step() {max(s for s, _ in longest.values()):.1f} s")
+    assert cut <= healed.downloaded, healed  # the cut side took the majority's state ...
+    assert healed.committed - cut, healed  # ... which the majority side reached by a round
     for i in cut:
-        assert LOST in trainers[i].text(), trainers[i].text()[-3000:]
-        trainers[i].wait_for(FOUND, 15)
+        assert LOST in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
+        assert FOUND in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
+    assert after >= RATE_KEPT * before, f"{after:.2f} epochs/s after healing, {before:.2f} before the cut"
+    assert all(seconds < swarm.averaging_timeout + swarm.matchmaking_time for seconds, _ in longest.values()), longest

@@ -40,7 +40,8 @@ def main(config_path: str) -> None:
     cfg = json.load(open(config_path))
     L.seed_everything(0, verbose=False)  # founders share one initial model
     module, loader = build(cfg)
-    torch.manual_seed(1000 + cfg["rank"])  # each peer its own data order
+    # each peer its own data order; under strategy="ddp" each rank (Lightning's launcher sets LOCAL_RANK in rank 1..)
+    torch.manual_seed(1000 + cfg["rank"] + 7919 * int(os.environ.get("LOCAL_RANK", "0")))
     swarm = SwarmCallback(
         run_id=cfg.get("run_id", "lightning_run"), target_batch_size=cfg["target_batch_size"],
         initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -51,7 +52,8 @@ def main(config_path: str) -> None:
     plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []  # Lightning maps it to bf16
     trainer = L.Trainer(
         max_epochs=10_000, callbacks=[swarm, Recorder(cfg, swarm)], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=cfg.get("devices", 1),
+        strategy=cfg.get("lightning_strategy", "auto"),  # "ddp" with devices=2: one peer of two ranks
         precision=None if plugins else precision, plugins=plugins,
         accumulate_grad_batches=cfg.get("accumulate", 1), gradient_clip_val=cfg.get("gradient_clip_val"),
         limit_val_batches=cfg.get("limit_val_batches", 0), num_sanity_val_steps=0)
@@ -152,10 +154,11 @@ class Recorder(L.Callback):
         self.rounds, self.params, self.last_round = [], {}, None
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
+        if trainer.global_rank == 0:  # (the other ranks of a ddp peer hold no DHT)
+            testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
         opt = trainer.optimizers[0]
         assert isinstance(opt, __import__("swarm_opt").Optimizer), type(opt)
-        wait_until = time.monotonic() + 30
+        wait_until = time.monotonic() + (self.cfg.get("expect_wait", 30) if trainer.global_rank == 0 else 0)
         while opt.progress.num_peers < self.cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
             time.sleep(0.05)
         if not self.cfg.get("resume"):  # a resumed peer's epoch is restored after this hook
@@ -178,7 +181,10 @@ class Recorder(L.Callback):
                 open(self.cfg["until_file"], "a").close()  # e.g. a restarted peer trained with the others again
         until = self.cfg.get("until_file")  # with it, the run goes on past `epochs` until that file exists
         done = opt.local_epoch >= self.cfg["epochs"] and (until is None or os.path.exists(until))
-        if done or time.monotonic() - START > self.cfg.get("max_seconds", 120):
+        stop = done or time.monotonic() - START > self.cfg.get("max_seconds", 120)
+        if trainer.world_size > 1:  # DDP's ranks stop at the same batch, or one would wait for the others forever
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
             trainer.should_stop = True
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -189,8 +195,9 @@ class Recorder(L.Callback):
                       final=_params(pl_module), lr=opt.param_groups[0]["lr"], global_step=trainer.global_step,
                       scale=None if scaler is None else scaler.get_scale(),
                       logged={k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("swarm/")})
-        torch.save(result, self.cfg["out"] + ".tmp")
-        os.replace(self.cfg["out"] + ".tmp", self.cfg["out"])
+        out = self.cfg["out"] if trainer.global_rank == 0 else f"{self.cfg['out']}.rank{trainer.global_rank}"
+        torch.save(result, out + ".tmp")
+        os.replace(out + ".tmp", out)
         linger_until = time.monotonic() + self.cfg.get("linger", 60.0)
         while time.monotonic() < linger_until and not os.path.exists(self.cfg["out"] + ".stop"):
             time.sleep(0.1)

@@ -26,9 +26,9 @@ def make_data(seed: int = 0, n: int = 4096, dim: int = 16, classes: int = 4):
     return x, y
 
 
-def make_model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def make_model(dtype: torch.dtype = torch.float32, seed: int = 0, width: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dtype)
+    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 4)).to(dtype)
 
 
 def make_inner(name: str):
@@ -133,7 +133,9 @@ def install_fault(cfg: dict) -> None:
       the first to claim the file ``die_while_serving``.
     * ``slow_replies``: this peer's reducers wait that many seconds before each averaged part they send back to a
       groupmate (its own share is not delayed), so that it ends its rounds before its groupmates; writes
-      ``OUT.slowed`` the first time.
+      ``OUT.slowed`` the first time. With ``slow_from_epoch``, only once the peer reached that epoch (a swarm that
+      becomes slow: its links, or its machines' load). With ``slow_once``, only the first reply so delayed (a member
+      stuck once mid-round: a laptop's lid closed, a link down for a while).
     * ``bug_in_write``: a bug in the strategy's code: every round's ``write`` raises (in the averager's caller,
       the training loop's thread or the background round's).
     * ``serve_perturbed``: a lying donor: the parameters it serves to newcomers are perturbed (its own stay as they
@@ -231,8 +233,10 @@ def install_fault(cfg: dict) -> None:
 
         @functools.wraps(original_reply)
         async def _encoded_mean(self, *args, **kwargs):
-            open(cfg["out"] + ".slowed", "w").close()
-            await asyncio.sleep(cfg["slow_replies"])
+            if (cfg.get("slow_from_epoch") is None or os.path.exists(cfg["out"] + ".slow")) and not (
+                    cfg.get("slow_once") and os.path.exists(cfg["out"] + ".slowed")):
+                open(cfg["out"] + ".slowed", "w").close()
+                await asyncio.sleep(cfg["slow_replies"])
             return await original_reply(self, *args, **kwargs)
 
         AllOrNothingRunner._encoded_mean = _encoded_mean
@@ -323,13 +327,16 @@ def main(config_path: str) -> None:
     from swarm_opt.aggregation import parse_aggregation
 
     install_fault(cfg)
+    local = join_local_ranks(cfg)  # a rank of a machine of several (config "local"): only its rank 0 joins the DHT
     private = {"authorizer": swarm_opt.PrivateRun(secret=cfg["secret"].encode()).authorizer()} \
         if cfg.get("secret") else {}
-    dht = hivemind.DHT(
-        initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-        client_mode=cfg.get("client_mode", False), start=True, **private,
-    )
-    testing.write_addresses(dht.get_visible_maddrs(), cfg["out"] + ".maddrs")
+    dht = None
+    if local is None or local["rank"] == 0:
+        dht = hivemind.DHT(
+            initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            client_mode=cfg.get("client_mode", False), start=True, **private,
+        )
+        testing.write_addresses(dht.get_visible_maddrs(), cfg["out"] + ".maddrs")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.get("dtype", "float32")]
     task = cfg.get("task", "mlp")
     if task == "lsq":
@@ -339,7 +346,7 @@ def main(config_path: str) -> None:
             torch.nn.init.constant_(model.weight, float(cfg["rank"]))
         inner = lambda p: torch.optim.SGD(p, lr=cfg.get("lsq_lr", 0.05))  # noqa: E731
     else:
-        model = make_model(dtype, cfg.get("model_seed", 0))
+        model = make_model(dtype, cfg.get("model_seed", 0), cfg.get("width", 32))  # width: a benchmark's model size
         inner = make_inner(cfg["inner"])
     if cfg.get("auxiliary"):  # a helper: reduces parts of every round, trains nothing
         helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=cfg.get("run_id", "test_run"),
@@ -360,7 +367,9 @@ def main(config_path: str) -> None:
                                         **cfg.get("tracker", {})),  # e.g. {"shard_size": 2, "exact_up_to": 2}: sharded
         scheduler=make_scheduler(cfg.get("scheduler"), cfg["epochs"]),  # True (StepLR) or "warmup_cosine"
         clip_grad_norm=cfg.get("clip_grad_norm"),
-        matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
+        timeouts=swarm_opt.Timeouts(matchmaking_time=cfg.get("matchmaking_time", 1.0),
+                                    averaging_timeout=cfg.get("averaging_timeout", 15.0),
+                                    adaptive=cfg.get("adaptive_deadlines", True)),
         compression=(getattr(swarm_opt, cfg["compression"])(**_codec_args(cfg.get("compression_args", {})))
                      if cfg.get("compression") else None),  # e.g. "Float16"
         aggregation=(parse_aggregation(cfg["aggregation"]) if ":" in cfg.get("aggregation", "")  # the CLI's form
@@ -368,10 +377,11 @@ def main(config_path: str) -> None:
                      if cfg.get("aggregation") else None),  # e.g. "CenteredClip"
         transport=swarm_opt.Gloo(host="127.0.0.1") if cfg.get("lane") else None,  # the gloo fast lane
         groups=swarm_opt.Groups(size=cfg["groups"]) if cfg.get("groups") else None,  # Moshpit group averaging
+        local_group=swarm_opt.LocalGroup(timeout=cfg.get("local_timeout", 60.0)) if local else None,
     )
     for _ in range(cfg.get("downloads", 0)):  # a newcomer fetching the swarm's state (the donor-spreading test)
         opt.load_state_from_peers(timeout=30)
-    wait_until = time.monotonic() + 30
+    wait_until = time.monotonic() + (30 if local is None or local["rank"] == 0 else 0)  # (a follower: its rank 0)
     while opt.progress.num_peers < cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
         time.sleep(0.05)
     if task == "lsq":
@@ -383,7 +393,23 @@ def main(config_path: str) -> None:
     while time.monotonic() < linger_until and not os.path.exists(cfg["out"] + ".stop"):
         time.sleep(0.1)
     opt.shutdown()
-    dht.shutdown()
+    if dht is not None:
+        dht.shutdown()
+
+
+def join_local_ranks(cfg: dict):
+    """Config ``"local": {"rank": r, "size": n, "port": p}``: this process is rank r of a machine of n ranks (one
+    swarm peer), joined over gloo on loopback port p; returns that dict, or None for a peer of one process."""
+    local = cfg.get("local")
+    if not local:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{local['port']}", rank=local["rank"],
+                            world_size=local["size"], timeout=datetime.timedelta(seconds=60))
+    return local
 
 
 def save(cfg: dict, result: dict) -> None:
@@ -404,6 +430,13 @@ def run_lsq(cfg: dict, opt, model) -> None:
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
     weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
     rounds, last, steps_in_round, losses = [], None, 0, []
+    checkpointer, restored = None, None
+    if cfg.get("checkpoint"):  # every process builds one; a machine's rank 0 writes, and every rank restores
+        import swarm_opt
+
+        checkpointer = swarm_opt.Checkpointer(cfg["checkpoint"], keep_last=10)
+        if checkpointer.restore(opt, model) is not None:
+            restored = dict(epoch=opt.local_epoch, w=weights())
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
@@ -416,6 +449,8 @@ def run_lsq(cfg: dict, opt, model) -> None:
             opt.report_loss(loss)
             losses.append(float(loss.detach()))
         opt.step()
+        if checkpointer is not None:
+            checkpointer.maybe_save(opt, model)
         if opt.last_round is not last:
             last = opt.last_round
             controls = getattr(opt.strategy, "controls", None)
@@ -430,7 +465,7 @@ def run_lsq(cfg: dict, opt, model) -> None:
                 losses = []
         time.sleep(cfg.get("step_sleep", 0.01))
     save(cfg, dict(rank=cfg["rank"], epoch=opt.local_epoch, rounds=rounds, w=weights(),
-                   lane_rounds=opt._averager.lane_rounds))
+                   lane_rounds=_lane_rounds(opt), restored=restored))
 
 
 def run_mlp(cfg: dict, opt, model, dtype) -> None:
@@ -442,6 +477,11 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     last_report, resources, after, first_step, computed = None, {}, {}, None, 0
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
+    if opt.last_round is not None:  # a newcomer that downloaded the swarm's state as it was built
+        last_report = opt.last_round
+        reports.append(dict(last_report.__dict__, time=time.time(), grad_norm=None, deadlines=opt.deadlines,
+                            tracker_level=opt._tracker._records.sample.level))
+        lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         while opt.local_epoch >= cfg.get("hold_at_epoch", float("inf")) and os.path.exists(cfg["out"] + ".hold"):
             time.sleep(0.05)  # the test holds the swarm at an epoch until it released this peer
@@ -465,11 +505,15 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         pending.append((idx.tolist(), version))
         if opt.last_round is not last_report:
             last_report = opt.last_round
+            if opt.local_epoch >= cfg.get("slow_from_epoch", float("inf")):
+                open(cfg["out"] + ".slow", "w").close()  # (install_fault: slow_replies)
             reports.append(dict(last_report.__dict__, time=time.time(), grad_norm=opt.grad_norm,  # before clipping
-                                tracker_level=opt._tracker._records.sample.level))  # > 0: records sharded
+                                # the next round's (matchmaking_time, averaging_timeout): rank 0 holds the averager
+                                deadlines=opt.deadlines if hasattr(opt, "_averager") else None,
+                                tracker_level=_tracker_level(opt)))  # > 0: records sharded
             if not last_report.caught_up:
                 # the round's batches come first: later ones were computed while it averaged in the background
-                used = last_report.samples // bs
+                used = last_report.samples // cfg.get("machine_batch_size", bs)  # the machine's ranks' samples
                 committed[last_report.epoch] = [b for b, _ in pending[:used]]
                 versions[last_report.epoch] = [v for _, v in pending[:used]]
                 pending = pending[used:]
@@ -498,10 +542,18 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                       own_optimizer_keys=sorted(opt.state_dict()["state"]))
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
                    discarded=discarded, versions=versions,
-                   discarded_versions=discarded_versions, lane_rounds=opt._averager.lane_rounds, resources=resources,
+                   discarded_versions=discarded_versions, lane_rounds=_lane_rounds(opt), resources=resources,
                    reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
                    first_step=first_step, samples_computed=computed,
-                   peer_id=str(opt._averager.peer_id)))
+                   peer_id=str(opt._averager.peer_id) if hasattr(opt, "_averager") else None))
+
+
+def _tracker_level(opt) -> int:
+    return opt._tracker._records.sample.level if hasattr(opt, "_tracker") else 0  # (a follower rank has none)
+
+
+def _lane_rounds(opt) -> int:
+    return opt._averager.lane_rounds if hasattr(opt, "_averager") else 0
 
 
 def attack(cfg: dict, model: torch.nn.Module) -> None:
@@ -544,5 +596,14 @@ def _named_args(args: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from swarm_opt.errors import ConfigError
+    from swarm_opt.ranks import LocalGroupError
+
+    try:
+        main(sys.argv[1])
+    except (LocalGroupError, ConfigError) as e:  # a rank of this peer's machine died or disagreed: one line, status 3
+        if not json.load(open(sys.argv[1])).get("local"):
+            raise
+        print(f"{type(e).__name__}: {e}", flush=True)
+        os._exit(3)  # at once: rank 0's DHT process would hold the exit (the test kills what is left)
     gc.freeze()  # skips the interpreter's final collection of torch's modules (~1 s at exit); nothing left needs it

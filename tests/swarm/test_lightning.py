@@ -172,3 +172,25 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
     for r in survivors:  # never stalled: no gap between two of their epochs longer than a few rounds
         times = [killed_at] + [rnd["time"] for rnd in r["rounds"] if rnd["time"] > killed_at]
         assert len(times) > 3 and max(b - a for a, b in zip(times, times[1:])) < 20, r["rounds"]
+
+
+@pytest.mark.extended
+@pytest.mark.timeout(560)  # Lightning's ddp starts its second rank after the first one's imports
+def test_a_lightning_ddp_machine_of_two_ranks_is_one_peer(swarm, tmp_path):
+    """``Trainer(strategy="ddp", devices=2, accelerator="cpu")`` with an unchanged module: its two ranks are one
+    peer (the single-device peer beside it sees two peers, never three), hold the same parameters at every global
+    epoch as that peer, and train."""
+    epochs = 4
+    common = dict(script=SCRIPT, module="mlp", batch_size=8, target_batch_size=96, epochs=epochs, expect_peers=2,
+                  step_sleep=0.01, max_seconds=450, expect_wait=240)  # the ddp machine starts slowly under load
+    swarm.start(0, **common)
+    swarm.start(1, devices=2, lightning_strategy="ddp", **common)
+    swarm.wait(timeout=400)
+    other, machine = swarm.result(0), swarm.result(1)
+    follower = torch.load(tmp_path / "peer1.pt.rank1")
+    assert_same_params_at_each_epoch([machine, follower, other], epochs)
+    assert len(follower["params"]) >= 2  # the second rank mirrored several epochs, not only the last one
+    together = [r for r in other["rounds"] if not r["caught_up"]]
+    assert together and {r["num_peers"] for r in together} == {2}, other["rounds"]
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(machine["final"], make_model().parameters()))
+    assert_quiet(swarm)

@@ -78,9 +78,10 @@ def test_a_busy_donor_sends_newcomers_on_and_every_newcomer_gets_the_state(monke
 
 
 def test_newcomers_arriving_together_join_a_founder_that_trained_alone():
-    """A founder trains alone to epoch 2; two newcomers arrive together, each seeing the other at epoch 0. Neither
-    may take the other for a majority that outvotes the founder (the swarm would split in two): both download the
-    founder's state, and the three then train one swarm."""
+    """A founder trains alone to epoch 2; two newcomers arrive one after the other. Neither may take the other for a
+    majority that outvotes the founder (the swarm would split in two): each downloads the founder's state as it
+    joins (before its first step, which would otherwise be computed at its own initial parameters and thrown away),
+    and the three then train one swarm."""
     dhts, opts = [hivemind.DHT(host_maddrs=LOOPBACK, start=True)], []
     models = [torch.nn.Linear(16, 4) for _ in range(3)]
     try:
@@ -90,8 +91,8 @@ def test_newcomers_arriving_together_join_a_founder_that_trained_alone():
         for model in models[1:]:
             dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), host_maddrs=LOOPBACK, start=True))
             opts.append(_optimizer(dhts[-1], model))
-        # the second newcomer saw the first at epoch 0, holding no state: it is no founder either
-        assert opts[1]._synced_epoch is None and opts[2]._synced_epoch is None
+        for opt, model in zip(opts[1:], models[1:]):  # each holds the founder's state from the start
+            assert opt.local_epoch == 2 and torch.equal(model.weight, models[0].weight)
         errors = []
 
         def train(opt, model):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(s
     epochs = 4
     for rank in range(2):
         swarm.start(rank, inner="sgd", batch_size=8, target_batch_size=64, epochs=epochs, expect_peers=2,
-                    secret=SECRET, max_seconds=120, linger=60.0)
+                    secret=SECRET, max_seconds=120, linger=120.0)
     # a stranger training the same model with the wrong secret, and one with none: their DHTs cannot start
     for rank, secret in ((2, "a wrong secret of enough length"), (3, None)):
         cfg = dict(rank=rank, out=str(swarm.tmp / f"peer{rank}.pt"), initial_peers=swarm.initial_peers,
@@ -50,6 +53,7 @@ def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(s
     monitor = run_tool([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--once",
                         "--initial-peers", *swarm.initial_peers, "--run-secret-file", str(right)], swarm)
     assert monitor.returncode == 0 and "peers 2" in monitor.stdout, monitor.stdout + monitor.stderr
+    _served_page_shows_two_peers(swarm, right)
     # one who dials a member directly over libp2p and asks for its state gets nothing
     cfg = dict(initial_peers=swarm.initial_peers, run_id="test_run", out=str(swarm.tmp / "outsider.json"))
     (swarm.tmp / "outsider_cfg.json").write_text(json.dumps(cfg))
@@ -57,6 +61,8 @@ def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(s
     assert outsider.returncode == 0, outsider.stderr
     assert json.loads((swarm.tmp / "outsider.json").read_text())["received"] == 0
 
+    for rank in range(2):  # the checks are done: the members may stop lingering as donors
+        (swarm.tmp / f"peer{rank}.pt.stop").touch()
     swarm.wait(timeout=150)
     results = [swarm.result(rank) for rank in range(2)]
     for r in results:
@@ -66,6 +72,30 @@ def test_strangers_without_the_secret_neither_join_nor_read_nor_take_the_state(s
     assert "does not hold this private run's credentials" in logs
     assert "is not a member of this private run" in logs
     assert "Traceback" not in logs and SECRET not in logs
+
+
+def _served_page_shows_two_peers(swarm, secret_file) -> None:
+    """A member's ``monitor --serve`` reads the private run too: its page's JSON lists the two members."""
+    page = subprocess.Popen([sys.executable, "-m", "swarm_opt", "monitor", "--run-id", "test_run", "--serve",
+                             "127.0.0.1:0", "--initial-peers", *swarm.initial_peers, "--run-secret-file",
+                             str(secret_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(REPO), env=testing.peer_env(), start_new_session=True)
+    try:
+        lines = []
+        while not (found := re.search(r"on (http://127\.0\.0\.1:\d+/)", lines[-1] if lines else "")):
+            lines.append(page.stderr.readline())
+            assert lines[-1], "".join(lines)  # the monitor ended before serving
+        url = found.group(1)
+        deadline, seen = time.monotonic() + 30, {}
+        while time.monotonic() < deadline and seen.get("num_peers") != 2:
+            time.sleep(0.5)
+            with urllib.request.urlopen(url + "api/run.json", timeout=10) as response:
+                seen = json.loads(response.read())
+        assert seen.get("status") == "live" and seen.get("num_peers") == 2 and len(seen["peers"]) == 2, seen
+    finally:
+        page.terminate()
+        _, err = page.communicate(timeout=30)
+    assert "Traceback" not in err and SECRET not in err, err
 
 
 def test_members_with_the_secret_download_state_from_each_other(swarm):

@@ -126,13 +126,20 @@ def test_several_optimizers_are_refused_by_lightning_itself():
         trainer(callback()).fit(Two())
 
 
-def test_lightning_distributed_strategies_are_refused(monkeypatch, no_leftovers):
+def test_lightning_distributed_strategies_other_than_ddp_are_refused(monkeypatch, no_leftovers):
+    """DDP's own strategy is one peer of several ranks (tests/swarm/test_lightning.py); any other, even one built
+    on it (DeepSpeed's, FSDP's), or DDP started by spawning, is refused at setup."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class Sharded(DDPStrategy):  # stands for DeepSpeedStrategy, which subclasses DDPStrategy
+        pass
+
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as probe:  # a free port for the one-process group Lightning's DDP sets up first
         probe.bind(("127.0.0.1", 0))
         monkeypatch.setenv("MASTER_PORT", str(probe.getsockname()[1]))
-    with pytest.raises(ConfigError, match="DDPStrategy.*Trainer\\(devices=1\\).*one peer per device"):
-        trainer(callback(), strategy="ddp").fit(BoringModel())
+    with pytest.raises(ConfigError, match="not run under Lightning's Sharded: use Trainer\\(strategy='ddp'"):
+        trainer(callback(), strategy=Sharded()).fit(BoringModel())
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

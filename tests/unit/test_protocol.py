@@ -5,6 +5,7 @@ prints when peers of two releases meet. The previous release (protocol 1) is rep
 from __future__ import annotations
 
 import hashlib
+from typing import Optional
 
 import pytest
 import torch
@@ -89,3 +90,31 @@ def test_this_release_is_the_first_of_its_protocol_or_later():
 
     assert version(swarm_opt.__version__) >= version(protocol.RELEASES[protocol.PROTOCOL])
     assert max(protocol.RELEASES) == protocol.PROTOCOL  # raising PROTOCOL names its first release
+
+
+def test_progress_records_outside_groups_are_exactly_what_the_previous_release_stores_and_accepts():
+    """hivemind's schema validator refuses a record that its schema would change (an unknown field is dropped, a
+    missing one filled in): records must round-trip through both releases' schemas. The previous release's record is
+    this one without ``line`` (the grid line of Moshpit groups, added since)."""
+    import pydantic.v1 as pydantic
+
+    from swarm_opt.progress import ProgressRecord
+
+    previous = pydantic.create_model("PreviousProgressRecord", __base__=pydantic.BaseModel, **{
+        name: (field.outer_type_, field.default) for name, field in ProgressRecord.__fields__.items()
+        if name != "line"})
+
+    def outer(record_type):  # as hivemind validates it: a dict of records under the run's key, compared by dict()
+        return pydantic.create_model("Schema", progress=(dict[str, Optional[record_type]], ...))
+
+    record = ProgressRecord(peer_id=b"peer", instance="a", epoch=3, samples=64, samples_per_second=10.0, time=1.0,
+                            client_mode=False, model_schema="m", target_batch_size=128, params_digest=[1.0, 2.0])
+    stored = {"progress": {"sub": record.dict()}}
+    assert "line" not in stored["progress"]["sub"]
+    for schema in (outer(previous), outer(ProgressRecord)):  # the previous release's validator, and ours
+        assert schema.parse_obj(stored).dict() == stored
+    theirs = {"progress": {"sub": previous(**record.dict()).dict()}}
+    assert outer(ProgressRecord).parse_obj(theirs).dict() == theirs
+    # inside groups the line travels (peers of groups find one another only within this release anyway)
+    grouped = {"progress": {"sub": ProgressRecord(**record.dict(), line="01").dict()}}
+    assert grouped["progress"]["sub"]["line"] == "01" and outer(ProgressRecord).parse_obj(grouped).dict() == grouped

@@ -87,6 +87,7 @@ def test_a_round_cancelled_under_all_reduce_fails_instead_of_killing_the_trainin
 
     def schedule(when, round_id):
         averager._scheduled, averager._scheduled_watch, averager._scheduled_round = control, watch, round_id
+        averager._scheduled_at = (when, when, 60.0)  # its search's start, due time, safety net
 
     averager.schedule = schedule
     assert averager.all_reduce(lambda buffers: None, 1.0, round_id=3) is None

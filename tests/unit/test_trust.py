@@ -29,6 +29,24 @@ def test_believed_epoch_needs_half_of_the_peers():
     assert lower_median([1.0, 1e9]) == 1.0 and lower_median([3.0, 1.0, 2.0]) == 2.0
 
 
+def test_an_epoch_ahead_needs_half_of_the_peers_seen_lately_not_only_of_those_read():
+    """Right after a partition heals, a read may reach one side's DHT nodes only: two peers that trained on alone,
+    far ahead, must not pass for the swarm to a peer of the four that stayed together (it would download their
+    state), nor pull back a peer of theirs that just took the four's state."""
+    assert believed_epoch([320, 320, 168], 168) == 320  # what the three records read alone say
+    assert believed_epoch([320, 320, 168], 168, voters=6) == 168  # six peers seen within forget_after
+    assert believed_epoch([169, 169, 169, 168], 168, voters=6) == 169  # three of six committed a round
+    assert believed_epoch([320, 320], 320, voters=6) == 320  # never behind our own epoch
+    checker = ClaimChecker(TrustConfig(ahead_grace=30.0))
+    local = rec("me", 168, 10, 10.0, 100.0)
+    read = [rec("a", 320, 0, 10.0, 100.0), rec("b", 320, 0, 10.0, 100.0)]
+    assert aggregate_progress(checker.check(read, local, 100.0, TARGET).records, local, TARGET, 100.0).epoch == 320
+    side = [(b"c", "c"), (b"d", "d"), (b"e", "e")]  # this side's peers, not in this read
+    checked = checker.check(read, local, 101.0, TARGET, remembered=side + [(b"a", "a")])
+    assert checked.records == [] and checked.ahead == 2
+    assert aggregate_progress(checked.records, local, TARGET, 101.0, ahead=checked.ahead).epoch == 168
+
+
 def test_a_peer_claiming_an_epoch_far_ahead_is_not_counted_and_then_ignored(caplog):
     checker = ClaimChecker(TrustConfig(ahead_grace=5.0, ignore_seconds=60.0))
     seen_epoch_begin(checker, 5, 99.0)

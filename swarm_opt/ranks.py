@@ -1,0 +1,454 @@
+"""One machine, one peer: the data-parallel ranks of a machine (``torchrun``, DDP, Lightning's ``ddp``) train as a
+single voice in the swarm.
+
+Every rank builds the same ``swarm_opt.Optimizer`` and calls ``step()`` as in a single-process loop. Inside a step the
+ranks combine their gradients over the machine's process group (the sample-weighted mean, and the sum of their
+samples; nothing to do when DDP's backward already averaged them); rank 0 of the group, the *voice*, alone holds the
+DHT, publishes the machine's progress, matchmakes and averages with the swarm; the others, *followers*, wait for it.
+At the end of each step the voice tells the followers what happened in one small message: either nothing beyond the
+local step (they repeat the strategy's local step on the same gradients and stay identical, e.g. ``LocalUpdates``'s
+inner step, or nothing at all for ``GradientAveraging``, whose accumulated gradients only the voice needs), or a new
+state (a committed round, a catch-up, a downloaded state): then the voice broadcasts its parameters and its full
+optimizer state (inner optimizer, scheduler, epoch, strategy state), which the followers load. So every strategy
+works unchanged and the ranks leave every step identical.
+
+Every wait on the group is bounded (``LocalGroup.timeout``, plus what the voice's swarm work may take while the
+followers wait for it): a rank that dies or hangs takes the machine out of the swarm (the voice withdraws its record)
+with ``LocalGroupError`` on every rank, instead of leaving the others waiting.
+
+``Optimizer`` uses three objects from here, the same interface for a single process (``SOLO``: nothing to do), the
+voice and a follower: ``combine`` before the local step, ``publish`` at the end of ``step()`` and ``around_download``
+for a state download the caller asked for. See ``docs/ranks.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from swarm_opt.errors import ConfigError, ConfigTypeError, StateDownloadError, SwarmOptError
+from swarm_opt.progress import SwarmProgress
+from swarm_opt.serialization import flatten, unflatten
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LocalGroup", "LocalGroupError", "join_local_group", "SOLO"]
+
+_SUPPORTED_BACKENDS = ("gloo",)
+_AGREEMENT_BYTES = 1024  # what each rank tells the others at start-up (run id, model, recipe), JSON, padded
+# what a step's message from the voice says (its first number)
+_LOCAL, _STATE, _FAILED = 0.0, 1.0, 2.0
+
+
+class LocalGroupError(SwarmOptError, RuntimeError):
+    """A rank of this machine died, hung or disagreed: the machine left the swarm (every rank raises it)."""
+
+
+@dataclass(frozen=True)
+class LocalGroup:
+    """The process group of one machine's data-parallel ranks: ``Optimizer(..., local_group=LocalGroup())``.
+
+    :param group: a ``torch.distributed`` process group of the gloo backend (default: the default group, every rank
+        of ``torchrun``'s world); its rank 0 speaks for the machine in the swarm.
+    :param timeout: seconds a rank waits for the others at a step (their compute time may differ by at most this),
+        on top of the swarm's own timeouts while the followers wait for the voice's round or download.
+    :param gradients_reduced: True when the model is wrapped in ``DistributedDataParallel`` over this group: its
+        backward already averaged the gradients (each rank's equally), so they are not combined again; only the
+        samples are summed. Default False: swarm_opt combines them, weighted by each rank's samples.
+    """
+
+    group: Any = None
+    timeout: float = 60.0
+    gradients_reduced: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or \
+                not 0 < self.timeout < math.inf:
+            raise ConfigError(f"LocalGroup(timeout=...) must be a positive number of seconds, got {self.timeout!r}")
+        if not isinstance(self.gradients_reduced, bool):
+            raise ConfigTypeError(f"LocalGroup(gradients_reduced=...) must be True or False, got "
+                                  f"{self.gradients_reduced!r}")
+
+
+def _distributed() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def resolve(local_group: Any) -> Optional[LocalGroup]:
+    """``Optimizer(local_group=...)``: a ``LocalGroup``, a process group, ``False`` (this process is a peer of its own
+    even under ``torch.distributed``), or None: the default group when ``torch.distributed`` is initialised with more
+    than one rank, else none."""
+    if local_group is False:
+        return None
+    if isinstance(local_group, LocalGroup):
+        return local_group
+    dist = _distributed()
+    if local_group is None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return LocalGroup()
+        return None
+    if dist.is_available() and isinstance(local_group, dist.ProcessGroup):
+        return LocalGroup(group=local_group)
+    raise ConfigTypeError(f"local_group must be swarm_opt.LocalGroup(...), a torch.distributed process group, False "
+                          f"or None, got {local_group!r}")
+
+
+class Solo:
+    """A peer of one process: nothing to combine, nobody to tell."""
+
+    follows = False
+    writes_checkpoints = True
+
+    def combine(self, opt: Any, batch_size: int) -> int:
+        return batch_size
+
+    def publish(self, opt: Any) -> None:
+        return None
+
+    def around_download(self, opt: Any, download: Callable[[], None]) -> None:
+        download()
+
+    def joined(self, opt: Any) -> None:
+        return None
+
+
+SOLO = Solo()
+
+
+def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, report_type: Any) -> Any:
+    """The ``SOLO``, voice or follower object of ``opt``, a bound ``Optimizer`` that has not joined the swarm yet.
+    Collective: every rank of the group calls it, checks that they agree (run, model, recipe) and the followers take
+    the voice's initial state. ``report_type``: the class of ``opt.last_round`` (``RoundReport``), which the followers
+    mirror."""
+    config = resolve(local_group)
+    if config is None:
+        return SOLO
+    dist = _distributed()
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("local_group=... needs torch.distributed initialised on every rank: call "
+                          "torch.distributed.init_process_group('gloo') first (torchrun sets the environment), or "
+                          "drop local_group for a single-process peer")
+    group = config.group if config.group is not None else dist.group.WORLD
+    backend = str(dist.get_backend(group))
+    if backend not in _SUPPORTED_BACKENDS:
+        raise ConfigError(f"local_group uses torch.distributed's {backend!r} backend; swarm_opt's local group "
+                          f"supports {', '.join(_SUPPORTED_BACKENDS)}: pass "
+                          f"LocalGroup(torch.distributed.new_group(backend='gloo')) (a gloo group beside your NCCL "
+                          f"one)")
+    _refuse_sharded(opt._params)
+    link = _Link(dist, group, config.timeout)
+    if link.size == 1:
+        return SOLO
+    if offloaded:
+        raise ConfigError("offload=Offload() is not supported with a local group of several ranks yet: drop "
+                          "offload, or run one peer per process with local_group=False")
+    ranks = (_Voice if link.rank == 0 else _Follower)(link, config, opt)
+    ranks.report_type = report_type
+    ranks.agree(opt, has_dht=dht is not None)
+    return ranks
+
+
+def _refuse_sharded(params: Sequence[torch.Tensor]) -> None:
+    """Parameters sharded over the ranks (FSDP2's ``fully_shard``, DTensor) are not supported yet: each rank would
+    hold a different shard, which rank 0 alone cannot average for the machine (``docs/ranks.md``, the design)."""
+    for p in params:
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            raise ConfigError("the model's parameters are sharded over the ranks (FSDP2 fully_shard / DTensor): "
+                              "swarm_opt's local group supports replicated parameters (a plain model, or one "
+                              "wrapped in DistributedDataParallel); use DDP on this machine, see docs/ranks.md")
+
+
+class _Link:
+    """Collectives over the machine's group, each wait bounded; a failure becomes ``LocalGroupError``."""
+
+    def __init__(self, dist: Any, group: Any, timeout: float) -> None:
+        self.dist, self.group, self.timeout = dist, group, float(timeout)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.voice = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+
+    def _wait(self, work: Any, timeout: float, what: str) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            reason = _short_reason(e)
+            if "timed out" in reason.lower():
+                reason = f"no answer within {timeout:.0f} s"
+            raise LocalGroupError(f"local rank {self.rank}: {what} failed ({reason[:120]}): a rank of this machine "
+                                  f"died or hangs, so the machine left the swarm; restart all its ranks "
+                                  f"together") from None
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, timeout: Optional[float] = None) -> None:
+        work = self.dist.all_reduce(tensor, group=self.group, async_op=True)
+        self._wait(work, self.timeout if timeout is None else timeout, what)
+
+    def broadcast(self, tensor: torch.Tensor, what: str, timeout: Optional[float] = None) -> None:
+        work = self.dist.broadcast(tensor, src=self.voice, group=self.group, async_op=True)
+        self._wait(work, self.timeout if timeout is None else timeout, what)
+
+    def all_gather(self, tensor: torch.Tensor, what: str) -> List[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = self.dist.all_gather(out, tensor, group=self.group, async_op=True)
+        self._wait(work, self.timeout, what)
+        return out
+
+    # a state: its skeleton (JSON), then one flat buffer per dtype
+    def send_state(self, kind: float, state: Any, epoch: int, what: str) -> None:
+        skeleton, tensors = flatten(state)
+        manifest = json.dumps({"skeleton": skeleton, "tensors": [[str(t.dtype)[6:], list(t.shape)] for t in tensors]})
+        encoded = torch.frombuffer(bytearray(manifest.encode()), dtype=torch.uint8)
+        self.broadcast(_header(kind, epoch, 0, len(encoded)), what)
+        self.broadcast(encoded, what)
+        for members in _by_dtype(tensors).values():
+            self.broadcast(torch.cat([tensors[i].detach().reshape(-1).to("cpu") for i in members]), what)
+
+    def receive_state(self, length: int, what: str, timeout: Optional[float] = None) -> Any:
+        encoded = torch.empty(int(length), dtype=torch.uint8)
+        self.broadcast(encoded, what, timeout)
+        manifest = json.loads(bytes(encoded.numpy()).decode())
+        specs = [(getattr(torch, dtype), shape) for dtype, shape in manifest["tensors"]]
+        tensors: List[Optional[torch.Tensor]] = [None] * len(specs)
+        for dtype, members in _by_dtype([torch.empty(0, dtype=d) for d, _ in specs]).items():
+            sizes = [math.prod(specs[i][1]) for i in members]
+            flat = torch.empty(sum(sizes), dtype=dtype)
+            self.broadcast(flat, what, timeout)
+            for i, part in zip(members, flat.split(sizes)):
+                tensors[i] = part.reshape(specs[i][1])
+        return unflatten(manifest["skeleton"], tensors)
+
+
+def _short_reason(error: Exception) -> str:
+    """The gist of a gloo error (``[.../pair.cc:537] Read error [127.0.0.1]:123: Connection reset by peer. This is
+    typically caused by...`` becomes ``Connection reset by peer``)."""
+    text = (str(error).splitlines() or [type(error).__name__])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's source location
+    text = text.split(". ")[0]
+    return text.rsplit(": ", 1)[-1] if text.startswith(("Read error", "Write error")) else text
+
+
+def _header(kind: float, epoch: int, local_steps: int, length: int = 0) -> torch.Tensor:
+    return torch.tensor([kind, float(epoch), float(local_steps), float(length)], dtype=torch.float64)
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
+    groups: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+class _Ranks:
+    """What the voice and the followers share: the agreement at start-up and the combined gradients."""
+
+    follows = False
+    writes_checkpoints = True
+
+    def __init__(self, link: _Link, config: LocalGroup, opt: Any) -> None:
+        self.link, self.config = link, config
+        self.timeouts = opt.timeouts
+        self._buffer: Optional[torch.Tensor] = None
+
+    @property
+    def swarm_bound(self) -> float:
+        """The longest the voice's part of a step may take (a round, a catch-up, a download): the followers wait
+        that long for it, plus ``LocalGroup.timeout``."""
+        t = self.timeouts
+        return self.config.timeout + t.matchmaking_time + 4 * t.averaging_timeout + t.state_download_timeout
+
+    def agree(self, opt: Any, *, has_dht: bool) -> None:
+        """Every rank checks that all ranks build the same peer (run, global batch, model and strategy, recipe)
+        and that rank 0 holds a DHT; a disagreement raises one line naming the ranks and what differs, on every
+        rank."""
+        mine = {"run_id": opt.config.run_id[:200], "target_batch_size": opt.config.target_batch_size,
+                "model": opt.model_schema, "gradients_reduced": self.config.gradients_reduced, "dht": has_dht}
+        encoded = json.dumps(mine).encode()[:_AGREEMENT_BYTES]
+        padded = torch.zeros(_AGREEMENT_BYTES, dtype=torch.uint8)
+        padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        gathered = self.link.all_gather(padded, "agreeing on the run at start-up")
+        views = [json.loads(bytes(t.numpy()).rstrip(b"\0").decode()) for t in gathered]
+        if not views[0]["dht"]:
+            raise ConfigError("rank 0 of the local group speaks for the machine in the swarm and needs a started "
+                              "hivemind.DHT: pass dht=... on rank 0 (the other ranks may pass dht=None)")
+        for key, what in (("run_id", "run_id"), ("target_batch_size", "target_batch_size"),
+                          ("model", "model, strategy or recipe (model_schema)"),
+                          ("gradients_reduced", "LocalGroup(gradients_reduced=...)")):
+            differ = [r for r, view in enumerate(views) if view.get(key) != views[0].get(key)]
+            if differ:
+                shown = f" ({views[0][key]!r} on rank 0, {views[differ[0]][key]!r} on rank {differ[0]})" \
+                    if key != "model" else ""
+                raise ConfigError(f"the ranks of this machine's local group disagree on the {what}{shown}: local "
+                                  f"rank(s) {differ} differ from rank 0; every rank must build the same "
+                                  f"swarm_opt.Optimizer")
+
+    def combine(self, opt: Any, batch_size: int) -> int:
+        """Every rank: the gradients of ``opt``'s parameters become the machine's sample-weighted mean (unless DDP
+        already averaged them); returns the machine's samples of this step."""
+        if self.config.gradients_reduced:
+            total = torch.tensor([float(batch_size)], dtype=torch.float64)
+            self.link.all_reduce(total, "summing the step's samples")
+            return int(total.item())
+        params = opt._params
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+        numel = sum(p.numel() for p in params)
+        if self._buffer is None or self._buffer.dtype != dtype:
+            self._buffer = torch.empty(numel + len(params) + 1, dtype=dtype)
+        buffer, offset = self._buffer, 0
+        flags = buffer[numel:numel + len(params)]
+        for i, p in enumerate(params):
+            part = buffer[offset:offset + p.numel()]
+            if p.grad is None:
+                part.zero_()
+                flags[i] = 0
+            else:
+                part.copy_(p.grad.detach().reshape(-1)).mul_(batch_size)
+                flags[i] = 1
+            offset += p.numel()
+        buffer[-1] = batch_size
+        self.link.all_reduce(buffer, "combining the step's gradients")
+        total, offset = buffer[-1].item(), 0
+        for i, p in enumerate(params):
+            if flags[i] > 0 and total > 0:
+                mean = buffer[offset:offset + p.numel()].view(p.shape).div_(total)
+                if p.grad is None:
+                    p.grad = mean.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(mean)
+            offset += p.numel()
+        return int(round(total))
+
+    def _state(self, opt: Any) -> Dict[str, Any]:
+        """What a follower loads: the parameters, the optimizer's full state, and the voice's progress and last
+        round, which the follower shows as its own."""
+        progress = dataclasses.asdict(opt.progress)
+        last = None if opt.last_round is None else dataclasses.asdict(opt.last_round)
+        return {"params": list(opt._params), "optimizer": opt.state_dict(), "progress": progress, "last_round": last}
+
+
+class _Voice(_Ranks):
+    """Rank 0: the machine's peer in the swarm. Tells the followers after each step what happened."""
+
+    def __init__(self, link: _Link, config: LocalGroup, opt: Any) -> None:
+        super().__init__(link, config, opt)
+        self._local_steps = 0  # inner-optimizer steps since the last message
+        self._published: Any = None  # the last_round the followers hold
+        self._in_step = True  # until ``joined``: what the construction does (a newcomer's download) goes with it
+        opt.inner.register_step_post_hook(self._count_step)
+
+    def _count_step(self, *_: Any) -> None:
+        self._local_steps += 1
+
+    def joined(self, opt: Any) -> None:
+        """The end of the voice's construction (in the swarm, a newcomer's state downloaded): the followers take
+        its state, as DDP broadcasts the module at construction."""
+        self._in_step = False
+        self._share(opt)
+
+    def combine(self, opt: Any, batch_size: int) -> int:
+        self._in_step, self._local_steps = True, 0
+        return self._guarded(opt, lambda: super(_Voice, self).combine(opt, batch_size))
+
+    def publish(self, opt: Any) -> None:
+        """End of a step: the followers repeat the local step, or load the new state."""
+        self._in_step = False
+        if opt.last_round is self._published:
+            self._guarded(opt, lambda: self.link.broadcast(_header(_LOCAL, opt.local_epoch, self._local_steps),
+                                                           "telling the other ranks about the step"))
+        else:
+            self._share(opt)
+
+    def _share(self, opt: Any) -> None:
+        self._guarded(opt, lambda: self.link.send_state(_STATE, self._state(opt), opt.local_epoch,
+                                                        "sending the new state to the other ranks"))
+        self._published = opt.last_round
+
+    def around_download(self, opt: Any, download: Callable[[], None]) -> None:
+        """A download inside ``step()`` reaches the followers with the step; one the caller asked for (every rank
+        calls ``load_state_from_peers``) reaches them at once, or its error does."""
+        if self._in_step:
+            download()
+            return
+        try:
+            download()
+        except Exception as e:
+            message = f"{type(e).__name__}: {e}"
+            encoded = torch.frombuffer(bytearray(message.encode()[:4000]), dtype=torch.uint8)
+            self._guarded(opt, lambda: self.link.broadcast(_header(_FAILED, opt.local_epoch, 0, len(encoded)),
+                                                           "telling the other ranks about the download"))
+            self._guarded(opt, lambda: self.link.broadcast(encoded, "telling the other ranks about the download"))
+            raise
+        self._share(opt)
+
+    @staticmethod
+    def _guarded(opt: Any, collective: Callable[[], Any]) -> Any:
+        """A collective that failed leaves the machine out of the swarm (the record withdrawn) before raising."""
+        try:
+            return collective()
+        except LocalGroupError as e:
+            logger.error(f"{e}")
+            opt.shutdown()
+            raise
+
+
+class _Follower(_Ranks):
+    """Ranks 1..n-1: step with the voice, hold no DHT, publish nothing, load what the voice sends."""
+
+    follows = True
+    writes_checkpoints = False
+
+    def __init__(self, link: _Link, config: LocalGroup, opt: Any) -> None:
+        super().__init__(link, config, opt)
+        self.progress = SwarmProgress(epoch=0, samples_accumulated=0, target_batch_size=opt.config.target_batch_size,
+                                      num_peers=0, num_clients=0, samples_per_second=0.0, eta=math.inf, time=0.0)
+
+    def joined(self, opt: Any) -> None:
+        """Wait for the voice to join the swarm (it may download a running swarm's state) and take its state."""
+        self._receive(opt, self.swarm_bound)
+
+    def follow(self, opt: Any, closure: Optional[Callable[[], Any]], batch_size: Optional[int]) -> Any:
+        """A follower's ``step()``: compute, combine, then do what the voice says."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        batch_size = self.combine(opt, opt._resolve_batch_size(batch_size))
+        header = self._receive(opt, self.swarm_bound, local_batch=batch_size)
+        if header is not None and header[0] == _LOCAL and header[2] > 0:
+            with torch.no_grad():
+                opt.strategy.local_step(batch_size)
+        return loss
+
+    def around_download(self, opt: Any, download: Callable[[], None]) -> None:
+        """The voice downloads; this rank takes the state it got, or raises its error."""
+        self._receive(opt, self.swarm_bound + opt.timeouts.state_download_timeout)
+
+    def _receive(self, opt: Any, timeout: float, local_batch: int = 0) -> Optional[List[float]]:
+        header = torch.zeros(4, dtype=torch.float64)
+        self.link.broadcast(header, "waiting for rank 0's step", timeout)
+        kind, epoch, steps, length = header.tolist()
+        if kind == _FAILED:
+            encoded = torch.empty(int(length), dtype=torch.uint8)
+            self.link.broadcast(encoded, "waiting for rank 0's download")
+            raise StateDownloadError(f"rank 0 could not download the swarm's state: "
+                                     f"{bytes(encoded.numpy()).decode(errors='replace')}")
+        if kind == _STATE:
+            self._load(opt, self.link.receive_state(length, "receiving rank 0's state"))
+        return [kind, epoch, steps, length]
+
+    def _load(self, opt: Any, state: Dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, new in zip(opt._params, state["params"]):
+                p.copy_(new)
+            opt._load_state_locally(state["optimizer"])
+        if state["progress"] is not None:
+            self.progress = SwarmProgress(**state["progress"])
+        if state["last_round"] is not None:
+            opt.last_round = self.report_type(**state["last_round"])

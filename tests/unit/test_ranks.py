@@ -1,0 +1,82 @@
+"""``swarm_opt.ranks`` in one process: what a local group accepts and the one-line errors it gives."""
+
+from __future__ import annotations
+
+import socket
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import swarm_opt
+from swarm_opt.errors import ConfigError, ConfigTypeError
+from swarm_opt.ranks import SOLO, LocalGroup, _short_reason, resolve
+
+
+def _optimizer(**kwargs):
+    model = torch.nn.Linear(3, 2)
+    return swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1), **kwargs)
+
+
+@pytest.fixture
+def world_of_one():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_local_group_options_are_checked():
+    with pytest.raises(ConfigError, match="timeout"):
+        LocalGroup(timeout=0)
+    with pytest.raises(ConfigTypeError, match="gradients_reduced"):
+        LocalGroup(gradients_reduced=1)
+    with pytest.raises(ConfigTypeError, match="local_group must be"):
+        resolve("world")
+
+
+def test_without_torch_distributed_a_process_is_a_peer_of_its_own():
+    assert resolve(None) is None and resolve(False) is None
+    assert isinstance(resolve(LocalGroup()), LocalGroup)
+
+
+def test_a_local_group_without_torch_distributed_is_named_in_the_error():
+    with pytest.raises(ConfigError, match=r"needs torch.distributed initialised .*init_process_group\('gloo'\)"):
+        _optimizer(local_group=LocalGroup())
+
+
+def test_a_group_of_another_backend_is_named_in_the_error(world_of_one, monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ConfigError, match=r"torch.distributed's 'nccl' backend; .* supports gloo: .*new_group"):
+        _optimizer(local_group=LocalGroup())
+
+
+def test_a_group_of_one_rank_is_a_plain_peer(world_of_one):
+    assert resolve(None) is None  # a world of one is not several ranks
+    from swarm_opt.ranks import join_local_group
+
+    bound = types.SimpleNamespace(_params=[torch.zeros(2)])  # what joining reads of a bound optimizer
+    assert join_local_group(LocalGroup(), bound, dht=None, offloaded=False, report_type=None) is SOLO
+
+
+def test_gloo_errors_are_cut_to_their_gist():
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert _short_reason(gloo) == "Connection reset by peer"
+
+
+def test_parameters_sharded_by_fsdp2_are_refused_naming_what_is_supported(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Linear(4, 2)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ConfigError, match=r"sharded over the ranks \(FSDP2.*supports replicated parameters"):
+        swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
+                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_group=LocalGroup())

@@ -159,6 +159,7 @@ def start_dht(
     if private_run is not None:
         kwargs.update(authorizer=private_run.authorizer())
     deadline, pause = time.monotonic() + join_timeout, 2.0
+    listening = False  # whether every initial peer's port accepted connections at the last probe
     while True:
         try:
             with children_ignore_sigint():
@@ -177,9 +178,13 @@ def start_dht(
         probes = probe_initial_peers(initial_peers)
         why = "; ".join(f"{maddr} ({answer})" for maddr, answer in probes)
         left = deadline - time.monotonic()
-        if all(answer == _LISTENING for _, answer in probes):  # all are up: waiting will not change their answer
-            raise ConfigError(f"could not start the DHT node: {reason}: {why}{_hint(initial_peers, private_run)}") \
-                from None
+        if all(answer == _LISTENING for _, answer in probes):
+            if listening:  # up at the try too: waiting will not change their answer (e.g. a wrong peer id)
+                raise ConfigError(f"could not start the DHT node: {reason}: {why}"
+                                  f"{_hint(initial_peers, private_run)}") from None
+            listening = True  # up now, maybe not at the try (a link that just came back, a node just started)
+            continue
+        listening = False
         if left < 1.0:
             raise ConfigError(f"could not start the DHT node: {reason} (tried for {join_timeout:.0f} s): "
                               f"{why}{_hint(initial_peers, private_run)}") from None

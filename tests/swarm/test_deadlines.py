@@ -6,7 +6,8 @@ import pytest
 
 from tests.swarm.test_grad_averaging import assert_one_process
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+# ~76 s of real peers: an extended scenario (the default suite keeps within 20 minutes)
+pytestmark = [pytest.mark.swarm, pytest.mark.extended, pytest.mark.timeout(300)]
 
 BOUNDS = (5.0, 60.0)  # the product's defaults: matchmaking_time, averaging_timeout
 SLOW_FROM, EPOCHS = 9, 15

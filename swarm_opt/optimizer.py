@@ -426,6 +426,7 @@ class Optimizer(torch.optim.Optimizer):
         if not (self._epoch == 0 or progress.num_peers <= 1) or self._tracker.settled:
             return progress
         deadline = time.monotonic() + self.timeouts.averaging_timeout
+        self._ranks.expect(self, self.timeouts.averaging_timeout, "the swarm's first round")  # (swarm_opt.ranks)
         while not self._tracker.settled and time.monotonic() < deadline and not self._closed:
             time.sleep(0.02)
         return self._tracker.progress
@@ -476,12 +477,14 @@ class Optimizer(torch.optim.Optimizer):
         group it was already matched into waits for it; bounded by ``averaging_timeout`` in case the others' speeds
         were overrated. Runs before each round's all-reduce, in the thread that runs the round."""
         deadline = time.monotonic() + self.timeouts.averaging_timeout
+        self._ranks.expect(self, self.timeouts.averaging_timeout, "the swarm's target")  # (swarm_opt.ranks)
         progress = self._tracker.progress
         while (not progress.ready and progress.epoch < round_id and not self._closed and time.monotonic() < deadline
                and progress.eta - get_dht_time() > self.timeouts.matchmaking_time
                and not self._averager.matched(round_id)):
             time.sleep(0.02)
             progress = self._tracker.progress
+        self._ranks.expect(self, self._averager.round_bound(round_id), "a round")  # its deadlines, adaptive ones too
 
     def _member_info(self) -> Dict[str, Any]:
         """What this peer sends its groupmates with each round: the digest of the parameters the round's update
@@ -615,6 +618,10 @@ class Optimizer(torch.optim.Optimizer):
 
     def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any]) -> None:
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
+        # a round in the background ends first; then each try's record reads (swarm_opt.ranks: the other ranks wait)
+        settle = self.timeouts.averaging_timeout + self._averager.round_bound(self._epoch + 1) \
+            if self._rounds.in_flight else 0.0
+        self._ranks.expect(self, settle + timeout + 2 * state_sync.RECORDS_READ_TIMEOUT, "a download")
         self._rounds.settle()
         started = time.monotonic()
         deadline, delay, attempts = started + timeout, 0.5, 0

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -45,7 +46,11 @@ __all__ = ["LocalGroup", "LocalGroupError", "join_local_group", "SOLO"]
 _SUPPORTED_BACKENDS = ("gloo",)
 _AGREEMENT_BYTES = 1024  # what each rank tells the others at start-up (run id, model, recipe), JSON, padded
 # what a step's message from the voice says (its first number)
-_LOCAL, _STATE, _FAILED = 0.0, 1.0, 2.0
+_LOCAL, _STATE, _FAILED, _WAIT = 0.0, 1.0, 2.0, 3.0
+#: seconds of the voice's own work in a step outside the waits it announces (``_Voice.expect``): its bookkeeping,
+#: record reads of at most ``state_sync.RECORDS_READ_TIMEOUT`` each; the followers allow it beyond
+#: ``LocalGroup.timeout``
+_BOOKKEEPING = 15.0
 
 
 class LocalGroupError(SwarmOptError, RuntimeError):
@@ -119,6 +124,9 @@ class Solo:
         download()
 
     def joined(self, opt: Any) -> None:
+        return None
+
+    def expect(self, opt: Any, seconds: float, what: str) -> None:
         return None
 
 
@@ -259,10 +267,21 @@ class _Ranks:
 
     @property
     def swarm_bound(self) -> float:
-        """The longest the voice's part of a step may take (a round, a catch-up, a download): the followers wait
-        that long for it, plus ``LocalGroup.timeout``."""
+        """The longest the voice's construction may take before it announces a wait (its averager and tracker
+        start, a first read; a round, a catch-up, a download at most), from the user's bounds: how long the
+        followers wait for it to join the swarm, plus ``LocalGroup.timeout``."""
         t = self.timeouts
         return self.config.timeout + t.matchmaking_time + 4 * t.averaging_timeout + t.state_download_timeout
+
+    @property
+    def step_bound(self) -> float:
+        """How long a follower waits for the voice's next word in a step once the ranks combined their gradients:
+        the voice's local step and bookkeeping; each longer wait of the voice (a round, a download) it announces
+        with its own deadline (``_Voice.expect``), which the follower then allows on top."""
+        return self.config.timeout + _BOOKKEEPING
+
+    def expect(self, opt: Any, seconds: float, what: str) -> None:
+        return None
 
     def agree(self, opt: Any, *, has_dht: bool) -> None:
         """Every rank checks that all ranks build the same peer (run, global batch, model and strategy, recipe)
@@ -341,6 +360,8 @@ class _Voice(_Ranks):
         self._local_steps = 0  # inner-optimizer steps since the last message
         self._published: Any = None  # the last_round the followers hold
         self._in_step = True  # until ``joined``: what the construction does (a newcomer's download) goes with it
+        self._listening = True  # whether the followers wait for this rank's next word (``expect``)
+        self._thread = threading.current_thread()  # the training loop's, which alone speaks to the followers
         opt.inner.register_step_post_hook(self._count_step)
 
     def _count_step(self, *_: Any) -> None:
@@ -351,14 +372,28 @@ class _Voice(_Ranks):
         its state, as DDP broadcasts the module at construction."""
         self._in_step = False
         self._share(opt)
+        self._listening = False
 
     def combine(self, opt: Any, batch_size: int) -> int:
         self._in_step, self._local_steps = True, 0
-        return self._guarded(opt, lambda: super(_Voice, self).combine(opt, batch_size))
+        self._thread = threading.current_thread()
+        samples = self._guarded(opt, lambda: super(_Voice, self).combine(opt, batch_size))
+        self._listening = True
+        return samples
+
+    def expect(self, opt: Any, seconds: float, what: str) -> None:
+        """Before a wait on the swarm inside a step (``what``: a round, a download), tell the followers its deadline
+        (``seconds``, from the deadlines this rank sets itself: adaptive ones included), so that they wait as long
+        as this rank may, and no longer. Only from the training loop's thread while the followers listen (a round in
+        the background, or a download outside a step they do not share, says nothing)."""
+        if not self._listening or threading.current_thread() is not self._thread:
+            return
+        self._guarded(opt, lambda: self.link.broadcast(_header(_WAIT, opt.local_epoch, 0, float(seconds)),
+                                                       f"telling the other ranks about {what}"))
 
     def publish(self, opt: Any) -> None:
         """End of a step: the followers repeat the local step, or load the new state."""
-        self._in_step = False
+        self._in_step = self._listening = False
         if opt.last_round is self._published:
             self._guarded(opt, lambda: self.link.broadcast(_header(_LOCAL, opt.local_epoch, self._local_steps),
                                                            "telling the other ranks about the step"))
@@ -376,9 +411,11 @@ class _Voice(_Ranks):
         if self._in_step:
             download()
             return
+        self._listening = True
         try:
             download()
         except Exception as e:
+            self._listening = False
             message = f"{type(e).__name__}: {e}"
             encoded = torch.frombuffer(bytearray(message.encode()[:4000]), dtype=torch.uint8)
             self._guarded(opt, lambda: self.link.broadcast(_header(_FAILED, opt.local_epoch, 0, len(encoded)),
@@ -386,6 +423,7 @@ class _Voice(_Ranks):
             self._guarded(opt, lambda: self.link.broadcast(encoded, "telling the other ranks about the download"))
             raise
         self._share(opt)
+        self._listening = False
 
     @staticmethod
     def _guarded(opt: Any, collective: Callable[[], Any]) -> Any:
@@ -420,20 +458,26 @@ class _Follower(_Ranks):
             with torch.enable_grad():
                 loss = closure()
         batch_size = self.combine(opt, opt._resolve_batch_size(batch_size))
-        header = self._receive(opt, self.swarm_bound, local_batch=batch_size)
-        if header is not None and header[0] == _LOCAL and header[2] > 0:
+        header = self._receive(opt, self.step_bound)
+        if header[0] == _LOCAL and header[2] > 0:
             with torch.no_grad():
                 opt.strategy.local_step(batch_size)
         return loss
 
     def around_download(self, opt: Any, download: Callable[[], None]) -> None:
         """The voice downloads; this rank takes the state it got, or raises its error."""
-        self._receive(opt, self.swarm_bound + opt.timeouts.state_download_timeout)
+        self._receive(opt, self.step_bound)
 
-    def _receive(self, opt: Any, timeout: float, local_batch: int = 0) -> Optional[List[float]]:
+    def _receive(self, opt: Any, timeout: float) -> List[float]:
+        """The voice's next word, waited for at most ``timeout`` seconds, and then as long as each wait it announces
+        (``_Voice.expect``) allows; loads a state it sends, raises the error of a download it failed."""
         header = torch.zeros(4, dtype=torch.float64)
         self.link.broadcast(header, "waiting for rank 0's step", timeout)
         kind, epoch, steps, length = header.tolist()
+        while kind == _WAIT:  # rank 0 now waits on the swarm, at most ``length`` seconds
+            self.link.broadcast(header, f"waiting for rank 0's step (its deadline {length:.0f} s)",
+                                self.step_bound + length)
+            kind, epoch, steps, length = header.tolist()
         if kind == _FAILED:
             encoded = torch.empty(int(length), dtype=torch.uint8)
             self.link.broadcast(encoded, "waiting for rank 0's download")

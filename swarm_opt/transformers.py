@@ -21,6 +21,10 @@ the swarm's global batch as the batch:
 * logs carry ``swarm/epoch``, ``swarm/peers``, ``swarm/samples_per_second`` (and ``swarm/grad_norm``, the global
   gradient's norm before clipping).
 
+Under ``torchrun --nproc-per-node N`` (Trainer's DDP; CPU: gloo) the machine's N processes are one peer
+(``swarm_opt.LocalGroup``, ``docs/ranks.md``): DDP averages their gradients, process 0 alone starts the DHT and
+averages with the swarm, and every process takes its results; a step counts the N processes' samples.
+
 ``logging_steps``, ``save_steps`` and ``eval_steps`` count this peer's steps (``state.global_step``), as its logged
 loss does. ``transformers`` is an optional dependency: ``pip install swarm_opt[transformers]``.
 """
@@ -51,6 +55,7 @@ from swarm_opt.errors import ConfigError
 from swarm_opt.gloo_lane import Gloo
 from swarm_opt.optimizer import Optimizer
 from swarm_opt.privacy import OpacusPrivacy
+from swarm_opt.ranks import LocalGroup
 from swarm_opt.strategies.base import Strategy
 
 logger = logging.getLogger(__name__)
@@ -71,10 +76,11 @@ class SwarmCallback(TrainerCallback):
     ``hivemind.DHT`` that stays the caller's), as in ``swarm_opt.lightning.SwarmCallback``. What
     ``TrainingArguments`` mean in a swarm: see the module docstring.
 
-    Nothing happens at construction (no DHT, no process). Refused when the ``Trainer`` is built, each with the
-    alternative: Trainer's distributed modes (DDP, FSDP, DeepSpeed, several GPUs in one process: run one
-    single-device peer per device instead), ``max_steps`` unset, and schedules that need a metric; when training
-    starts: a ``swarm_opt.Optimizer`` passed as Trainer's optimizer and LR schedulers that are not ``LambdaLR``.
+    Nothing happens at construction (no DHT, no process). Under ``torchrun`` (Trainer's DDP) the machine's processes
+    are one peer (module docstring). Refused when the ``Trainer`` is built, each with the alternative: Trainer's
+    sharded and other distributed modes (FSDP, DeepSpeed, several GPUs in one process: use DDP, or one
+    single-device peer per device), ``max_steps`` unset, and schedules that need a metric; when training starts: a
+    ``swarm_opt.Optimizer`` passed as Trainer's optimizer and LR schedulers that are not ``LambdaLR``.
 
     Trainer calls no callback when training raises: the swarm is then left at interpreter exit, or at once with
     ``leave()``.
@@ -132,8 +138,10 @@ class SwarmCallback(TrainerCallback):
         _check_scheduler(lr_scheduler)
         self._max_grad_norm = float(args.max_grad_norm or 0.0)
         clip = checked_max_norm(self._max_grad_norm) if self._max_grad_norm > 0 else None
+        ddp = _ddp(args)  # DDP averaged the gradients; process 0 speaks for the machine (swarm_opt.ranks)
         self._dht, self._optimizer = self._options.join(
-            inner, clip_grad_norm=clip,
+            inner, clip_grad_norm=clip, starts_dht=args.process_index == 0,
+            local_group=LocalGroup(gradients_reduced=True) if ddp else False,
             batch_size_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps)
         atexit.register(self.leave)  # Trainer calls no callback when training raises
         try:
@@ -217,13 +225,24 @@ def _log_before_reporters(callback: TrainerCallback, handler: Any) -> None:
         handler.callbacks = others[:first] + [callback] + others[first:]
 
 
+def _ddp(args: TrainingArguments) -> bool:
+    """Trainer's plain DDP (``torchrun`` / ``accelerate launch`` without FSDP or DeepSpeed) over several processes."""
+    return args.parallel_mode == ParallelMode.DISTRIBUTED and args.world_size > 1 and not (args.deepspeed or args.fsdp)
+
+
 def check_arguments(args: TrainingArguments) -> None:
     """Refuse ``TrainingArguments`` that cannot work in a swarm, each with the alternative."""
-    if args.world_size > 1 or args.parallel_mode == ParallelMode.DISTRIBUTED or args.deepspeed or args.fsdp:
+    if args.deepspeed or args.fsdp:
         raise ConfigError(
-            "SwarmCallback does not run under Trainer's distributed training (torchrun / accelerate launch, DDP, "
-            "FSDP, DeepSpeed): each process is its own swarm peer. Start one single-process Trainer per device "
-            "(CUDA_VISIBLE_DEVICES=i python train.py), all with the same run_id")
+            f"SwarmCallback does not run under Trainer's {'DeepSpeed' if args.deepspeed else 'FSDP'} (the model's "
+            f"parameters are sharded over the processes, which swarm_opt does not average yet, docs/ranks.md): use "
+            f"DDP (torchrun --nproc-per-node N train.py: the machine's processes are one swarm peer), or one "
+            f"single-process Trainer per device with the same run_id")
+    if (args.world_size > 1 or args.parallel_mode == ParallelMode.DISTRIBUTED) and not _ddp(args):
+        raise ConfigError(
+            f"SwarmCallback runs under Trainer's DDP (torchrun --nproc-per-node N train.py) or in one process, not "
+            f"under its {args.parallel_mode.value!r} mode: use torchrun, or one single-process Trainer per device "
+            f"with the same run_id")
     if args.n_gpu > 1:
         raise ConfigError(
             f"Trainer would train on {args.n_gpu} GPUs with DataParallel in this process: make each GPU its own "

@@ -231,9 +231,7 @@ class TensorAverager:
                 cancel_step(self._scheduled)
             due = float(when)  # a leader may assemble its group from then on, once complete (_assemble_once_complete)
             matchmaking = self.timeouts.matchmaking_time
-            # a member starts sending at its next step (``_start_allowance``): a deadline never cuts that short
-            averaging = min(self.timeouts.averaging_timeout, max(
-                self.deadlines.averaging_timeout, matchmaking + _START_TIMEOUT + 4 * self.step_period))
+            averaging = self._averaging_deadline()
             when = max(when, get_dht_time() + matchmaking)
             if self.auxiliary:
                 # a helper only follows (see _Engine._step); a leader accepts a follower whose request says it can
@@ -250,6 +248,21 @@ class TensorAverager:
                         DEADLINE_KEY: float(averaging), **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )
             self._scheduled_watch = self._engine.watch(self._scheduled)
+
+    def _averaging_deadline(self) -> float:
+        """The averaging deadline of a round scheduled now: the adaptive one (``deadlines``), never shorter than a
+        member's allowance to start sending at its next step (``_start_allowance``), within the user's bound."""
+        return min(self.timeouts.averaging_timeout, max(
+            self.deadlines.averaging_timeout, self.timeouts.matchmaking_time + _START_TIMEOUT + 4 * self.step_period))
+
+    def round_bound(self, round_id: int) -> float:
+        """The longest ``all_reduce`` of round ``round_id`` may wait if it starts now (the safety net it sets: its
+        matchmaking and all-reduce deadlines, adaptive): what a machine's other ranks wait for this peer's round
+        (``swarm_opt.ranks``)."""
+        with self._lock:
+            if self._scheduled is not None and not self._scheduled.done() and self._scheduled_round == round_id:
+                return self._scheduled_at[2]
+        return 2 * self._averaging_deadline() + self.timeouts.matchmaking_time
 
     def matched(self, round_id: int) -> bool:
         """Whether this peer's matchmaking for ``round_id``, scheduled ahead, found a group that now waits for it."""

@@ -145,7 +145,9 @@ def install_fault(cfg: dict) -> None:
     * ``never_averages``: a peer always too late for its group: each of its rounds fails once the swarm completed it
       without this peer (or after ``averaging_timeout``), as a peer starved of CPU does.
     * ``slow_reads``: every read of the swarm's progress records returns that many seconds after the DHT answered
-      (a loaded machine, or a DHT over slow links): this peer sees the others late, and what it sees is that old."""
+      (a loaded machine, or a DHT over slow links): this peer sees the others late, and what it sees is that old.
+    * ``hang_in_round``: from that round on, the peer's all-reduce never returns (a process stuck inside its round:
+      a deadlock, a stalled device); writes ``OUT.hung`` as it hangs."""
     if cfg.get("slow_reads"):
         from swarm_opt.progress import SampledRecords
 
@@ -161,6 +163,19 @@ def install_fault(cfg: dict) -> None:
                 return value
 
         SampledRecords._request = lambda self, shard: LateAnswer(original_request(self, shard))
+    if cfg.get("hang_in_round"):
+        from swarm_opt._hivemind.tensor_averager import TensorAverager
+
+        original_all_reduce = TensorAverager.all_reduce
+
+        @functools.wraps(original_all_reduce)
+        def all_reduce(self, write, weight, round_id, *args, **kwargs):
+            if round_id >= cfg["hang_in_round"]:
+                open(cfg["out"] + ".hung", "w").close()
+                time.sleep(3600)
+            return original_all_reduce(self, write, weight, round_id, *args, **kwargs)
+
+        TensorAverager.all_reduce = all_reduce
     if cfg.get("record_sent"):  # what this peer writes into its averager's buffers (all the averager sends)
         from swarm_opt._hivemind.tensor_averager import TensorAverager
 

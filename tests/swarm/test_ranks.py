@@ -3,6 +3,7 @@ process of its own, the ranks of a machine joined by gloo."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import time
@@ -10,7 +11,9 @@ import time
 import pytest
 import torch
 
+import swarm_opt
 from swarm_opt import testing
+from swarm_opt.strategies import REGISTRY
 from tests.swarm.conftest import assert_quiet
 from tests.swarm.test_grad_averaging import assert_one_process
 
@@ -87,19 +90,31 @@ def simulate(strategy: str, rounds: int, steps: int = 10) -> torch.Tensor:
     return peers[0][0].detach()[0]
 
 
-@pytest.mark.parametrize("strategy", ["local", *(pytest.param(s, marks=pytest.mark.extended)
-                                               for s in ("diloco", "scaffold", "fedprox", "fednova"))])
-def test_a_two_rank_peer_with_local_updates_equals_one_peer_stepping_on_both_ranks_gradients(swarm, strategy):
-    """LocalUpdates and DiLoCo in lockstep: the machine's ranks step on their combined gradient and stay identical
-    (each repeats the inner step; the round's state reaches the follower from rank 0), and the swarm follows the
-    in-process simulation in which the machine is one peer."""
+#: every strategy a run can name; ``local`` runs in the default suite, the others with the extended scenarios
+#: (``grad``'s equivalence with one process on MLP batches is the default suite's first test above)
+STRATEGIES = [row.name for row in REGISTRY]
+
+
+@pytest.mark.parametrize("strategy", [s if s == "local" else pytest.param(s, marks=pytest.mark.extended)
+                                      for s in STRATEGIES])
+def test_every_strategy_with_a_two_rank_peer_equals_one_peer_stepping_on_both_ranks_gradients(swarm, strategy):
+    """Every registered strategy, in lockstep (each process completes the same local steps per round): the
+    machine's ranks step on their combined gradient and leave every epoch identical, parameters and strategy
+    state (SCAFFOLD's controls) alike (each repeats the strategy's local step; a round's state reaches the
+    follower from rank 0), and the swarm follows the in-process simulation in which the machine is one peer. No
+    strategy has a line of its own in ``swarm_opt.ranks``."""
     config = {k: v for k, v in LOCKSTEP.items() if k != "batch_size"}
     start_machine(swarm, 0, [16, 16], strategy=strategy, **config)
     swarm.start(2, strategy=strategy, batch_size=16, **config)
     swarm.wait(timeout=200)
     results = [swarm.result(r) for r in range(3)]
     assert all(r["epoch"] == LOCKSTEP["epochs"] for r in results)
-    assert torch.equal(results[0]["w"], results[1]["w"]), "the ranks of the machine disagree"
+    rank0, rank1 = results[0]["rounds"], results[1]["rounds"]
+    assert [r["epoch"] for r in rank0] == [r["epoch"] for r in rank1] == list(range(1, LOCKSTEP["epochs"] + 1))
+    for a, b in zip(rank0, rank1):
+        assert torch.equal(a["w"], b["w"]), f"the ranks of the machine disagree after epoch {a['epoch']}"
+        assert (a["d"] is None) == (b["d"] is None) and (a["d"] is None or torch.equal(a["d"], b["d"])), \
+            f"the ranks' strategy states disagree after epoch {a['epoch']}"
     for r in (results[0], results[2]):
         assert all(not rnd["caught_up"] and rnd["group_size"] == 2 for rnd in r["rounds"]), r["rounds"]
     expected = simulate(strategy, LOCKSTEP["epochs"])
@@ -166,6 +181,47 @@ def test_a_killed_rank_takes_its_machine_out_and_the_other_peer_trains_on(swarm,
     lone = swarm.result(2)
     assert lone["epoch"] == 8
     assert lone["reports"][-1]["num_peers"] == 1, lone["reports"][-1]  # the machine's record is gone
+
+
+@pytest.mark.extended
+def test_a_follower_waits_for_rank_0s_round_as_long_as_its_adaptive_deadline_and_no_longer(swarm):
+    """Adaptive deadlines on, rounds that take well under a second: once rank 0's averaging deadline followed them
+    below the user's 60 s, it announces each round's deadline to the follower. Rank 0 then hangs inside a round:
+    the follower leaves with one LocalGroupError line within that deadline plus its own allowance, minutes before
+    the bound the user's timeouts alone give (what followers waited before)."""
+    local_timeout, averaging_timeout, hang_at = 10.0, 60.0, 9
+    common = dict(target_batch_size=240, inner="sgd", expect_peers=2, step_sleep=0.03, adaptive_deadlines=True,
+                  averaging_timeout=averaging_timeout, local_timeout=local_timeout)
+    port = free_port()
+    swarm.start(0, batch_size=8, machine_batch_size=20, local=dict(rank=0, size=2, port=port), epochs=100,
+                hang_in_round=hang_at, **common)
+    swarm.start(1, batch_size=12, machine_batch_size=20, local=dict(rank=1, size=2, port=port), epochs=100, **common)
+    swarm.start(2, batch_size=20, epochs=100, **common)
+    hung = swarm.tmp / "peer0.pt.hung"
+    deadline = time.monotonic() + 150
+    while not hung.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hung.exists(), swarm.log(0)
+    hung_at = time.monotonic()
+    timeouts = swarm_opt.Timeouts(matchmaking_time=1.0, averaging_timeout=averaging_timeout)
+    static = local_timeout + timeouts.matchmaking_time + 4 * averaging_timeout + timeouts.state_download_timeout
+    follower = swarm.procs[1]
+    try:
+        follower.wait(static / 2)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the follower still waits {static / 2:.0f} s after rank 0 hung:\n{swarm.log(1)}")
+    waited = time.monotonic() - hung_at
+    log = swarm.log(1)
+    assert follower.returncode == 3 and "Traceback" not in log, log
+    announced = re.search(r"waiting for rank 0's step \(its deadline (\d+) s\) failed \(no answer within (\d+) s\)",
+                          log)
+    assert announced is not None, log
+    round_deadline, allowed = int(announced.group(1)), int(announced.group(2))
+    # the round's deadline followed the measured rounds: without adaptation it is 2 x 60 + 1 s
+    assert round_deadline < 2 * averaging_timeout + timeouts.matchmaking_time - 1, log
+    assert allowed == pytest.approx(round_deadline + local_timeout + 15, abs=1)
+    assert waited < allowed + 10, (waited, allowed)
+    swarm.kill_all()
 
 
 @pytest.mark.parametrize("differ, says", [

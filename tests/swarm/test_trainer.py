@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests.swarm.conftest import PEER_SCRIPT, assert_quiet, assert_same_params_at_each_epoch  # noqa: E402
 from tests.swarm.test_grad_averaging import ambiguous_batches  # noqa: E402
+from tests.swarm.test_ranks import free_port  # noqa: E402
 from tests.swarm.trainer_peer import make_data, make_model, training_arguments  # noqa: E402
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -96,6 +97,34 @@ def test_three_trainer_peers_equal_one_trainer_on_the_union_of_their_batches(swa
     for got, want in zip(results[0]["final"], expected):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert any((a - b).abs().max() > 2e-3 for a, b in zip(expected, make_model().parameters()))  # it trained
+    assert_quiet(swarm)
+
+
+@pytest.mark.extended
+def test_a_two_process_ddp_trainer_and_a_one_process_trainer_equal_one_trainer_on_the_union_of_batches(swarm,
+                                                                                                        tmp_path):
+    """A machine of two Trainer processes launched as torchrun does (DDP over gloo, 4 samples each per step) is one
+    peer beside a one-process Trainer (6 samples per step): its processes hold the same parameters at every epoch
+    and the swarm ends with those of one Trainer on the union of every epoch's batches (of all three processes);
+    the swarm counts two peers."""
+    port = free_port()
+    machine = dict(script=SCRIPT, peers=2, machine=0, expect_peers=2, target_batch_size=96, batch_size=4, **RECIPE)
+    for rank in range(2):
+        swarm.start(rank, local=dict(rank=rank, size=2, port=port), **machine)
+    swarm.start(2, script=SCRIPT, peers=2, machine=1, expect_peers=2, target_batch_size=96, batch_size=6, **RECIPE)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    epochs = RECIPE["epochs"]
+    assert_same_params_at_each_epoch(results, epochs)
+    for r in results:
+        assert r["epoch"] == epochs
+        assert sum(rep["group_size"] == 2 for rep in r["rounds"]) >= epochs // 2, r["rounds"]
+    assert results[0]["logged"]["swarm/peers"] == 2 and results[2]["logged"]["swarm/peers"] == 2  # one record
+    for a, b in zip(results[0]["committed"].values(), results[1]["committed"].values()):
+        assert len(a) == len(b) and not set(map(tuple, a)) & set(map(tuple, b))  # each process its own batches
+    expected = assert_one_trainer(results, tmp_path, **RECIPE)
+    for got, want in zip(results[0]["final"], expected):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert_quiet(swarm)
 
 

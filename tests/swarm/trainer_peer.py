@@ -7,6 +7,9 @@ and, as ``tests/swarm/peer.py`` does, the samples this peer committed to each ep
 dropped when it caught up (``discarded``). Each rank trains on its own shard of ``make_data()`` with its own
 ``per_device_train_batch_size`` x ``gradient_accumulation_steps``; a data collator logs the indices of every batch.
 With ``checkpoint``, Trainer saves a checkpoint every ``save_steps`` of this peer; ``resume`` restarts from one.
+With ``"local": {"rank": r, "size": n, "port": p}`` the process is rank r of a machine of n DDP processes (one peer),
+launched as ``torchrun`` launches them (its environment variables; gloo on loopback port p); the machine's data
+shard is ``rank``'s, which Trainer splits between its processes.
 """
 
 from __future__ import annotations
@@ -99,6 +102,10 @@ def main(config_path: str) -> None:
     from swarm_opt.transformers import SwarmCallback
 
     cfg = json.load(open(config_path))
+    local = cfg.get("local")
+    if local:  # what torchrun sets for each of its processes: Trainer (Accelerate) starts DDP over gloo from them
+        os.environ.update(RANK=str(local["rank"]), LOCAL_RANK=str(local["rank"]), WORLD_SIZE=str(local["size"]),
+                          LOCAL_WORLD_SIZE=str(local["size"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local["port"]))
     data = make_data()
     model = make_model()
     collator = LoggingCollator()
@@ -113,7 +120,8 @@ def main(config_path: str) -> None:
                               gradient_accumulation_steps=cfg.get("accumulate", 1), bf16=cfg.get("bf16", False),
                               **checkpoints)
     recorder = Recorder(cfg, swarm, collator)
-    trainer = Trainer(model=model, args=args, train_dataset=Shard(data, shard(cfg["rank"], cfg["peers"]), 100),
+    machine = cfg.get("machine", cfg["rank"])  # the data shard: one per peer (a machine's ranks share theirs)
+    trainer = Trainer(model=model, args=args, train_dataset=Shard(data, shard(machine, cfg["peers"]), 100),
                       data_collator=collator, callbacks=[recorder, swarm, LogTap(recorder)])
     if cfg.get("resume"):  # started early (imports are slow): resume once the test put the checkpoint there
         open(cfg["out"] + ".ready", "w").close()
@@ -144,8 +152,9 @@ class Recorder(TrainerCallback):
         opt = self.swarm.optimizer
         if self.model is None:  # the first step: the swarm optimizer exists (SwarmCallback.on_train_begin)
             self.model = model
-            testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
-            wait_until = time.monotonic() + 30
+            if self.swarm.dht is not None:  # (a machine's other processes hold none)
+                testing.write_addresses(self.swarm.dht.get_visible_maddrs(), self.cfg["out"] + ".maddrs")
+            wait_until = time.monotonic() + (30 if self.swarm.dht is not None else 0)
             while opt.progress.num_peers < self.cfg.get("expect_peers", 1) and time.monotonic() < wait_until:
                 time.sleep(0.05)
             self.resumed_at = opt.local_epoch if state.global_step > 0 else None
@@ -162,7 +171,7 @@ class Recorder(TrainerCallback):
         report = self.last_round = opt.last_round
         self.rounds.append(dict(report.__dict__, time=time.time(), grad_norm=opt.grad_norm))
         if not report.caught_up:  # the round's batches come first (as in peer.py)
-            used = report.samples // per_step
+            used = report.samples // (per_step * args.world_size)  # a machine's samples: all its processes'
             self.committed[report.epoch] = [b for b, _ in self.pending[:used]]
             self.pending = self.pending[used:]
         else:

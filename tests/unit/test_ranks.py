@@ -80,3 +80,57 @@ def test_parameters_sharded_by_fsdp2_are_refused_naming_what_is_supported(world_
     with pytest.raises(ConfigError, match=r"sharded over the ranks \(FSDP2.*supports replicated parameters"):
         swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_group=LocalGroup())
+
+
+class _ScriptedLink:
+    """A stand-in for the local group's link: records each broadcast's timeout, and fills the tensors a follower
+    receives from ``script`` (the voice's headers, in order)."""
+
+    def __init__(self, script=()):
+        self.script, self.waits, self.sent = list(script), [], []
+
+    def broadcast(self, tensor, what, timeout=None):
+        self.waits.append(timeout)
+        if self.script:
+            tensor.copy_(torch.tensor(self.script.pop(0), dtype=tensor.dtype))
+        else:
+            self.sent.append(tensor.tolist())
+
+
+def _ranks(role, link):
+    from swarm_opt import ranks
+
+    opt = types.SimpleNamespace(timeouts=swarm_opt.Timeouts(matchmaking_time=2.0, averaging_timeout=60.0),
+                                local_epoch=7, config=types.SimpleNamespace(target_batch_size=8),
+                                inner=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    return getattr(ranks, role)(link, LocalGroup(timeout=5.0), opt), opt
+
+
+def test_a_follower_waits_as_long_as_each_wait_rank_0_announces_and_no_longer():
+    """Rank 0 announces a round of 21 s, then a download of 130 s: the follower waits its step's bound, then that
+    plus each announced deadline, then takes the step's end; the static bound of the user's timeouts is not used."""
+    from swarm_opt.ranks import _LOCAL, _WAIT
+
+    link = _ScriptedLink([[_WAIT, 7, 0, 21.0], [_WAIT, 7, 0, 130.0], [_LOCAL, 7, 0, 0]])
+    follower, opt = _ranks("_Follower", link)
+    assert follower._receive(opt, follower.step_bound)[0] == _LOCAL
+    step = follower.step_bound
+    assert step == 5.0 + 15.0 and step < follower.swarm_bound
+    assert link.waits == [step, step + 21.0, step + 130.0]
+
+
+def test_rank_0_announces_its_waits_only_while_the_followers_listen_and_from_the_loops_thread():
+    import threading
+
+    from swarm_opt.ranks import _WAIT
+
+    link = _ScriptedLink()
+    voice, opt = _ranks("_Voice", link)
+    voice.expect(opt, 21.0, "a round")  # during construction: the followers wait in joined()
+    voice._listening = False  # between steps (after publish): nobody listens
+    voice.expect(opt, 30.0, "a round")
+    voice._listening = True
+    worker = threading.Thread(target=voice.expect, args=(opt, 40.0, "a round in the background"))
+    worker.start()
+    worker.join()
+    assert link.sent == [[_WAIT, 7.0, 0.0, 21.0]]

@@ -80,6 +80,20 @@ def test_distributed_trainers_are_refused_with_one_peer_per_device(tmp_path, mon
         check_arguments(args)
 
 
+def test_trainers_ddp_is_accepted_and_its_sharded_modes_are_refused_naming_ddp(tmp_path, monkeypatch):
+    """torchrun's DDP makes the machine's processes one peer (tests/swarm/test_trainer.py); FSDP and DeepSpeed shard
+    the parameters, which the local group does not average: the error names DDP."""
+    from transformers.training_args import ParallelMode
+
+    args = arguments(tmp_path)
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    monkeypatch.setattr(TrainingArguments, "parallel_mode", property(lambda self: ParallelMode.DISTRIBUTED))
+    check_arguments(args)
+    args.fsdp = "full_shard"
+    with pytest.raises(ConfigError, match=r"Trainer's FSDP .*sharded.*use DDP \(torchrun --nproc-per-node N"):
+        check_arguments(args)
+
+
 def test_a_scheduler_that_is_not_lambda_lr_is_refused_before_any_dht_starts(tmp_path, no_leftovers):
     cb = callback()
     model_trainer = trainer(cb, arguments(tmp_path))

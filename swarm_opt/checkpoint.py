@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 
 from swarm_opt.errors import CheckpointWriteError, ConfigError, IncompatibleStateError
+from swarm_opt.ranks import SOLO
 
 _FORMAT = 1
 _NAME = re.compile(r"^epoch-(\d{8})\.pt$")
@@ -159,17 +160,22 @@ def _writes_here(writer: Optional[bool]) -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
 
 
+def _local_group(opt: Any) -> Any:
+    """The machine's ranks of ``opt`` (``swarm_opt.ranks``; ``SOLO`` for one process, or anything but an
+    ``Optimizer``)."""
+    return getattr(opt, "_ranks", SOLO)
+
+
 def _saves(opt: Any) -> bool:
     """Whether ``opt`` writes its own state (not a follower rank of a machine, ``swarm_opt.ranks``)."""
-    ranks = getattr(opt, "_ranks", None)
-    return ranks is None or ranks.writes_checkpoints
+    return _local_group(opt).writes_checkpoints
 
 
 def _training_state(opt: Any, model: torch.nn.Module, metrics: Optional[Metrics],
                     extra: Optional[Dict[str, Any]]) -> dict:
     return {
         "format": _FORMAT, "model_schema": opt.model_schema, "epoch": opt.local_epoch,
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "metrics": dict(metrics or {}),
+        "model": _local_group(opt).model_state(model), "optimizer": opt.state_dict(), "metrics": dict(metrics or {}),
         "extra": dict(extra or {}),
     }
 
@@ -180,7 +186,7 @@ def _restore(opt: Any, model: torch.nn.Module, path: Optional[Path], schemas: Se
     # a checkpoint of this model saved by an older release (another protocol, the same shapes) resumes too
     accepted = (opt.model_schema, *getattr(opt, "legacy_schemas", {}), *schemas)
     state = load_checkpoint(path, expected_schema=accepted)
-    model.load_state_dict(state["model"])
+    _local_group(opt).load_model_state(model, state["model"])  # (every rank its shards of a sharded model)
     opt.load_state_dict(state["optimizer"])
     return {"epoch": state["epoch"], "metrics": state["metrics"], "extra": state["extra"]}
 

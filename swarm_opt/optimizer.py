@@ -45,7 +45,7 @@ from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
 from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.ranks import LocalGroup, join_local_group
+from swarm_opt.ranks import LocalGroup, join_local_group, unshard_params
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -157,6 +157,8 @@ class Optimizer(torch.optim.Optimizer):
         max_norm, self.timeouts, strategy = averaging.clip_grad_norm, averaging.timeouts, averaging.strategy
         if dht is not None and not isinstance(dht, DHT):
             raise ConfigTypeError(f"dht must be a started hivemind.DHT, got {type(dht).__name__}")
+        # a model sharded over the machine's ranks (FSDP2): rank 0 trains one full copy of it (swarm_opt.shards)
+        params, shards = unshard_params(local_group, optimizer, params)
         self._offload = _make_offload(offload, optimizer, params)
         if self._offload is not None and params is not None:
             params = self._offload.groups
@@ -193,7 +195,7 @@ class Optimizer(torch.optim.Optimizer):
         self.legacy_schemas = legacy_schemas(self._params, strategy, identity)
         # the machine's other ranks (swarm_opt.ranks): collective; on a follower, rank 0 is this peer's swarm part
         self._ranks = join_local_group(local_group, self, dht=dht, offloaded=self._offload is not None,
-                                       report_type=RoundReport)
+                                       report_type=RoundReport, shards=shards)
         if self._ranks.follows:
             self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
             self._ranks.joined(self)  # takes rank 0's state once it joined the swarm

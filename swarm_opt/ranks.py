@@ -13,12 +13,14 @@ optimizer state (inner optimizer, scheduler, epoch, strategy state), which the f
 works unchanged and the ranks leave every step identical.
 
 Every wait on the group is bounded (``LocalGroup.timeout``, plus what the voice's swarm work may take while the
-followers wait for it): a rank that dies or hangs takes the machine out of the swarm (the voice withdraws its record)
-with ``LocalGroupError`` on every rank, instead of leaving the others waiting.
+followers wait for it: the voice announces each of its waits on the swarm with the deadline it sets itself, the
+adaptive ones included, and the followers wait that long): a rank that dies or hangs takes the machine out of the
+swarm (the voice withdraws its record) with ``LocalGroupError`` on every rank, instead of leaving the others waiting.
 
-``Optimizer`` uses three objects from here, the same interface for a single process (``SOLO``: nothing to do), the
-voice and a follower: ``combine`` before the local step, ``publish`` at the end of ``step()`` and ``around_download``
-for a state download the caller asked for. See ``docs/ranks.md``.
+``Optimizer`` uses one object from here, of the same interface for a single process (``SOLO``: nothing to do), the
+voice and a follower: ``combine`` before the local step, ``expect`` before each wait on the swarm inside a step,
+``publish`` at the end of ``step()`` and ``around_download`` for a state download the caller asked for. See
+``docs/ranks.md``.
 """
 
 from __future__ import annotations
@@ -38,15 +40,16 @@ import torch
 from swarm_opt.errors import ConfigError, ConfigTypeError, StateDownloadError, SwarmOptError
 from swarm_opt.progress import SwarmProgress
 from swarm_opt.serialization import flatten, unflatten
+from swarm_opt.shards import Shards, unshard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalGroup", "LocalGroupError", "join_local_group", "SOLO"]
+__all__ = ["LocalGroup", "LocalGroupError", "join_local_group", "unshard_params", "SOLO"]
 
 _SUPPORTED_BACKENDS = ("gloo",)
 _AGREEMENT_BYTES = 1024  # what each rank tells the others at start-up (run id, model, recipe), JSON, padded
 # what a step's message from the voice says (its first number)
-_LOCAL, _STATE, _FAILED, _WAIT = 0.0, 1.0, 2.0, 3.0
+_LOCAL, _STATE, _FAILED, _WAIT, _PARAMS = 0.0, 1.0, 2.0, 3.0, 4.0
 #: seconds of the voice's own work in a step outside the waits it announces (``_Voice.expect``): its bookkeeping,
 #: record reads of at most ``state_sync.RECORDS_READ_TIMEOUT`` each; the followers allow it beyond
 #: ``LocalGroup.timeout``
@@ -129,15 +132,35 @@ class Solo:
     def expect(self, opt: Any, seconds: float, what: str) -> None:
         return None
 
+    def model_state(self, model: torch.nn.Module) -> Dict[str, Any]:
+        return model.state_dict()
+
+    def load_model_state(self, model: torch.nn.Module, state: Dict[str, Any]) -> None:
+        model.load_state_dict(state)
+
 
 SOLO = Solo()
 
 
-def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, report_type: Any) -> Any:
+def unshard_params(local_group: Any, optimizer: Any, params: Any) -> Any:
+    """``(params, shards)``: for a model sharded over the local group's ranks (FSDP2, DTensor parameters), the
+    stand-ins the swarm optimizer trains instead and their ``swarm_opt.shards.Shards`` (collective: every rank);
+    otherwise ``(params, None)``. Called before the optimizer builds its inner optimizer."""
+    config = resolve(local_group)
+    dist = _distributed()
+    rank, size = 0, 1
+    if config is not None and dist.is_available() and dist.is_initialized():
+        group = config.group if config.group is not None else dist.group.WORLD
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+    return unshard(optimizer, params, rank=rank, world_size=size)
+
+
+def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, report_type: Any,
+                     shards: Optional[Shards] = None) -> Any:
     """The ``SOLO``, voice or follower object of ``opt``, a bound ``Optimizer`` that has not joined the swarm yet.
     Collective: every rank of the group calls it, checks that they agree (run, model, recipe) and the followers take
     the voice's initial state. ``report_type``: the class of ``opt.last_round`` (``RoundReport``), which the followers
-    mirror."""
+    mirror. ``shards``: the model's shards (``unshard_params``), when it is sharded over the ranks."""
     config = resolve(local_group)
     if config is None:
         return SOLO
@@ -153,7 +176,6 @@ def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, r
                           f"supports {', '.join(_SUPPORTED_BACKENDS)}: pass "
                           f"LocalGroup(torch.distributed.new_group(backend='gloo')) (a gloo group beside your NCCL "
                           f"one)")
-    _refuse_sharded(opt._params)
     link = _Link(dist, group, config.timeout)
     if link.size == 1:
         return SOLO
@@ -161,19 +183,9 @@ def join_local_group(local_group: Any, opt: Any, *, dht: Any, offloaded: bool, r
         raise ConfigError("offload=Offload() is not supported with a local group of several ranks yet: drop "
                           "offload, or run one peer per process with local_group=False")
     ranks = (_Voice if link.rank == 0 else _Follower)(link, config, opt)
-    ranks.report_type = report_type
+    ranks.report_type, ranks.shards = report_type, shards
     ranks.agree(opt, has_dht=dht is not None)
     return ranks
-
-
-def _refuse_sharded(params: Sequence[torch.Tensor]) -> None:
-    """Parameters sharded over the ranks (FSDP2's ``fully_shard``, DTensor) are not supported yet: each rank would
-    hold a different shard, which rank 0 alone cannot average for the machine (``docs/ranks.md``, the design)."""
-    for p in params:
-        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
-            raise ConfigError("the model's parameters are sharded over the ranks (FSDP2 fully_shard / DTensor): "
-                              "swarm_opt's local group supports replicated parameters (a plain model, or one "
-                              "wrapped in DistributedDataParallel); use DDP on this machine, see docs/ranks.md")
 
 
 class _Link:
@@ -188,12 +200,15 @@ class _Link:
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
-            reason = _short_reason(e)
-            if "timed out" in reason.lower():
-                reason = f"no answer within {timeout:.0f} s"
-            raise LocalGroupError(f"local rank {self.rank}: {what} failed ({reason[:120]}): a rank of this machine "
-                                  f"died or hangs, so the machine left the swarm; restart all its ranks "
-                                  f"together") from None
+            raise self.failure(e, what, timeout) from None
+
+    def failure(self, error: Exception, what: str, timeout: Optional[float] = None) -> LocalGroupError:
+        """The one-line error of a collective (``what``) that failed with ``error``."""
+        reason = _short_reason(error)
+        if "timed out" in reason.lower() and timeout is not None:
+            reason = f"no answer within {timeout:.0f} s"
+        return LocalGroupError(f"local rank {self.rank}: {what} failed ({reason[:120]}): a rank of this machine died "
+                               f"or hangs, so the machine left the swarm; restart all its ranks together")
 
     def all_reduce(self, tensor: torch.Tensor, what: str, timeout: Optional[float] = None) -> None:
         work = self.dist.all_reduce(tensor, group=self.group, async_op=True)
@@ -259,11 +274,23 @@ class _Ranks:
 
     follows = False
     writes_checkpoints = True
+    shards: Optional[Shards] = None  # the model's shards, when it is sharded over the ranks (swarm_opt.shards)
 
     def __init__(self, link: _Link, config: LocalGroup, opt: Any) -> None:
         self.link, self.config = link, config
         self.timeouts = opt.timeouts
         self._buffer: Optional[torch.Tensor] = None
+
+    def model_state(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """What a checkpoint holds of ``model``: its state, with full tensors where it is sharded."""
+        return model.state_dict() if self.shards is None else self.shards.model_state(model)
+
+    def load_model_state(self, model: torch.nn.Module, state: Dict[str, Any]) -> None:
+        """Every rank: ``model_state``'s output into ``model`` (into each rank's shards where it is sharded)."""
+        if self.shards is None:
+            model.load_state_dict(state)
+        else:
+            self.shards.load_model_state(model, state)
 
     @property
     def swarm_bound(self) -> float:
@@ -311,7 +338,12 @@ class _Ranks:
     def combine(self, opt: Any, batch_size: int) -> int:
         """Every rank: the gradients of ``opt``'s parameters become the machine's sample-weighted mean (unless DDP
         already averaged them); returns the machine's samples of this step."""
-        if self.config.gradients_reduced:
+        if self.shards is not None:  # FSDP2 averaged them into the shards: rank 0 takes them whole
+            try:  # (DTensor's collectives, over the model's mesh)
+                self.shards.gather_gradients()
+            except RuntimeError as e:
+                raise self.link.failure(e, "gathering the step's gradients") from None
+        if self.config.gradients_reduced or self.shards is not None:
             total = torch.tensor([float(batch_size)], dtype=torch.float64)
             self.link.all_reduce(total, "summing the step's samples")
             return int(total.item())
@@ -349,6 +381,9 @@ class _Ranks:
         round, which the follower shows as its own."""
         progress = dataclasses.asdict(opt.progress)
         last = None if opt.last_round is None else dataclasses.asdict(opt.last_round)
+        if self.shards is not None:  # the other ranks hold no optimizer state: only the parameters, epoch and lrs
+            return {"params": list(opt._params), "epoch": opt.local_epoch, "progress": progress, "last_round": last,
+                    "lrs": [group["lr"] for group in opt.param_groups]}
         return {"params": list(opt._params), "optimizer": opt.state_dict(), "progress": progress, "last_round": last}
 
 
@@ -394,16 +429,22 @@ class _Voice(_Ranks):
     def publish(self, opt: Any) -> None:
         """End of a step: the followers repeat the local step, or load the new state."""
         self._in_step = self._listening = False
-        if opt.last_round is self._published:
+        if opt.last_round is not self._published:
+            self._share(opt)
+        elif self.shards is not None and self._local_steps > 0:  # the full copy stepped: every rank takes its slice
+            self._guarded(opt, lambda: self.link.send_state(_PARAMS, list(opt._params), opt.local_epoch,
+                                                            "sending the new parameters to the other ranks"))
+            self.shards.scatter(opt._params)
+        else:
             self._guarded(opt, lambda: self.link.broadcast(_header(_LOCAL, opt.local_epoch, self._local_steps),
                                                            "telling the other ranks about the step"))
-        else:
-            self._share(opt)
 
     def _share(self, opt: Any) -> None:
         self._guarded(opt, lambda: self.link.send_state(_STATE, self._state(opt), opt.local_epoch,
                                                         "sending the new state to the other ranks"))
         self._published = opt.last_round
+        if self.shards is not None:
+            self.shards.scatter(opt._params)
 
     def around_download(self, opt: Any, download: Callable[[], None]) -> None:
         """A download inside ``step()`` reaches the followers with the step; one the caller asked for (every rank
@@ -459,7 +500,7 @@ class _Follower(_Ranks):
                 loss = closure()
         batch_size = self.combine(opt, opt._resolve_batch_size(batch_size))
         header = self._receive(opt, self.step_bound)
-        if header[0] == _LOCAL and header[2] > 0:
+        if header[0] == _LOCAL and header[2] > 0 and self.shards is None:
             with torch.no_grad():
                 opt.strategy.local_step(batch_size)
         return loss
@@ -485,13 +526,21 @@ class _Follower(_Ranks):
                                      f"{bytes(encoded.numpy()).decode(errors='replace')}")
         if kind == _STATE:
             self._load(opt, self.link.receive_state(length, "receiving rank 0's state"))
+        if kind == _PARAMS and self.shards is not None:
+            self.shards.scatter(self.link.receive_state(length, "receiving rank 0's parameters"))
         return [kind, epoch, steps, length]
 
     def _load(self, opt: Any, state: Dict[str, Any]) -> None:
-        with torch.no_grad():
-            for p, new in zip(opt._params, state["params"]):
-                p.copy_(new)
-            opt._load_state_locally(state["optimizer"])
+        if self.shards is not None:
+            self.shards.scatter(state["params"])
+            opt._epoch = int(state["epoch"])
+            for group, lr in zip(opt.param_groups, state["lrs"]):
+                group["lr"] = lr
+        else:
+            with torch.no_grad():
+                for p, new in zip(opt._params, state["params"]):
+                    p.copy_(new)
+                opt._load_state_locally(state["optimizer"])
         if state["progress"] is not None:
             self.progress = SwarmProgress(**state["progress"])
         if state["last_round"] is not None:

@@ -26,7 +26,9 @@ class Anchor:
     def __init__(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         self.groups = [list(group) for group in groups]
         self.params = [p for group in self.groups for p in group]
-        self.tensors = [p.detach().to("cpu", state_dtype(p), copy=True) for p in self.params]
+        # (shape-only ``meta`` parameters stay so: the stand-ins of a sharded model's ranks other than 0 take no
+        # memory, swarm_opt.shards)
+        self.tensors = [p.detach().to("meta" if p.is_meta else "cpu", state_dtype(p), copy=True) for p in self.params]
 
     @classmethod
     def of_trainable(cls, inner: torch.optim.Optimizer, among: Optional[Sequence[torch.Tensor]] = None) -> Anchor:

@@ -363,6 +363,8 @@ def main(config_path: str) -> None:
     else:
         model = make_model(dtype, cfg.get("model_seed", 0), cfg.get("width", 32))  # width: a benchmark's model size
         inner = make_inner(cfg["inner"])
+    if cfg.get("fsdp"):  # the machine's ranks shard the model (FSDP2 over the local group, one shard each)
+        shard_model(model, local["size"])
     if cfg.get("auxiliary"):  # a helper: reduces parts of every round, trains nothing
         helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=cfg.get("run_id", "test_run"),
                                          params=make_model().parameters(),
@@ -427,6 +429,23 @@ def join_local_ranks(cfg: dict):
     return local
 
 
+def shard_model(model: torch.nn.Module, ranks: int) -> None:
+    """FSDP2 over the machine's ranks: each linear layer and the root sharded along its first dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (ranks,))
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear) and layer is not model:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values, whole: a sharded one's gathered from every rank (collective: every rank calls it)."""
+    return p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+
+
 def save(cfg: dict, result: dict) -> None:
     torch.save(result, cfg["out"] + ".tmp")
     os.replace(cfg["out"] + ".tmp", cfg["out"])
@@ -443,7 +462,7 @@ def run_lsq(cfg: dict, opt, model) -> None:
         steps_per_round = steps_per_round[cfg["rank"]]
     outputs = cfg.get("lsq_outputs", 1)
     a, b = lsq_problem(cfg.get("problem", cfg["rank"]), outputs)
-    weights = (lambda: model.weight.detach().clone()[0]) if outputs == 1 else (lambda: model.weight.detach().clone())
+    weights = (lambda: full(model.weight)[0]) if outputs == 1 else (lambda: full(model.weight))
     rounds, last, steps_in_round, losses = [], None, 0, []
     checkpointer, restored = None, None
     if cfg.get("checkpoint"):  # every process builds one; a machine's rank 0 writes, and every rank restores
@@ -455,7 +474,7 @@ def run_lsq(cfg: dict, opt, model) -> None:
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     while opt.local_epoch < cfg["epochs"] and time.monotonic() < deadline:
         opt.zero_grad()
-        loss = 0.5 * (a @ model.weight.T - b.reshape(len(b), -1)).pow(2).sum()
+        loss = 0.5 * (model(a) - b.reshape(len(b), -1)).pow(2).sum()
         loss.backward()
         if steps_in_round >= steps_per_round:
             model.weight.grad.fill_(float("nan"))
@@ -558,7 +577,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     save(cfg, dict(rank=rank, epoch=opt.local_epoch, committed=committed, sent=SENT, served=served, after=after,
                    discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=_lane_rounds(opt), resources=resources,
-                   reports=reports, lrs=lrs, params=[p.detach().clone() for p in model.parameters()],
+                   reports=reports, lrs=lrs, params=[full(p) for p in model.parameters()],
                    first_step=first_step, samples_computed=computed,
                    peer_id=str(opt._averager.peer_id) if hasattr(opt, "_averager") else None))
 

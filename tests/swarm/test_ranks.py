@@ -56,6 +56,26 @@ def test_a_two_rank_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_b
     assert_quiet(swarm)
 
 
+@pytest.mark.parametrize("inner", ["sgd", pytest.param("adamw", marks=pytest.mark.extended)])
+def test_a_two_rank_fsdp2_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_batches(swarm, inner):
+    """The machine's model is sharded over its two ranks (FSDP2 ``fully_shard``: each rank holds half of every
+    layer); rank 0 trains one full copy with the swarm and every rank takes its slice. With a plain peer beside it,
+    the three processes end with the parameters of one process on the union of every epoch's batches (FSDP2 weighs
+    its ranks equally: equal batches)."""
+    epochs = 4
+    common = dict(target_batch_size=240, inner=inner, epochs=epochs, expect_peers=2, step_sleep=0.03)
+    start_machine(swarm, 0, [10, 10], fsdp=True, **common)
+    swarm.start(2, batch_size=20, **common)
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+    for p, q in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(p, q), "the ranks of the machine disagree"
+    assert_one_process(results, inner, epochs)
+    assert_quiet(swarm)
+
+
 #: lockstep local updates (``peer.run_lsq``): every process completes exactly this many local steps per round
 LOCKSTEP = dict(task="lsq", batch_size=16, steps_per_round=10, target_batch_size=(32 + 16) * 10, epochs=4,
                 step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0, max_extrapolation=0.0,
@@ -124,11 +144,16 @@ def test_every_strategy_with_a_two_rank_peer_equals_one_peer_stepping_on_both_ra
 
 
 @pytest.mark.extended
-def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(swarm, tmp_path):
+@pytest.mark.parametrize("sharded", [False, True], ids=["replicated", "fsdp2"])
+def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(swarm, tmp_path, sharded):
     """Both ranks of a DiLoCo machine build a Checkpointer on one directory: rank 0 writes (no lock clash), and a
-    restarted machine resumes on both ranks from the same state and trains on identically."""
+    restarted machine resumes on both ranks from the same state and trains on identically. Sharded over the ranks
+    (FSDP2, a 2 x 5 weight: one row each), the checkpoint holds the full model, which every rank restores into its
+    shard."""
     ckpt = tmp_path / "ckpt"
     config = {k: v for k, v in LOCKSTEP.items() if k not in ("batch_size", "expect_peers")}
+    if sharded:
+        config.update(fsdp=True, lsq_outputs=2)
     config["target_batch_size"] = 32 * 10  # the machine alone
     start_machine(swarm, 0, [16, 16], strategy="diloco", checkpoint=str(ckpt), **dict(config, epochs=2))
     swarm.wait(timeout=120)

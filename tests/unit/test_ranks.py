@@ -71,15 +71,29 @@ def test_gloo_errors_are_cut_to_their_gist():
     assert _short_reason(gloo) == "Connection reset by peer"
 
 
-def test_parameters_sharded_by_fsdp2_are_refused_naming_what_is_supported(world_of_one):
+def _sharded_model():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model = torch.nn.Linear(4, 2)
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    with pytest.raises(ConfigError, match=r"sharded over the ranks \(FSDP2.*supports replicated parameters"):
-        swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
-                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_group=LocalGroup())
+    return model
+
+
+def test_a_sharded_model_needs_a_local_group_of_several_ranks(world_of_one):
+    """FSDP2 over one process: nothing to gather from, and no machine to speak for; the error names the set-up."""
+    model = _sharded_model()
+    for local_group in (LocalGroup(), False):
+        with pytest.raises(ConfigError, match=r"sharded \(FSDP2 .*no rank of a local group of several"):
+            swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8, params=model.parameters(),
+                                optimizer=lambda p: torch.optim.SGD(p, lr=0.1), local_group=local_group)
+
+
+def test_a_ready_optimizer_of_a_sharded_model_is_refused_naming_the_factory(world_of_one):
+    model = _sharded_model()
+    with pytest.raises(ConfigError, match=r"sharded .*pass an optimizer factory and the model's parameters"):
+        swarm_opt.Optimizer(dht=None, run_id="r", target_batch_size=8,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1), local_group=LocalGroup())
 
 
 class _ScriptedLink:

@@ -234,8 +234,8 @@ def check_arguments(args: TrainingArguments) -> None:
     """Refuse ``TrainingArguments`` that cannot work in a swarm, each with the alternative."""
     if args.deepspeed or args.fsdp:
         raise ConfigError(
-            f"SwarmCallback does not run under Trainer's {'DeepSpeed' if args.deepspeed else 'FSDP'} (the model's "
-            f"parameters are sharded over the processes, which swarm_opt does not average yet, docs/ranks.md): use "
+            f"SwarmCallback does not run under Trainer's {'DeepSpeed' if args.deepspeed else 'FSDP'} (it builds the "
+            f"optimizer on the parameters' shards, which the callback cannot hand to swarm_opt, docs/ranks.md): use "
             f"DDP (torchrun --nproc-per-node N train.py: the machine's processes are one swarm peer), or one "
             f"single-process Trainer per device with the same run_id")
     if (args.world_size > 1 or args.parallel_mode == ParallelMode.DISTRIBUTED) and not _ddp(args):

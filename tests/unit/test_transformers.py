@@ -90,7 +90,7 @@ def test_trainers_ddp_is_accepted_and_its_sharded_modes_are_refused_naming_ddp(t
     monkeypatch.setattr(TrainingArguments, "parallel_mode", property(lambda self: ParallelMode.DISTRIBUTED))
     check_arguments(args)
     args.fsdp = "full_shard"
-    with pytest.raises(ConfigError, match=r"Trainer's FSDP .*sharded.*use DDP \(torchrun --nproc-per-node N"):
+    with pytest.raises(ConfigError, match=r"Trainer's FSDP .*shards.*use DDP \(torchrun --nproc-per-node N"):
         check_arguments(args)
 
 

@@ -1,15 +1,15 @@
 """A machine whose model is sharded over its ranks (FSDP2's ``fully_shard``, DTensor parameters) as one peer.
 
 The simplest correct form (``docs/ranks.md``, Sharded models): rank 0 holds **one full copy** of the parameters
-(plain tensors) and the swarm optimizer trains that copy, with its inner optimizer and strategy, exactly as a
-single-process peer would; the ranks other than 0 hold only their shards (and shape-only ``meta`` stand-ins for
-the swarm optimizer's bookkeeping, which take no memory). At each step every rank gathers the full gradient of
-each parameter from the shards (FSDP2's backward already averaged the ranks' gradients) and rank 0 keeps it;
-whenever rank 0's copy changed (a local step, a round, a download, a restored checkpoint) it sends the full
+(plain tensors, in host memory) and the swarm optimizer trains that copy, with its inner optimizer and strategy,
+exactly as a single-process peer would; the ranks other than 0 hold only their shards (and shape-only ``meta``
+stand-ins for the swarm optimizer's bookkeeping, which take no memory). At each step every rank gathers the full
+gradient of each parameter from the shards (FSDP2's backward already averaged the ranks' gradients) and rank 0 keeps
+it; whenever rank 0's copy changed (a local step, a round, a download, a restored checkpoint) it sends the full
 parameters to the other ranks and every rank copies its own slice into its shard, without further communication
-(``distribute_tensor(..., src_data_rank=None)``). So rank 0 needs the memory of one full model and its optimizer
-state (a lab machine has it: put them in host memory with large models), and the machine speaks to the swarm
-with full tensors: it averages with any peer of the same model, sharded or not.
+(``distribute_tensor(..., src_data_rank=None)``). So rank 0 needs host memory for one full model, its gradient and
+its optimizer state (a lab machine has it), its inner optimizer steps on the CPU, and the machine speaks to the
+swarm with full tensors: it averages with any peer of the same model, sharded or not.
 
 ``swarm_opt.ranks`` drives this from its voice and followers; ``Optimizer`` calls ``unshard`` once, before it
 builds its inner optimizer.
@@ -32,7 +32,7 @@ def _is_sharded(p: Any) -> bool:
 
 class Shards:
     """The machine's sharded parameters (``sharded``, this rank's DTensors) and the swarm optimizer's stand-ins for
-    them (``full``: plain full copies on rank 0, ``meta`` tensors of the same shapes on the other ranks).
+    them (``full``: plain full copies in host memory on rank 0, ``meta`` tensors of the same shapes on the other ranks).
     Construction is collective: every rank of the mesh gathers each parameter once."""
 
     def __init__(self, sharded: Sequence[torch.Tensor], keeps_copy: bool) -> None:
@@ -41,8 +41,8 @@ class Shards:
         self.full: List[torch.nn.Parameter] = []
         for p in self.sharded:
             gathered = p.detach().full_tensor()  # collective over the mesh: every rank, in the same order
-            copy = gathered.clone() if keeps_copy else torch.empty(gathered.shape, dtype=gathered.dtype,
-                                                                  device="meta")
+            copy = gathered.to("cpu", copy=True) if keeps_copy else torch.empty(gathered.shape, dtype=gathered.dtype,
+                                                                                device="meta")
             self.full.append(torch.nn.Parameter(copy, requires_grad=p.requires_grad))
         self._copy_of = {id(p): f for p, f in zip(self.sharded, self.full)}
 
@@ -55,7 +55,7 @@ class Shards:
                 continue
             full = p.grad.full_tensor()
             if self.keeps_copy:
-                f.grad = full.to(f.dtype)
+                f.grad = full.to("cpu", f.dtype)
             p.grad = None
 
     def scatter(self, values: Sequence[torch.Tensor]) -> None:
@@ -102,7 +102,7 @@ def _copy_into_shard(p: torch.Tensor, value: torch.Tensor) -> None:
 
     with torch.no_grad():
         local = p.to_local()
-        local.copy_(distribute_tensor(value.detach().to(local.dtype), p.device_mesh, p.placements,
+        local.copy_(distribute_tensor(value.detach().to(local.device, local.dtype), p.device_mesh, p.placements,
                                       src_data_rank=None).to_local())
 
 

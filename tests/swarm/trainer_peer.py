@@ -111,7 +111,8 @@ def main(config_path: str) -> None:
     collator = LoggingCollator()
     swarm = SwarmCallback(
         run_id=cfg.get("run_id", "trainer_run"), target_batch_size=cfg["target_batch_size"],
-        initial_peers=testing.initial_peers(cfg), host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=testing.initial_peers(cfg) if not local or local["rank"] == 0 else [],  # (rank 0's DHT only)
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         matchmaking_time=cfg.get("matchmaking_time", 1.0), averaging_timeout=cfg.get("averaging_timeout", 15.0),
         tracker=swarm_opt.TrackerConfig(max_extrapolation=cfg.get("max_extrapolation", 2.0)))
     checkpoints = dict(save_strategy="steps", save_steps=cfg.get("save_steps", 2), save_total_limit=3) \

@@ -76,9 +76,9 @@ def _private_tensor_pages() -> List[Tuple[int, int]]:
             continue
         try:
             storage = obj.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # tensors without a plain storage (e.g. functional wrappers)
-            continue
-        start, size = storage.data_ptr(), storage.nbytes()
+            start, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage (functional wrappers, or one
+            continue  # FSDP2 freed: "invalid python storage")
         if size < _MIN_BYTES or start in seen or storage.is_shared():
             continue
         seen.add(start)

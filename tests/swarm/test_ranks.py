@@ -56,7 +56,8 @@ def test_a_two_rank_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_b
     assert_quiet(swarm)
 
 
-@pytest.mark.parametrize("inner", ["sgd", pytest.param("adamw", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("inner", ["sgd", "adamw"])
 def test_a_two_rank_fsdp2_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_batches(swarm, inner):
     """The machine's model is sharded over its two ranks (FSDP2 ``fully_shard``: each rank holds half of every
     layer); rank 0 trains one full copy with the swarm and every rank takes its slice. With a plain peer beside it,

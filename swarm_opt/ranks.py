@@ -434,7 +434,7 @@ class _Voice(_Ranks):
         elif self.shards is not None and self._local_steps > 0:  # the full copy stepped: every rank takes its slice
             self._guarded(opt, lambda: self.link.send_state(_PARAMS, list(opt._params), opt.local_epoch,
                                                             "sending the new parameters to the other ranks"))
-            self.shards.scatter(opt._params)
+            self.shards.scatter(opt._params, opt._params)
         else:
             self._guarded(opt, lambda: self.link.broadcast(_header(_LOCAL, opt.local_epoch, self._local_steps),
                                                            "telling the other ranks about the step"))
@@ -444,7 +444,7 @@ class _Voice(_Ranks):
                                                         "sending the new state to the other ranks"))
         self._published = opt.last_round
         if self.shards is not None:
-            self.shards.scatter(opt._params)
+            self.shards.scatter(opt._params, opt._params)
 
     def around_download(self, opt: Any, download: Callable[[], None]) -> None:
         """A download inside ``step()`` reaches the followers with the step; one the caller asked for (every rank
@@ -527,12 +527,12 @@ class _Follower(_Ranks):
         if kind == _STATE:
             self._load(opt, self.link.receive_state(length, "receiving rank 0's state"))
         if kind == _PARAMS and self.shards is not None:
-            self.shards.scatter(self.link.receive_state(length, "receiving rank 0's parameters"))
+            self.shards.scatter(opt._params, self.link.receive_state(length, "receiving rank 0's parameters"))
         return [kind, epoch, steps, length]
 
     def _load(self, opt: Any, state: Dict[str, Any]) -> None:
         if self.shards is not None:
-            self.shards.scatter(state["params"])
+            self.shards.scatter(opt._params, state["params"])
             opt._epoch = int(state["epoch"])
             for group, lr in zip(opt.param_groups, state["lrs"]):
                 group["lr"] = lr

@@ -58,11 +58,12 @@ class Shards:
                 f.grad = full.to("cpu", f.dtype)
             p.grad = None
 
-    def scatter(self, values: Sequence[torch.Tensor]) -> None:
-        """Every rank: copy its slice of the full ``values`` (one per parameter) into its shards (no
-        communication)."""
-        for p, value in zip(self.sharded, values):
-            _copy_into_shard(p, value)
+    def scatter(self, stand_ins: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Every rank: copy its slice of the full ``values`` of ``stand_ins`` (some of ``full``, in any order: the
+        swarm optimizer's, that of its param groups) into the matching shards (no communication)."""
+        index = {id(f): i for i, f in enumerate(self.full)}
+        for stand_in, value in zip(stand_ins, values):
+            _copy_into_shard(self.sharded[index[id(stand_in)]], value)
 
     def model_state(self, model: torch.nn.Module) -> Dict[str, Any]:
         """``model.state_dict()`` with rank 0's full copies in place of the shards: what a checkpoint holds (the

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import signal
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -40,7 +39,7 @@ from swarm_opt._hivemind.engine import (
     _reason,
     cancel_step,
 )
-from swarm_opt._hivemind.fork import without_tensor_memory
+from swarm_opt._hivemind.fork import children_ignore_sigint, without_tensor_memory
 from swarm_opt._hivemind.gather import (
     AGGREGATION_KEY,
     AUX_KEY,
@@ -71,19 +70,12 @@ def engine_for(compression: Compression) -> Type[_Engine]:
 
 def _start_child(engine: _Engine) -> None:
     """Fork the averager process: without the model's memory (it never reads it), and ignoring Ctrl-C (the user's
-    process shuts it down). hivemind's ``run_in_background`` ignores SIGINT in the *calling* process as well, which
-    would leave a training script that created an Optimizer deaf to Ctrl-C; here the caller's handler is restored."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
-    try:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
-            engine.dies_with_parent = True  # with the main thread, i.e. the process (not a thread that may end)
-        with without_tensor_memory():
-            engine.start()
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
+    process shuts it down; hivemind's ``run_in_background`` would ignore SIGINT in the calling process too, leaving
+    a training script deaf to Ctrl-C)."""
+    # with the main thread, i.e. the process (not a thread that may end)
+    engine.dies_with_parent = threading.current_thread() is threading.main_thread()
+    with without_tensor_memory(), children_ignore_sigint():
+        engine.start()
 
 
 class TensorAverager:

@@ -391,17 +391,30 @@ class Optimizer(torch.optim.Optimizer):
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
                          round_is_over=self._round_is_over(round_id, plan), plan=plan)
 
-    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], bool]:
-        """Whether the swarm completed round ``round_id`` without this peer, asked while it looks for its group. With
-        Moshpit groups every line of the grid averages on its own: another line's commit does not end this line's
-        round, only a commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's
-        once this peer has looked for ``matchmaking_time`` since the round began (a line too short to form a group
-        then gives up, as without groups, rather than at its averaging deadline)."""
-        if plan.whole_swarm:
-            return lambda: self._tracker.epoch_reached(round_id)
+    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], Optional[str]]:
+        """Why round ``round_id`` is over for this peer, asked while it looks for its group (None while it is not): the
+        swarm completed it without this peer, or this peer was cut off from the swarm meanwhile (no group it can
+        find holds a majority: waiting on would hold ``step()`` until the averaging deadline). With Moshpit groups
+        every line of the grid averages on its own: another line's commit does not end this line's round, only a
+        commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's once this peer has
+        looked for ``matchmaking_time`` since the round began (a line too short to form a group then gives up, as
+        without groups, rather than at its averaging deadline)."""
         began = time.monotonic()
-        return lambda: self._tracker.line_reached(round_id, plan.cell) or (
-            time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
+
+        def completed() -> bool:
+            if plan.whole_swarm:
+                return self._tracker.epoch_reached(round_id)
+            return self._tracker.line_reached(round_id, plan.cell) or (
+                time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
+
+        def over() -> Optional[str]:
+            if completed():
+                return f"the swarm completed round {round_id} without this peer"
+            if self._cut_off(self._tracker.progress):
+                return "this peer was cut off from the swarm"
+            return None
+
+        return over
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm

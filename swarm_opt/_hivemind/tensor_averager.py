@@ -250,11 +250,12 @@ class TensorAverager:
         return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
-                   round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
+                   round_is_over: Callable[[], Optional[str]] = lambda: None) -> Optional[AveragingResult]:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
         buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
-        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()``
-        (the swarm completed it without us: waiting on would only find the swarm's next round)."""
+        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()`` says
+        why it is over for this peer (the swarm completed it without us: waiting on would only find the swarm's next
+        round; or no group it could find would hold a majority)."""
         with self._engine.get_tensors() as buffers:
             write(buffers)
             # a group formed ahead for the lane sends unchecked: every member checks the sum, which a non-finite value
@@ -290,8 +291,9 @@ class TensorAverager:
                     what, call = watch.result(timeout=0.2)
                     break
                 except concurrent.futures.TimeoutError:
-                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
-                        raise _RoundOver(f"the swarm completed round {round_id} without this peer") from None
+                    over = round_is_over() if control.stage == AveragingStage.LOOKING_FOR_GROUP else None
+                    if over:
+                        raise _RoundOver(over) from None
                     if time.monotonic() > deadline:
                         raise
             finite = None  # not checked yet

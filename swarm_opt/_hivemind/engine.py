@@ -32,6 +32,7 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
+from swarm_opt._hivemind import memtrace
 from swarm_opt._hivemind.allreduce import (
     AUDIT_SUFFIX,
     AllOrNothingRunner,
@@ -41,7 +42,6 @@ from swarm_opt._hivemind.allreduce import (
     liars,
     part_owners,
 )
-from swarm_opt._hivemind.fork import die_with_parent
 from swarm_opt._hivemind.gather import (
     AUX_KEY,
     CELL_KEY,
@@ -57,6 +57,7 @@ from swarm_opt._hivemind.gather import member_info as _member_info
 from swarm_opt._hivemind.gather import rounds_differ as _rounds_differ
 from swarm_opt._hivemind.gather import valid_cell as _valid_cell
 from swarm_opt._hivemind.near_store import store_near
+from swarm_opt._libc import die_with_parent
 from swarm_opt.aggregation import (
     Aggregation,
     Mean,
@@ -177,6 +178,7 @@ class _Engine(DecentralizedAverager):
         self._unheard: OrderedDict[int, Tuple[Tuple[str, Any], bool]] = OrderedDict()
         self._host_lanes: Dict[bytes, MPFuture] = {}  # the verdicts of lane rounds the host runs, by group id
         self._assembled = mp.Value("d", 0.0)  # DHT time at which this peer's last group assembled (shared)
+        self._tracer: Optional[memtrace.Tracer] = None  # SWARM_OPT_TRACEMALLOC's sampler (averager process)
         #: the all-reduce deadline this engine was made with: each round's own (``DEADLINE_KEY``) stays within it
         self._bound_allreduce = kwargs.get("allreduce_timeout")
 
@@ -186,12 +188,32 @@ class _Engine(DecentralizedAverager):
         if self.lane is not None:
             self.lane.release() if self.lane_in_host else self.lane.start()
         _write_near(self.dht)
+        self._tracer = memtrace.start_if_asked(self._memory_counters())
         try:
             super().run()
         finally:
             _let_the_dht_read_our_calls(self.dht)
 
+    def _memory_counters(self) -> Dict[str, Callable[[], Any]]:
+        """What ``memtrace`` counts in this averager process: every structure that could grow with rounds or peers."""
+        control = lambda: self._p2p._client.control  # noqa: E731
+        matchmaking = lambda: self._matchmaking  # noqa: E731
+        return {
+            "running_groups": lambda: self._running_groups, "unstarted": lambda: self._unstarted,
+            "watches": lambda: self._watches, "unheard": lambda: self._unheard, "host_lanes": lambda: self._host_lanes,
+            "goodbyes": lambda: self._goodbyes, "left_out_seen": lambda: self._left_out_seen,
+            "liars": lambda: self._liars._entries, "mpfutures": lambda: MPFuture._active_futures or {},
+            "p2p_pending_calls": lambda: control()._pending_calls,
+            "p2p_handler_tasks": lambda: control()._handler_tasks, "p2p_stream_handlers": lambda: control().handlers,
+            "p2p_pending_messages": lambda: control()._pending_messages.qsize(),
+            "followers": lambda: matchmaking().current_followers,
+            "leader_queue": lambda: matchmaking().potential_leaders.leader_queue,
+            "past_attempts": lambda: matchmaking().potential_leaders.past_attempts,
+        }
+
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
+        if self._tracer is not None:
+            self._tracer.loop = asyncio.get_running_loop()
         # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group
         info = _member_info(self.serializer, step.data_for_gather)
         cell = info.get(CELL_KEY, "")

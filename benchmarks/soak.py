@@ -378,7 +378,8 @@ def traces(out: Path) -> List[Dict]:
         ts = [r["t"] for r in rows]
         series = {"pss": [r["memory"].get("pss", 0) for r in rows], "traced": [r["traced"] for r in rows],
                   "heap_in_use": [r["heap"].get("in_use", 0) for r in rows],
-                  "heap_free": [r["heap"].get("free", 0) for r in rows]}
+                  "heap_free": [r["heap"].get("free", 0) for r in rows],
+                  "tensors": [r.get("tensors", {}).get("bytes", 0) for r in rows]}
         slopes = {key: slope_per_hour(ts, [y / MB for y in ys])[0] for key, ys in series.items()}
         counts = {key: [rows[0]["counts"].get(key), rows[-1]["counts"].get(key)] for key in rows[-1]["counts"]}
         counts["tasks_total"] = [rows[0]["tasks_total"], rows[-1]["tasks_total"]]
@@ -396,11 +397,11 @@ def report_traces(found: List[Dict]) -> None:
         return
     print()
     print(table(["averager trace", "minutes", "PSS MB", "PSS MB/h", "traced MB", "traced MB/h", "heap in use MB/h",
-                 "heap free MB/h"],
+                 "heap free MB/h", "tensors MB/h"],
                 [[t["file"], f"{t['minutes']:.0f}", f"{t['pss_mb'][0]:.0f} -> {t['pss_mb'][1]:.0f}",
                   f"{t['mb_per_h']['pss']:+.1f}", f"{t['traced_mb'][0]:.1f} -> {t['traced_mb'][1]:.1f}",
                   f"{t['mb_per_h']['traced']:+.1f}", f"{t['mb_per_h']['heap_in_use']:+.1f}",
-                  f"{t['mb_per_h']['heap_free']:+.1f}"] for t in found]))
+                  f"{t['mb_per_h']['heap_free']:+.1f}", f"{t['mb_per_h']['tensors']:+.1f}"] for t in found]))
     for t in found:
         print(f"\n{t['file']}: counts that changed {t['counts_changed']}; object types grown "
               f"{[tuple(x[:2]) for x in t['types_grown'][:8]]}")

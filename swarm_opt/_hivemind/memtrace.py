@@ -2,7 +2,8 @@
 
 A diagnostic, not a feature: ``benchmarks/soak.py --tracemalloc`` sets it for the stable peers. The averager process
 then traces its Python allocations (``tracemalloc``, a few frames each) and, every ``SWARM_OPT_TRACEMALLOC_PERIOD``
-seconds (60), appends one JSON line to ``PATH.PID.jsonl``: its PSS and RSS, what tracemalloc traces, glibc's heap
+seconds (60), appends one JSON line to ``PATH.PID.jsonl``: its PSS and RSS, what tracemalloc traces, the torch
+tensors alive and the bytes of their storages (torch allocates them outside tracemalloc's sight), glibc's heap
 (``mallinfo2``: in use and free, so that native growth and fragmentation show as PSS minus traced), counts of the
 structures that could grow with rounds or peer ids (asyncio tasks of the averager's loop by coroutine, hivemind's
 registered groups, its p2p control client's pending calls and handler tasks, futures), the object types whose count
@@ -51,6 +52,24 @@ def _size(value: Any) -> Optional[int]:
         return len(value)
     except TypeError:
         return None
+
+
+def _tensor_bytes(objects: Any) -> Dict[str, int]:
+    """How many torch tensors are alive and the bytes of their distinct storages (torch allocates them outside
+    tracemalloc's sight)."""
+    import torch
+
+    storages: Dict[int, int] = {}
+    count = 0
+    for o in objects:
+        if issubclass(type(o), torch.Tensor):  # type(): some torch objects warn when asked their __class__
+            count += 1
+            try:
+                storage = o.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # sparse, meta...
+                continue
+    return {"count": count, "bytes": sum(storages.values())}
 
 
 class Tracer:
@@ -104,13 +123,17 @@ class Tracer:
             except Exception as e:  # a structure not there (yet)
                 counts[name] = repr(e)[:80]
         tasks = self._tasks()
-        types = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+        objects = gc.get_objects()
+        types = collections.Counter(type(o).__qualname__ for o in objects)
+        tensors = _tensor_bytes(objects)
+        del objects
         grown = sorted(((n - self._types.get(t, 0), t, n) for t, n in types.items()), reverse=True)[:_TOP]
         if not self._types or self._baseline is None:
             self._types = dict(types)
         record: Dict[str, Any] = {
             "t": round(age, 1), "memory": _own_memory(), "traced": traced, "traced_peak": peak,
-            "heap": glibc_heap(), "counts": counts, "tasks_total": sum(tasks.values()), "tasks": tasks,
+            "heap": glibc_heap(), "tensors": tensors, "counts": counts, "tasks_total": sum(tasks.values()),
+            "tasks": tasks,
             "types_grown": [[t, d, n] for d, t, n in grown if d > 0]}
         if self._baseline is None and age >= self.warmup:
             self._baseline, self._types = snapshot, dict(types)

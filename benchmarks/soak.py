@@ -171,7 +171,8 @@ def tracing(args: argparse.Namespace, out: Path, name: str) -> Dict[str, str]:
     """The environment that turns on a stable peer's averager memory trace (``--tracemalloc``), else {}."""
     if not args.tracemalloc:
         return {}
-    return {memtrace.VARIABLE: str(out.resolve() / f"trace-{name}"), f"{memtrace.VARIABLE}_PERIOD": str(args.trace_every),
+    return {memtrace.VARIABLE: str(out.resolve() / f"trace-{name}"),
+            f"{memtrace.VARIABLE}_PERIOD": str(args.trace_every),
             f"{memtrace.VARIABLE}_WARMUP": str(args.warmup_minutes * 60)}
 
 

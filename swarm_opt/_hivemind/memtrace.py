@@ -73,9 +73,9 @@ def _tensor_bytes(objects: Any) -> Dict[str, int]:
 
 
 class Tracer:
-    """The sampling thread of one averager process. ``counters`` name callables that return a size (or a dict of
-    sizes) read from the engine; ``loop`` (set once the averager's event loop runs) lets it count that loop's
-    tasks."""
+    """The sampling thread of one averager process. ``counters`` name callables that return a structure of the
+    engine (its ``len`` is recorded) or a count; ``loop`` (set once the averager's event loop runs) lets it count
+    that loop's tasks."""
 
     def __init__(self, path: Path, counters: Dict[str, Callable[[], Any]], period: float, warmup: float,
                  trim: bool) -> None:
@@ -92,12 +92,12 @@ class Tracer:
     def _run(self) -> None:
         while True:
             time.sleep(self.period)
-            try:
-                record = self.sample()
-            except Exception as e:  # a diagnostic must never take the averager down
-                record = {"error": repr(e)}
+            try:  # a diagnostic must never take the averager down, nor stop at its first error
+                line = json.dumps(self.sample(), default=str)
+            except Exception as e:
+                line = json.dumps({"t": round(time.monotonic() - self._t0, 1), "error": repr(e)})
             with open(self.path, "a") as out:
-                out.write(json.dumps(record, default=str) + "\n")
+                out.write(line + "\n")
 
     def _tasks(self) -> Dict[str, int]:
         loop = self.loop
@@ -119,7 +119,7 @@ class Tracer:
         for name, read in self.counters.items():
             try:
                 value = read()
-                counts[name] = value if isinstance(value, (int, dict)) else _size(value)
+                counts[name] = value if isinstance(value, int) else _size(value)
             except Exception as e:  # a structure not there (yet)
                 counts[name] = repr(e)[:80]
         tasks = self._tasks()

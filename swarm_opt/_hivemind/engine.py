@@ -213,7 +213,7 @@ class _Engine(DecentralizedAverager):
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
         if self._tracer is not None:
-            self._tracer.loop = asyncio.get_running_loop()
+            self._tracer.watch_loop(asyncio.get_running_loop())
         # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group
         info = _member_info(self.serializer, step.data_for_gather)
         cell = info.get(CELL_KEY, "")

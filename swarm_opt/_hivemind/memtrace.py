@@ -8,8 +8,9 @@ tensors alive and the bytes of their storages (torch allocates them outside trac
 structures that could grow with rounds or peer ids (asyncio tasks of the averager's loop by coroutine, hivemind's
 registered groups, its p2p control client's pending calls and handler tasks, futures), the object types whose count
 grew most, and the source lines whose allocations grew most since the baseline (the first sample after
-``SWARM_OPT_TRACEMALLOC_WARMUP`` seconds, 120). ``SWARM_OPT_MALLOC_TRIM=1`` calls glibc's ``malloc_trim(0)`` after
-each sample: an experiment that shows how much of a growth is free memory glibc keeps.
+``SWARM_OPT_TRACEMALLOC_WARMUP`` seconds, 120); and to ``PATH.PID.errors`` the tracebacks of what the averager's
+event loop reports as unhandled (asyncio logs them without). ``SWARM_OPT_MALLOC_TRIM=1`` calls glibc's
+``malloc_trim(0)`` after each sample: an experiment that shows how much of a growth is free memory glibc keeps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import tracemalloc
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
@@ -84,6 +86,24 @@ class Tracer:
         self._baseline: Optional[tracemalloc.Snapshot] = None
         self._types: Dict[str, int] = {}
         self._t0 = time.monotonic()
+
+    def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count ``loop``'s tasks from now on, and keep the tracebacks of the errors it reports to its exception
+        handler (``PATH.PID.errors``): asyncio logs them without one."""
+        if self.loop is loop:
+            return
+        self.loop = loop
+        errors = self.path.with_suffix(".errors")
+
+        def handler(loop: asyncio.AbstractEventLoop, context: Dict[str, Any]) -> None:
+            error = context.get("exception")
+            with open(errors, "a") as out:
+                out.write(f"--- {time.monotonic() - self._t0:.1f} s: {context.get('message')}\n")
+                if error is not None:
+                    out.write("".join(traceback.format_exception(error)))
+            loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handler)
 
     def start(self) -> None:
         tracemalloc.start(_FRAMES)

@@ -1,9 +1,10 @@
 """The few C library calls swarm_opt makes (Linux, glibc), each a no-op answering False or {} elsewhere.
 
 ``die_with_parent()`` (``PR_SET_PDEATHSIG``): a helper process whose parent was SIGKILLed would otherwise live on, an
-orphan holding its ports and buffers. ``glibc_heap()`` and ``malloc_trim()``: what glibc holds of a process's heap,
-and giving its free part back, for memory diagnostics (``swarm_opt._hivemind.memtrace``). Imports nothing heavy: the
-test harness (``swarm_opt.testing``) uses it.
+orphan holding its ports and buffers. ``glibc_heap()``, ``malloc_trim()`` and ``map_blocks_from()``: what glibc holds
+of a process's heap, giving its free part back, and keeping large blocks out of it (the averager process, whose
+buffers of a round would otherwise fragment its heap; ``swarm_opt._hivemind.memtrace`` for diagnostics). Imports
+nothing heavy: the test harness (``swarm_opt.testing``) uses it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from typing import Any, Dict, Optional
 
 _PR_SET_PDEATHSIG = 1
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def libc_function(name: str) -> Optional[Any]:
@@ -67,3 +69,17 @@ def malloc_trim() -> bool:
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
     return True
+
+
+def map_blocks_from(size: int) -> bool:
+    """Serve every block of ``size`` bytes or more from a mapping of its own, given back to the system when freed
+    (glibc's ``M_MMAP_THRESHOLD``, set once: it stays fixed). Left alone, glibc raises that threshold to the largest
+    block freed so far (up to 32 MiB) and serves later blocks of that size from its heaps, whose freed holes a
+    process keeps: a process that handles many short-lived buffers of a few hundred kB grows with them. False off
+    glibc."""
+    mallopt = libc_function("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, int(size)) == 1

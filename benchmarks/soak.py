@@ -168,8 +168,9 @@ class Swarm:
 
 
 def tracing(args: argparse.Namespace, out: Path, name: str) -> Dict[str, str]:
-    """The environment that turns on a stable peer's averager memory trace (``--tracemalloc``), else {}."""
-    if not args.tracemalloc:
+    """The environment that turns on a stable peer's averager memory trace (``--tracemalloc``, the first
+    ``--trace-peers`` stable peers), else {}."""
+    if not args.tracemalloc or (args.trace_peers and int(name.removeprefix("stable")) >= args.trace_peers):
         return {}
     return {memtrace.VARIABLE: str(out.resolve() / f"trace-{name}"),
             f"{memtrace.VARIABLE}_PERIOD": str(args.trace_every),
@@ -497,6 +498,8 @@ def main() -> None:
                         help="trace the stable peers' averager processes (OUT/trace-*.jsonl; swarm_opt._hivemind."
                              "memtrace): which lines, structures and object types grow")
     parser.add_argument("--trace-every", type=float, default=60, help="seconds between two traced samples")
+    parser.add_argument("--trace-peers", type=int, default=0,
+                        help="trace only the first N stable peers (0: all), the others' slopes free of the tracing")
     parser.add_argument("--peer-env", type=_peer_env, action="append", default=[], metavar="KEY=VALUE",
                         help="set in every peer's environment (MALLOC_ARENA_MAX=2, SWARM_OPT_MALLOC_TRIM=1...)")
     parser.add_argument("--diagnose", action="store_true",

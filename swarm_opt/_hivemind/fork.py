@@ -12,6 +12,11 @@ buffers, which are skipped). Only whole pages inside one storage are marked, so 
 child. On systems without ``madvise`` this does nothing.
 
 The forked helpers end with their parent through ``swarm_opt._libc.die_with_parent()``.
+
+``children_ignore_sigint()``: a terminal's Ctrl-C reaches every process of the foreground group; helpers forked
+inside ignore it from their first instruction (set in the child right after the fork), so that only the user's
+process reacts and shuts them down in order. The caller's own handler is never touched: ignoring SIGINT in the
+parent around the fork, as hivemind's ``run_in_background`` does, loses a Ctrl-C that arrives meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import ctypes
 import gc
 import logging
 import mmap
+import os
+import signal
+import threading
 from typing import Iterator, List, Tuple
 
 import torch
@@ -31,6 +39,28 @@ logger = logging.getLogger(__name__)
 
 _MIN_BYTES = 1 << 20  # smaller storages are not worth a separate memory mapping each
 _PAGE = mmap.PAGESIZE
+
+
+_forking = threading.local()  # .ignore_sigint: whether this thread's forks should ignore SIGINT
+
+
+def _after_fork_in_child() -> None:
+    if getattr(_forking, "ignore_sigint", False):
+        _forking.ignore_sigint = False  # the child's own forks decide for themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT already caught is dropped by Python's check
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes this thread forks inside ignore SIGINT from their start; this process keeps its own handler."""
+    _forking.ignore_sigint = True
+    try:
+        yield
+    finally:
+        _forking.ignore_sigint = False
 
 
 def _libc_madvise():

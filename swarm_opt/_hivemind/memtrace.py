@@ -21,6 +21,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -58,9 +59,10 @@ def _size(value: Any) -> Optional[int]:
 
 def _tensor_bytes(objects: Any) -> Dict[str, int]:
     """How many torch tensors are alive and the bytes of their distinct storages (torch allocates them outside
-    tracemalloc's sight)."""
-    import torch
-
+    tracemalloc's sight); none where torch was never imported."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {"count": 0, "bytes": 0}
     storages: Dict[int, int] = {}
     count = 0
     for o in objects:

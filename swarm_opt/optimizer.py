@@ -396,7 +396,8 @@ class Optimizer(torch.optim.Optimizer):
     def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], Optional[str]]:
         """Why round ``round_id`` is over for this peer, asked while it looks for its group (None while it is not): the
         swarm completed it without this peer, or this peer was cut off from the swarm meanwhile (no group it can
-        find holds a majority: waiting on would hold ``step()`` until the averaging deadline). With Moshpit groups
+        find holds a majority: waiting on would hold ``step()`` until the averaging deadline), or more peers hold
+        another version of the run (a healed partition: nobody would join this round). With Moshpit groups
         every line of the grid averages on its own: another line's commit does not end this line's round, only a
         commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's once this peer has
         looked for ``matchmaking_time`` since the round began (a line too short to form a group then gives up, as
@@ -414,6 +415,8 @@ class Optimizer(torch.optim.Optimizer):
                 return f"the swarm completed round {round_id} without this peer"
             if self._cut_off(self._tracker.progress):
                 return "this peer was cut off from the swarm"
+            if self._tracker.other_version is not None:  # the next step takes the other version's state
+                return "another version of the run outnumbers this peer's"
             return None
 
         return over

@@ -11,8 +11,7 @@ writes them in place. The child must not read those tensors (hivemind's averager
 buffers, which are skipped). Only whole pages inside one storage are marked, so no other object loses memory in the
 child. On systems without ``madvise`` this does nothing.
 
-``die_with_parent()`` (Linux ``PR_SET_PDEATHSIG``): a helper whose parent was SIGKILLed alone would otherwise live on,
-an orphan holding its ports and buffers.
+The forked helpers end with their parent through ``swarm_opt._libc.die_with_parent()``.
 
 ``children_ignore_sigint()``: a terminal's Ctrl-C reaches every process of the foreground group; helpers forked
 inside ignore it from their first instruction (set in the child right after the fork), so that only the user's
@@ -29,17 +28,17 @@ import logging
 import mmap
 import os
 import signal
-import sys
 import threading
 from typing import Iterator, List, Tuple
 
 import torch
 
+from swarm_opt._libc import libc_function
+
 logger = logging.getLogger(__name__)
 
 _MIN_BYTES = 1 << 20  # smaller storages are not worth a separate memory mapping each
 _PAGE = mmap.PAGESIZE
-_PR_SET_PDEATHSIG = 1
 
 
 _forking = threading.local()  # .ignore_sigint: whether this thread's forks should ignore SIGINT
@@ -64,32 +63,8 @@ def children_ignore_sigint() -> Iterator[None]:
         _forking.ignore_sigint = False
 
 
-def _libc_function(name: str):
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def die_with_parent(signum: int, parent_pid: int) -> bool:
-    """In a forked child: have the kernel send ``signum`` when the parent's thread that forked it ends (the main
-    thread: the parent process). Raised at once if the parent is already gone. False where unsupported."""
-    prctl = _libc_function("prctl")
-    if prctl is None:
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    if prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signum)
-    return True
-
-
 def _libc_madvise():
-    madvise = _libc_function("madvise") if hasattr(mmap, "MADV_DONTFORK") else None
+    madvise = libc_function("madvise") if hasattr(mmap, "MADV_DONTFORK") else None
     if madvise is None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -11,7 +11,7 @@ from swarm_opt.lightning import SwarmCallback
 args = lit_mnist.parse_args()
 module = lit_mnist.classifier(pl)(seed=args.seed, lr=args.lr)
 swarm = SwarmCallback(run_id="vs_nvflare", initial_peers=lit_mnist.initial_peers(args), batch_size=args.batch_size,
-                      target_batch_size=args.peers * args.steps * args.batch_size, matchmaking_time=2.0,
+                      target_batch_size=args.peers * args.steps * args.batch_size,
                       strategy=getattr(swarm_opt, args.strategy)(), tracker=swarm_opt.TrackerConfig(shares="equal"))
 trainer = pl.Trainer(max_steps=-1, precision=args.precision, accelerator="cpu", devices=1,
                      callbacks=[swarm, lit_mnist.rounds_callback(pl, args)], logger=False, enable_checkpointing=False,

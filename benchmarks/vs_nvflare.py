@@ -193,8 +193,9 @@ def summarize(side: str, algorithm: str, run: dict, args: argparse.Namespace, pa
 
 
 def lines_changed() -> Dict[str, int]:
-    """Lines added or changed, and removed, against ``lit_plain.py`` (docstrings and blank lines aside); NVFlare's job
-    definition (``nvflare_job``'s statements but its imports: the server side a user writes too) counted apart."""
+    """Lines added or changed, and removed, against ``lit_plain.py`` (docstrings, comments and blank lines aside);
+    NVFlare's job definition (``nvflare_job``'s statements but its imports: the server side a user writes too)
+    counted apart."""
     def code(path: Path) -> List[str]:
         source = path.read_text()
         tree = ast.parse(source)
@@ -202,7 +203,8 @@ def lines_changed() -> Dict[str, int]:
         doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
         if doc is not None:
             skip = set(range(doc.lineno, doc.end_lineno + 1))
-        return [line for i, line in enumerate(source.splitlines(), 1) if i not in skip and line.strip()]
+        return [line for i, line in enumerate(source.splitlines(), 1)
+                if i not in skip and line.strip() and not line.lstrip().startswith("#")]
 
     plain = code(BENCH / "lit_plain.py")
     out = {}
@@ -366,7 +368,7 @@ def main() -> None:
     if args.summarize:
         saved = json.loads(Path(args.summarize).read_text())
         args.last = saved["args"]["last"]
-        report(saved["summaries"], args, saved.get("lines_changed") or lines_changed())
+        report(saved["summaries"], args, lines_changed())  # of the scripts as they are now
         return None
     torch.set_num_threads(1)
     print(f"command: {command_line()}", flush=True)

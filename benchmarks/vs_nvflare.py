@@ -40,6 +40,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -105,7 +106,7 @@ def run_nvflare(args: argparse.Namespace, tmp: Path, algorithm: str) -> dict:
     proc = launch([__file__, "--nvflare-job", "--algorithm", algorithm, *script_args(args, tmp)], log, env)
     try:
         proc.wait(args.max_seconds + 300)
-    except Exception:
+    except subprocess.TimeoutExpired:
         raise RuntimeError(f"NVFlare's simulator did not finish in time:\n{tail(log)}") from None
     finally:
         for pid in nvflare_processes(tmp):  # nothing is left after a clean run; after a failure, its clients

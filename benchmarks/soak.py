@@ -46,6 +46,7 @@ from typing import Dict, List, Optional, Sequence
 from _common import REPO, table, write_json
 
 from swarm_opt import testing
+from swarm_opt._hivemind import memtrace
 from swarm_opt.testing import name_roles, process_sample, session_members
 
 MB = 1e6
@@ -84,8 +85,8 @@ class Swarm:
     def __init__(self, out: Path, args: argparse.Namespace) -> None:
         self.out, self.args = out, args
         self.tag = uuid.uuid4().hex
-        self.env = {k: v for k, v in testing.peer_env(**{TAG_VARIABLE: self.tag}).items()
-                    if not k.startswith("SWARM_OPT_")}
+        self.env = {**{k: v for k, v in testing.peer_env(**{TAG_VARIABLE: self.tag}).items()
+                       if not k.startswith("SWARM_OPT_")}, **dict(args.peer_env)}
         self.prefix = ["nice", "-n", str(args.nice)] if args.nice else []
         self.procs: List[subprocess.Popen] = []
         self.names: Dict[int, str] = {}  # pid -> the name of its logs
@@ -99,9 +100,12 @@ class Swarm:
         self.events.flush()
         print(f"[{record['wall']}] {kind} {info if info else ''}", flush=True)
 
-    def start(self, name: str, *argv: str) -> subprocess.Popen:
+    def start(self, name: str, *argv: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """Start ``swarm-opt ARGV`` in a session of its own that dies with this driver, even of a SIGKILL
+        (``dies_with_us``): a soak that stops, however it stops, leaves no swarm behind."""
         proc = testing.start(["-m", "swarm_opt", *argv], log=self.out / f"{name}.out",
-                             stderr_log=self.out / f"{name}.err", env=self.env, cwd=self.out, prefix=self.prefix)
+                             stderr_log=self.out / f"{name}.err", env={**self.env, **(env or {})}, cwd=self.out,
+                             prefix=self.prefix, dies_with_us=True)
         self.procs.append(proc)
         self.names[proc.pid] = name
         return proc
@@ -117,14 +121,15 @@ class Swarm:
                 raise RuntimeError(f"swarm-opt dht printed no address:\n{testing.tail(self.out / 'dht.err')}")
             time.sleep(0.2)
 
-    def train(self, name: str, *extra: str, log_name: Optional[str] = None) -> subprocess.Popen:
+    def train(self, name: str, *extra: str, log_name: Optional[str] = None,
+              env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
         a = self.args
         return self.start(log_name or name, "train", "--run-id", "soak", "--initial-peers", self.maddr,
                           "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--task", a.task,
                           "--target-batch-size", str(a.target_batch_size),
                           "--matchmaking-time", str(a.matchmaking_time),
                           "--averaging-timeout", str(a.averaging_timeout), "--checkpoint-dir", f"ckpt-{name}",
-                          "--checkpoint-every", str(a.checkpoint_every), *extra)
+                          "--checkpoint-every", str(a.checkpoint_every), *extra, env=env)
 
     def stop(self, proc: subprocess.Popen, how: int, grace: float = 60.0) -> Dict:
         """Stop one peer with ``how`` (SIGKILL, SIGINT) to its whole group; report its exit and any leftovers."""
@@ -162,6 +167,16 @@ class Swarm:
         self.events.close()
 
 
+def tracing(args: argparse.Namespace, out: Path, name: str) -> Dict[str, str]:
+    """The environment that turns on a stable peer's averager memory trace (``--tracemalloc``, the first
+    ``--trace-peers`` stable peers), else {}."""
+    if not args.tracemalloc or (args.trace_peers and int(name.removeprefix("stable")) >= args.trace_peers):
+        return {}
+    return {memtrace.VARIABLE: str(out.resolve() / f"trace-{name}"),
+            f"{memtrace.VARIABLE}_PERIOD": str(args.trace_every),
+            f"{memtrace.VARIABLE}_WARMUP": str(args.warmup_minutes * 60)}
+
+
 def tagged(tag: str) -> List[int]:
     needle = f"{TAG_VARIABLE}={tag}".encode()
     found = []
@@ -190,7 +205,8 @@ def soak(args: argparse.Namespace, out: Path) -> None:
     try:
         swarm.bootstrap()
         ports = [free_port() for _ in range(args.stable)]
-        stable = [swarm.train(f"stable{i}", "--data-seed", str(i), "--metrics-port", str(ports[i]))
+        stable = [swarm.train(f"stable{i}", "--data-seed", str(i), "--metrics-port", str(ports[i]),
+                              env=tracing(args, out, f"stable{i}"))
                   for i in range(args.stable)]
         churn_round = 0
         churn = swarm.train("churn", "--data-seed", "100", log_name="churn-0")
@@ -212,9 +228,10 @@ def soak(args: argparse.Namespace, out: Path) -> None:
         begin = time.monotonic()  # the schedule starts once the swarm is up (the samples' clock at the start)
         end = begin + args.minutes * 60
         next_sample = begin
-        next_kill = begin + args.kill_every
-        next_stall, thaw_at = begin + args.stall_every, None
-        next_newcomer = begin + args.newcomer_every
+        never = math.inf  # a schedule set to 0 (--kill-every 0: no churn) never comes
+        next_kill = begin + args.kill_every if args.kill_every > 0 else never
+        next_stall, thaw_at = (begin + args.stall_every if args.stall_every > 0 else never), None
+        next_newcomer = begin + args.newcomer_every if args.newcomer_every > 0 else never
         swarm.event("started", maddr=swarm.maddr, stable=args.stable)
         while time.monotonic() < end:
             now = time.monotonic()
@@ -238,7 +255,7 @@ def soak(args: argparse.Namespace, out: Path) -> None:
                 testing.signal_group(churn, signal.SIGCONT)
                 swarm.event("churn thawed")
                 thaw_at = None
-                next_stall = now + args.stall_every * rng.uniform(0.8, 1.2)
+                next_stall = now + args.stall_every * rng.uniform(0.8, 1.2) if args.stall_every > 0 else never
             if newcomer is None and now >= next_newcomer:
                 newcomer_count += 1
                 newcomer = swarm.train(f"newcomer{newcomer_count}", "--data-seed", str(1000 + newcomer_count))
@@ -344,9 +361,54 @@ def analyse(out: Path, warmup_minutes: float) -> Dict:
             "all_processes": [min(everything), max(everything)] if everything else None,
             "peers": peers, "quarters": quarters, "events": counts, "events_with_leftovers": leftovers,
             "events_with_tracebacks": noisy, "worst_pss_slope_mb_per_h": worst, "rate_ratio_last_first": ratio,
+            "traces": traces(out),
             "verdict": {"memory": worst <= GOAL_MB_PER_HOUR,
                         "rate": ratio is not None and ratio >= GOAL_RATE_RATIO,
                         "clean": not leftovers and not noisy}}
+
+
+def traces(out: Path) -> List[Dict]:
+    """What each traced averager process (``--tracemalloc``) grew by after its baseline: slopes (MB/h) of its PSS,
+    of what tracemalloc traced, of glibc's heap in use and free; the counts that changed; its top lines and object
+    types by growth at its last sample."""
+    found = []
+    for path in sorted(out.glob("trace-*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if "top" in r]  # after the baseline
+        if len(rows) < 3:
+            continue
+        ts = [r["t"] for r in rows]
+        series = {"pss": [r["memory"].get("pss", 0) for r in rows], "traced": [r["traced"] for r in rows],
+                  "heap_in_use": [r["heap"].get("in_use", 0) for r in rows],
+                  "heap_free": [r["heap"].get("free", 0) for r in rows],
+                  "tensors": [r.get("tensors", {}).get("bytes", 0) for r in rows]}
+        slopes = {key: slope_per_hour(ts, [y / MB for y in ys])[0] for key, ys in series.items()}
+        counts = {key: [rows[0]["counts"].get(key), rows[-1]["counts"].get(key)] for key in rows[-1]["counts"]}
+        counts["tasks_total"] = [rows[0]["tasks_total"], rows[-1]["tasks_total"]]
+        found.append({"file": path.name, "minutes": (ts[-1] - ts[0]) / 60, "mb_per_h": slopes,
+                      "pss_mb": [series["pss"][0] / MB, series["pss"][-1] / MB],
+                      "traced_mb": [series["traced"][0] / MB, series["traced"][-1] / MB],
+                      "counts_changed": {k: v for k, v in counts.items() if v[0] != v[1]},
+                      "top": rows[-1]["top"][:12], "types_grown": rows[-1]["types_grown"][:12],
+                      "tasks": rows[-1]["tasks"]})
+    return found
+
+
+def report_traces(found: List[Dict]) -> None:
+    if not found:
+        return
+    print()
+    print(table(["averager trace", "minutes", "PSS MB", "PSS MB/h", "traced MB", "traced MB/h", "heap in use MB/h",
+                 "heap free MB/h", "tensors MB/h"],
+                [[t["file"], f"{t['minutes']:.0f}", f"{t['pss_mb'][0]:.0f} -> {t['pss_mb'][1]:.0f}",
+                  f"{t['mb_per_h']['pss']:+.1f}", f"{t['traced_mb'][0]:.1f} -> {t['traced_mb'][1]:.1f}",
+                  f"{t['mb_per_h']['traced']:+.1f}", f"{t['mb_per_h']['heap_in_use']:+.1f}",
+                  f"{t['mb_per_h']['heap_free']:+.1f}", f"{t['mb_per_h']['tensors']:+.1f}"] for t in found]))
+    for t in found:
+        print(f"\n{t['file']}: counts that changed {t['counts_changed']}; object types grown "
+              f"{[tuple(x[:2]) for x in t['types_grown'][:8]]}")
+        for line in t["top"][:8]:
+            print(f"  {line['kb']:+9.1f} kB {line['count']:+7d}  {' < '.join(line['where'])}")
 
 
 def report(result: Dict) -> None:
@@ -378,10 +440,35 @@ def report(result: Dict) -> None:
           f"epochs/min last/first quarter {ratio if ratio is None else round(ratio, 2)} (goal >= {GOAL_RATE_RATIO}); "
           f"stops with leftovers {len(result['events_with_leftovers'])}, "
           f"with tracebacks {len(result['events_with_tracebacks'])}; verdict {result['verdict']}")
+    report_traces(result.get("traces", []))
+
+
+#: ``--diagnose``: the soak compressed into minutes, to find a memory growth quickly. Three peers at a high round
+#: rate (small global batch, short matchmaking and averaging timeout); the churn peer SIGKILLed every 40 s and frozen
+#: every 60 s for longer than the averaging timeout, so that rounds fail and peer ids come and go several times
+#: faster than in the soak; the stable peers' averagers traced (``--tracemalloc``). Each option still overrides it.
+DIAGNOSE = {"minutes": 15, "warmup_minutes": 3, "stable": 2, "kill_every": 40, "stall_every": 60, "stall_seconds": 10,
+            "newcomer_every": 240, "newcomer_life": 60, "sample_every": 10, "target_batch_size": 256,
+            "matchmaking_time": 0.5, "averaging_timeout": 6.0, "tracemalloc": True, "trace_every": 30}
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM, SIGHUP (unless ignored: ``nohup``) and SIGQUIT stop the swarm as cleanly as a Ctrl-C; a SIGKILL of
+    this driver takes its peers down through the kernel (``Swarm.start``)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, _interrupt)
+
+
+def _peer_env(text: str) -> tuple:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--peer-env takes KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def main() -> None:
@@ -407,6 +494,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter of kills and freezes")
     parser.add_argument("--tag", default="", help="suffix of the result file: results/soak{TAG}.json")
     parser.add_argument("--json", type=Path, help="write the result here instead (a test reads it)")
+    parser.add_argument("--tracemalloc", action="store_true",
+                        help="trace the stable peers' averager processes (OUT/trace-*.jsonl; swarm_opt._hivemind."
+                             "memtrace): which lines, structures and object types grow")
+    parser.add_argument("--trace-every", type=float, default=60, help="seconds between two traced samples")
+    parser.add_argument("--trace-peers", type=int, default=0,
+                        help="trace only the first N stable peers (0: all), the others' slopes free of the tracing")
+    parser.add_argument("--peer-env", type=_peer_env, action="append", default=[], metavar="KEY=VALUE",
+                        help="set in every peer's environment (MALLOC_ARENA_MAX=2, SWARM_OPT_MALLOC_TRIM=1...)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help=f"a quick high-rate run with traced averagers: {DIAGNOSE} unless given")
+    if "--diagnose" in sys.argv[1:]:
+        parser.set_defaults(**DIAGNOSE)
     args = parser.parse_args()
     if args.analyse:
         config = json.loads((args.analyse / "config.json").read_text())
@@ -417,7 +516,7 @@ def main() -> None:
     for name in ("samples.jsonl", "events.jsonl"):
         (args.out / name).unlink(missing_ok=True)
     failure = None
-    signal.signal(signal.SIGTERM, _interrupt)  # a `kill` stops the swarm as cleanly as a Ctrl-C
+    _stop_on_signals()
     try:
         soak(args, args.out)
     except (RuntimeError, KeyboardInterrupt) as e:  # what was sampled until then is still worth a verdict

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, children_ignore_sigint, parse_maddrs, start_dht
+from swarm_opt._hivemind.node import DEFAULT_HOST_MADDRS, parse_maddrs, start_dht
 from swarm_opt.aggregation import Aggregation
 from swarm_opt.compression import Compression
 from swarm_opt.config import Groups, SwarmConfig, Timeouts, TrackerConfig
@@ -89,15 +89,14 @@ class PeerOptions:
         dht = self.dht if self.dht is not None or not starts_dht else \
             start_dht(initial_peers=self.initial_peers, host_maddrs=self.host_maddrs)
         try:
-            with children_ignore_sigint():  # a Ctrl-C reaches this process, which leaves the swarm in order
-                optimizer = Optimizer(
-                    dht=dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
-                    optimizer=inner, offload=self.offload, scheduler=scheduler,
-                    batch_size_per_step=batch_size_per_step, strategy=copy.deepcopy(self.strategy),
-                    timeouts=self.timeouts, compression=self.averaging.compression,
-                    aggregation=self.averaging.aggregation, transport=self.averaging.transport,
-                    groups=self.averaging.groups, privacy=self.averaging.privacy, tracker=self.tracker,
-                    clip_grad_norm=clip_grad_norm, local_group=local_group)
+            optimizer = Optimizer(
+                dht=dht, run_id=self.config.run_id, target_batch_size=self.config.target_batch_size,
+                optimizer=inner, offload=self.offload, scheduler=scheduler,
+                batch_size_per_step=batch_size_per_step, strategy=copy.deepcopy(self.strategy),
+                timeouts=self.timeouts, compression=self.averaging.compression,
+                aggregation=self.averaging.aggregation, transport=self.averaging.transport,
+                groups=self.averaging.groups, privacy=self.averaging.privacy, tracker=self.tracker,
+                clip_grad_norm=clip_grad_norm, local_group=local_group)
         except BaseException:
             self.leave(None, dht)
             raise

@@ -220,16 +220,22 @@ class Optimizer(torch.optim.Optimizer):
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
                                    await_target=self._await_target, agrees=self._agrees, grid=self._grid)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
-        self._tracker.report(0, 0, params_digest=self._params_digest())
-        self._tracker.start()
-        # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if not,
-        # their first round's digests tell them apart: it commits on none, and all but one group download (_agrees)
-        # (a newcomer publishes no record, and its epoch is no evidence, until it holds a state: see mark_joined)
-        if self._tracker.progress.epoch == 0:
-            self._mark_synced()
-            self._averager.offer_state(self._epoch)
-        else:
-            self._join_running_swarm(self._tracker.progress.epoch)
+        self._clipping = None
+        try:
+            self._tracker.report(0, 0, params_digest=self._params_digest())
+            self._tracker.start()
+            # founders of a run (nobody ahead of epoch 0) start from the same model if they seed it identically; if
+            # not, their first round's digests tell them apart: it commits on none, and all but one group download
+            # (_agrees) (a newcomer publishes no record, and its epoch is no evidence, until it holds a state: see
+            # mark_joined)
+            if self._tracker.progress.epoch == 0:
+                self._mark_synced()
+                self._averager.offer_state(self._epoch)
+            else:
+                self._join_running_swarm(self._tracker.progress.epoch)
+        except BaseException:  # e.g. a Ctrl-C while a newcomer downloads: leave the swarm it was joining
+            self.shutdown()
+            raise
         # last, once nothing can fail: a hook on the user's optimizer is removed only at shutdown. It clips every step
         # of the inner optimizer, the one place every strategy goes through (swarm_opt.clipping)
         self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
@@ -385,17 +391,33 @@ class Optimizer(torch.optim.Optimizer):
         self._rounds.run(begun, round_id=round_id, num_peers=progress.max_peers, samples=self._samples,
                          round_is_over=self._round_is_over(round_id, plan), plan=plan)
 
-    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], bool]:
-        """Whether the swarm completed round ``round_id`` without this peer, asked while it looks for its group. With
-        Moshpit groups every line of the grid averages on its own: another line's commit does not end this line's
-        round, only a commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's
-        once this peer has looked for ``matchmaking_time`` since the round began (a line too short to form a group
-        then gives up, as without groups, rather than at its averaging deadline)."""
-        if plan.whole_swarm:
-            return lambda: self._tracker.epoch_reached(round_id)
+    def _round_is_over(self, round_id: int, plan: RoundPlan) -> Callable[[], Optional[str]]:
+        """Why round ``round_id`` is over for this peer, asked while it looks for its group (None while it is not): the
+        swarm completed it without this peer, or this peer was cut off from the swarm meanwhile (no group it can
+        find holds a majority: waiting on would hold ``step()`` until the averaging deadline), or more peers hold
+        another version of the run (a healed partition: nobody would join this round). With Moshpit groups
+        every line of the grid averages on its own: another line's commit does not end this line's round, only a
+        commit in this peer's own line does (``ProgressTracker.line_reached``), or another line's once this peer has
+        looked for ``matchmaking_time`` since the round began (a line too short to form a group then gives up, as
+        without groups, rather than at its averaging deadline)."""
         began = time.monotonic()
-        return lambda: self._tracker.line_reached(round_id, plan.cell) or (
-            time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
+
+        def completed() -> bool:
+            if plan.whole_swarm:
+                return self._tracker.epoch_reached(round_id)
+            return self._tracker.line_reached(round_id, plan.cell) or (
+                time.monotonic() - began > self.timeouts.matchmaking_time and self._tracker.epoch_reached(round_id))
+
+        def over() -> Optional[str]:
+            if completed():
+                return f"the swarm completed round {round_id} without this peer"
+            if self._cut_off(self._tracker.progress):
+                return "this peer was cut off from the swarm"
+            if self._tracker.other_version is not None:  # the next step takes the other version's state
+                return "another version of the run outnumbers this peer's"
+            return None
+
+        return over
 
     def _committed(self, flight: RoundInFlight, result: AveragingResult, num_peers: int) -> None:
         """The round was applied and committed (under the state lock): move to its epoch. ``num_peers``: the swarm
@@ -580,6 +602,8 @@ class Optimizer(torch.optim.Optimizer):
         """A newcomer to a swarm already at ``epoch``: download its state now, before the training loop computes a
         first step at this peer's initial parameters that the catch-up at that step would throw away. Within
         ``state_sync.NEWCOMER_PATIENCE``: failing that, ``step()`` catches up as for any peer behind."""
+        logger.info(f"The swarm is at epoch {epoch}: downloading its state before the first step (for up to "
+                    f"{state_sync.NEWCOMER_PATIENCE:.0f} s)")
         try:
             self.load_state_from_peers(timeout=state_sync.NEWCOMER_PATIENCE, _min_epoch=epoch)
         except StateDownloadError as e:

@@ -121,10 +121,11 @@ class RoundRunner:
         return self._flight is not None
 
     def run(self, round: Round, *, round_id: int, num_peers: int, samples: int,
-            round_is_over: Callable[[], bool], plan: RoundPlan = ONE_GROUP) -> None:
+            round_is_over: Callable[[], Optional[str]], plan: RoundPlan = ONE_GROUP) -> None:
         """Run ``round``: alone if ``num_peers <= 1`` (its mean is our own values), in a thread of its own if
         ``round.in_background`` (``poll`` concludes it), otherwise here, concluding it before returning.
-        ``round_is_over()``: the swarm completed the round without us (see ``TensorAverager.all_reduce``)."""
+        ``round_is_over()``: why the round is over for this peer while it looks for a group, None while it is not
+        (see ``TensorAverager.all_reduce``)."""
         assert self._flight is None, "one round at a time"
         flight = RoundInFlight(round, round_id, num_peers, samples, time.monotonic(), plan)
         if num_peers <= 1:
@@ -157,7 +158,7 @@ class RoundRunner:
         if self._flight is not None and self._flight.thread is not None:
             self._flight.thread.join(timeout)
 
-    def _all_reduce(self, flight: RoundInFlight, round_is_over: Callable[[], bool]) -> None:
+    def _all_reduce(self, flight: RoundInFlight, round_is_over: Callable[[], Optional[str]]) -> None:
         try:
             self._await_target(flight.round_id)
             with torch.no_grad():

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
+from swarm_opt._libc import die_with_parent
+
 #: the directory that holds the ``swarm_opt`` package (a checkout's root): peers import swarm_opt from there
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,13 +33,18 @@ def peer_env(**extra: str) -> Dict[str, str]:
 
 
 def start(argv: Sequence[str], *, log: Path, stderr_log: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
-          cwd: Optional[Path] = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
+          cwd: Optional[Path] = None, prefix: Sequence[str] = (), dies_with_us: bool = False) -> subprocess.Popen:
     """Start ``python ARGV...`` in a session of its own, output to ``log`` (stderr too, unless ``stderr_log``).
-    ``prefix`` runs it through another command (``ip netns exec HOST``)."""
+    ``prefix`` runs it through another command (``ip netns exec HOST``). ``dies_with_us``: the kernel SIGKILLs it when
+    the thread that called ``start`` ends (``PR_SET_PDEATHSIG``; Linux): a driver that dies, even of SIGKILL, leaves
+    no peer behind in its own session (a peer's DHT process and averager die with the peer). Call it from the thread
+    that lives as long as the peer should (a long-lived driver's main thread)."""
+    parent = os.getpid()
     with open(log, "w") as out, open(stderr_log or os.devnull, "w") as err:
         return subprocess.Popen([*prefix, sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=err if stderr_log else subprocess.STDOUT, start_new_session=True,
-                                env=peer_env() if env is None else env, cwd=str(cwd or SOURCE_ROOT))
+                                env=peer_env() if env is None else env, cwd=str(cwd or SOURCE_ROOT),
+                                preexec_fn=(lambda: die_with_parent(signal.SIGKILL, parent)) if dies_with_us else None)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

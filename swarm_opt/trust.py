@@ -18,7 +18,10 @@ moves the swarm only as far as its owner plausibly could:
   begin (or from its first sight of the claimant, whose samples it then takes as they are, up to one global batch).
 * A peer whose claims fail these checks grossly (samples above twice the bound and twice the global batch) or for
   long (two or more epochs ahead, unconfirmed) is **ignored** for ``ignore_seconds``, doubling at each repeat: its
-  record counts for nothing, not even as a live peer. One WARNING line says so.
+  record counts for nothing, not even as a live peer. One WARNING line says so. A peer ignored for standing ahead
+  counts again as soon as its record stands with the swarm: the side of a healed partition that trained on alone
+  stands ahead until it takes the majority's state (``docs/partitions.md``), honest all along; a liar that withdraws
+  its claim gains nothing, and its next one suspends it twice as long.
 
 What this cannot stop: many identities that each claim plausible progress (a Sybil attack). A private run
 (``RunSecret``) keeps strangers out of the DHT altogether.
@@ -81,6 +84,12 @@ class Suspensions(Generic[Key]):
     def remembered(self) -> List[Key]:
         """Every peer with a record (suspended now, or suspended recently)."""
         return list(self._entries)
+
+    def lift(self, key: Key, now: float) -> None:
+        """End ``key``'s suspension now; its offences stay remembered: offending again suspends it for longer."""
+        entry = self._entries.get(key)
+        if entry is not None and now < entry[1]:
+            self._entries[key] = (entry[0], now)
 
     def forget(self, key: Key, now: float) -> None:
         """Drop ``key``'s record if its suspension is over (a peer gone from the swarm starts afresh if it comes
@@ -150,6 +159,7 @@ class ClaimChecker:
         self._epoch_began: Dict[int, float] = {}  # epochs whose start we witnessed, and when
         self._newest_seen: Optional[int] = None
         self._ahead_since: Dict[Tuple[bytes, str], float] = {}
+        self._ignored_ahead: Dict[Tuple[bytes, str], None] = {}  # ignored for standing ahead (see ``_reinstate``)
         self._ignored: Suspensions[Tuple[bytes, str]] = Suspensions(config.ignore_seconds,
                                                                     max(config.ignore_seconds, _MAX_IGNORE_SECONDS))
         self._reference_rate = 0.0
@@ -169,6 +179,7 @@ class ClaimChecker:
     def _check(self, records: list, local, now: float, target_batch_size: int,
                local_epoch_started: Optional[float], local_votes: bool,
                remembered: Collection[Tuple[bytes, str]]) -> Checked:
+        self._reinstate(records, local, now)
         live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
         votes = [r.epoch for r in live] + ([local_epoch] if local is not None and (local_votes or not live) else [])
@@ -183,8 +194,9 @@ class ClaimChecker:
             if record.epoch > epoch + 1:
                 since = self._ahead_since.setdefault(key, now)
                 if now - since >= self.config.ahead_grace:
-                    self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch}",
-                                 "epoch_ahead")
+                    self._ignore(key, now, f"it claims epoch {record.epoch} while the swarm is at {epoch} (a side "
+                                           f"of a partition that trained on alone, or a liar; counted again once it "
+                                           f"stands with the swarm)", "epoch_ahead")
                 else:
                     ahead.append(key)
                 continue
@@ -244,7 +256,22 @@ class ClaimChecker:
         for old in [e for e in self._epoch_began if e < epoch - 1]:
             del self._epoch_began[old]
 
+    def _reinstate(self, records: list, local, now: float) -> None:
+        """Count again the peers ignored for standing ahead whose records no longer do: at most one epoch ahead of
+        the epoch that was believed last (our own, at least)."""
+        newest = max(self._newest_seen or 0, 0 if local is None else local.epoch)
+        for record in records:
+            key = _key(record)
+            if key in self._ignored_ahead and record.epoch <= newest + 1:
+                del self._ignored_ahead[key]
+                if self._ignored.suspended(key, now):
+                    self._ignored.lift(key, now)
+                    logger.info(f"Peer {_describe(key)} stands with the swarm again (epoch {record.epoch}): "
+                                f"counting it again")
+
     def _ignore(self, key: Tuple[bytes, str], now: float, why: str, reason: str) -> None:
+        if reason == "epoch_ahead":
+            self._ignored_ahead[key] = None
         seconds = self._ignored.suspend(key, now)
         self.metrics.record_refused(reason, key[0], why, seconds)
         self._credits.pop(key, None)
@@ -257,6 +284,8 @@ class ClaimChecker:
                 del table[key]
         for key in [k for k in self._ignored.remembered() if k not in present]:
             self._ignored.forget(key, now)
+        for key in [k for k in self._ignored_ahead if not self._ignored.offences(k)]:
+            del self._ignored_ahead[key]  # bounded by the suspensions' table
 
 
 def _checked(records: list, ahead: List[Tuple[bytes, str]]) -> Checked:

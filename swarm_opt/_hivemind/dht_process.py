@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import signal
 
-from swarm_opt._hivemind.fork import die_with_parent
 from swarm_opt._hivemind.rebootstrap import WatchedDHT
+from swarm_opt._libc import die_with_parent
 
 
 def _kill_own_group(signum: int, frame: object) -> None:

@@ -32,6 +32,7 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
+from swarm_opt._hivemind import memtrace
 from swarm_opt._hivemind.allreduce import (
     AUDIT_SUFFIX,
     AllOrNothingRunner,
@@ -41,7 +42,6 @@ from swarm_opt._hivemind.allreduce import (
     liars,
     part_owners,
 )
-from swarm_opt._hivemind.fork import die_with_parent
 from swarm_opt._hivemind.gather import (
     AUX_KEY,
     CELL_KEY,
@@ -57,6 +57,7 @@ from swarm_opt._hivemind.gather import member_info as _member_info
 from swarm_opt._hivemind.gather import rounds_differ as _rounds_differ
 from swarm_opt._hivemind.gather import valid_cell as _valid_cell
 from swarm_opt._hivemind.near_store import store_near
+from swarm_opt._libc import die_with_parent, malloc_trim, map_blocks_from
 from swarm_opt.aggregation import (
     Aggregation,
     Mean,
@@ -89,6 +90,10 @@ _LINE_READ_TIMEOUT = 2.0  # seconds a leader's read of its line's declarations m
 #: seconds between two reads of the group key's declarations by this peer's matchmaking (``_pace_reads``): the first
 #: after a read that found something new, doubling while reads find nothing new, up to the last
 _FIRST_READ_INTERVAL, _READ_INTERVAL = 0.002, 0.05
+#: the averager process's heap (``_keep_heap_small``): blocks of this size or more (a round's parts, their encodings,
+#: a state download's chunks) get mappings of their own, given back when freed; and the heap's free pages go back to
+#: the system after a round, at most once per period
+_MAPPED_FROM, _TRIM_PERIOD = 128 * 1024, 30.0
 _MOST_DISTRUSTED = 64  # the most senders a member names in one gather (network input is bounded)
 _SERVING_GRACE = 3.0  # seconds a leaving peer lets the means it reduced finish streaming to its groupmates
 #: state downloads a donor serves at once; a newcomer beyond them gets an empty answer and asks its next donor, so
@@ -177,6 +182,8 @@ class _Engine(DecentralizedAverager):
         self._unheard: OrderedDict[int, Tuple[Tuple[str, Any], bool]] = OrderedDict()
         self._host_lanes: Dict[bytes, MPFuture] = {}  # the verdicts of lane rounds the host runs, by group id
         self._assembled = mp.Value("d", 0.0)  # DHT time at which this peer's last group assembled (shared)
+        self._next_trim = 0.0  # when ``_keep_heap_small`` may trim the heap again (averager process)
+        self._tracer: Optional[memtrace.Tracer] = None  # SWARM_OPT_TRACEMALLOC's sampler (averager process)
         #: the all-reduce deadline this engine was made with: each round's own (``DEADLINE_KEY``) stays within it
         self._bound_allreduce = kwargs.get("allreduce_timeout")
 
@@ -186,12 +193,33 @@ class _Engine(DecentralizedAverager):
         if self.lane is not None:
             self.lane.release() if self.lane_in_host else self.lane.start()
         _write_near(self.dht)
+        map_blocks_from(_MAPPED_FROM)
+        self._tracer = memtrace.start_if_asked(self._memory_counters())
         try:
             super().run()
         finally:
             _let_the_dht_read_our_calls(self.dht)
 
+    def _memory_counters(self) -> Dict[str, Callable[[], Any]]:
+        """What ``memtrace`` counts in this averager process: every structure that could grow with rounds or peers."""
+        control = lambda: self._p2p._client.control  # noqa: E731
+        matchmaking = lambda: self._matchmaking  # noqa: E731
+        return {
+            "running_groups": lambda: self._running_groups, "unstarted": lambda: self._unstarted,
+            "watches": lambda: self._watches, "unheard": lambda: self._unheard, "host_lanes": lambda: self._host_lanes,
+            "goodbyes": lambda: self._goodbyes, "left_out_seen": lambda: self._left_out_seen,
+            "liars": lambda: self._liars._entries, "mpfutures": lambda: MPFuture._active_futures or {},
+            "p2p_pending_calls": lambda: control()._pending_calls,
+            "p2p_handler_tasks": lambda: control()._handler_tasks, "p2p_stream_handlers": lambda: control().handlers,
+            "p2p_pending_messages": lambda: control()._pending_messages.qsize(),
+            "followers": lambda: matchmaking().current_followers,
+            "leader_queue": lambda: matchmaking().potential_leaders.leader_queue,
+            "past_attempts": lambda: matchmaking().potential_leaders.past_attempts,
+        }
+
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:  # runs in the averager process
+        if self._tracer is not None:
+            self._tracer.watch_loop(asyncio.get_running_loop())
         # the round's line of the Moshpit grid (swarm_opt.groups) is its matchmaking key; '' for one group
         info = _member_info(self.serializer, step.data_for_gather)
         cell = info.get(CELL_KEY, "")
@@ -226,6 +254,17 @@ class _Engine(DecentralizedAverager):
             if unstarted is not None:
                 self._host_lanes.pop(unstarted.group_id, None)
             self._tell_host(step, "done", None)
+            self._keep_heap_small()
+
+    def _keep_heap_small(self) -> None:
+        """After a round, at most every ``_TRIM_PERIOD`` seconds: give the heap's free pages back to the system.
+        glibc keeps what a process freed in its heaps, and rounds that fail as a peer dies (its streams cut mid-part,
+        its state download abandoned) leave free holes that later rounds do not fill: measured (``benchmarks/soak.py
+        --diagnose``), the averager process's heap grew by about 1 MB per SIGKILLed groupmate, most of it free."""
+        now = time.monotonic()
+        if now >= self._next_trim:
+            self._next_trim = now + _TRIM_PERIOD
+            malloc_trim()
 
     def _apply_deadline(self, deadline: Any) -> None:
         """This round's averaging deadline, sent by the host with the round (``swarm_opt.deadlines``), within the

@@ -11,8 +11,12 @@ writes them in place. The child must not read those tensors (hivemind's averager
 buffers, which are skipped). Only whole pages inside one storage are marked, so no other object loses memory in the
 child. On systems without ``madvise`` this does nothing.
 
-``die_with_parent()`` (Linux ``PR_SET_PDEATHSIG``): a helper whose parent was SIGKILLed alone would otherwise live on,
-an orphan holding its ports and buffers.
+The forked helpers end with their parent through ``swarm_opt._libc.die_with_parent()``.
+
+``children_ignore_sigint()``: a terminal's Ctrl-C reaches every process of the foreground group; helpers forked
+inside ignore it from their first instruction (set in the child right after the fork), so that only the user's
+process reacts and shuts them down in order. The caller's own handler is never touched: ignoring SIGINT in the
+parent around the fork, as hivemind's ``run_in_background`` does, loses a Ctrl-C that arrives meanwhile.
 """
 
 from __future__ import annotations
@@ -23,44 +27,44 @@ import gc
 import logging
 import mmap
 import os
-import sys
+import signal
+import threading
 from typing import Iterator, List, Tuple
 
 import torch
+
+from swarm_opt._libc import libc_function
 
 logger = logging.getLogger(__name__)
 
 _MIN_BYTES = 1 << 20  # smaller storages are not worth a separate memory mapping each
 _PAGE = mmap.PAGESIZE
-_PR_SET_PDEATHSIG = 1
 
 
-def _libc_function(name: str):
-    if not sys.platform.startswith("linux"):
-        return None
+_forking = threading.local()  # .ignore_sigint: whether this thread's forks should ignore SIGINT
+
+
+def _after_fork_in_child() -> None:
+    if getattr(_forking, "ignore_sigint", False):
+        _forking.ignore_sigint = False  # the child's own forks decide for themselves
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT already caught is dropped by Python's check
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Processes this thread forks inside ignore SIGINT from their start; this process keeps its own handler."""
+    _forking.ignore_sigint = True
     try:
-        return getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-
-
-def die_with_parent(signum: int, parent_pid: int) -> bool:
-    """In a forked child: have the kernel send ``signum`` when the parent's thread that forked it ends (the main
-    thread: the parent process). Raised at once if the parent is already gone. False where unsupported."""
-    prctl = _libc_function("prctl")
-    if prctl is None:
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    if prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) != 0:
-        return False
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signum)
-    return True
+        yield
+    finally:
+        _forking.ignore_sigint = False
 
 
 def _libc_madvise():
-    madvise = _libc_function("madvise") if hasattr(mmap, "MADV_DONTFORK") else None
+    madvise = libc_function("madvise") if hasattr(mmap, "MADV_DONTFORK") else None
     if madvise is None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

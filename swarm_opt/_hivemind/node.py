@@ -5,14 +5,14 @@ mistake is reported in one line (``ConfigError``) instead of a traceback from a 
 
 Signals: a terminal's Ctrl-C reaches every process of the foreground group, including hivemind's DHT and averager
 processes and the Go ``p2pd`` daemon, which would die before this peer could leave the swarm cleanly. Python
-processes started inside ``children_ignore_sigint()`` inherit SIGINT as ignored, so only the main process reacts and
-shuts them down in order. The daemon does not inherit it (hivemind spawns it through libuv, which resets every
-signal), so the DHT process and its daemon live in a process group of their own (``swarm_opt._hivemind.dht_process``).
+processes forked inside ``children_ignore_sigint()`` (``swarm_opt._hivemind.fork``) ignore SIGINT, so only the main
+process reacts and shuts them down in order. The daemon does not inherit it (hivemind spawns it through libuv, which
+resets every signal), so the DHT process and its daemon live in a process group of their own
+(``swarm_opt._hivemind.dht_process``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
@@ -25,7 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 from swarm_opt.errors import ConfigError
 
@@ -108,19 +108,6 @@ def ensure_identity(path: str) -> str:
         raise ConfigError(f"'{path}' is not a hivemind identity file; remove it to generate a new one") from None
 
 
-@contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
-    """Processes started inside inherit SIGINT as ignored; the caller's handler is restored on exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def start_dht(
     *,
     initial_peers: Sequence[str] = (),
@@ -149,7 +136,7 @@ def start_dht(
         check_ports_free(host_maddrs)
     if identity_path is not None:
         ensure_identity(identity_path)
-    kwargs = dict(initial_peers=initial_peers, client_mode=client_mode, start=True)
+    kwargs = dict(initial_peers=initial_peers, client_mode=client_mode, start=False)
     if not client_mode:
         kwargs.update(host_maddrs=host_maddrs)
         if announce_maddrs:
@@ -162,9 +149,8 @@ def start_dht(
     listening = False  # whether every initial peer's port accepted connections at the last probe
     while True:
         try:
-            with children_ignore_sigint():
-                in_main_thread = threading.current_thread() is threading.main_thread()
-                dht = (OwnGroupDHT if in_main_thread else WatchedDHT)(**kwargs)
+            dht = _started(OwnGroupDHT if threading.current_thread() is threading.main_thread() else WatchedDHT,
+                           kwargs)
             watch_dht(dht, initial_peers)
             if not client_mode:  # peers of the run tell newcomers whether they can reach them (swarm-opt doctor)
                 _serve_dial_back(dht)
@@ -193,6 +179,23 @@ def start_dht(
                        f"(for up to {left:.0f} s more)")
         time.sleep(pause)
         pause = min(pause * 2, 30.0)
+
+
+def _started(dht_type: type, kwargs: dict) -> Any:
+    """A DHT of ``dht_type`` once it is ready. The DHT process ignores Ctrl-C; this one does not: a Ctrl-C while the
+    DHT joins the swarm, which may take a while, stops this process, and the half-started DHT with it."""
+    from swarm_opt._hivemind.fork import children_ignore_sigint
+
+    dht = dht_type(**kwargs)
+    with children_ignore_sigint():
+        dht.run_in_background(await_ready=False)
+    try:
+        dht.wait_until_ready()
+    except KeyboardInterrupt:
+        dht.terminate()  # an OwnGroupDHT takes its p2p daemon down with it
+        dht.join(5.0)
+        raise
+    return dht
 
 
 def _is_bootstrap_failure(reason: str) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import signal
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -40,7 +39,7 @@ from swarm_opt._hivemind.engine import (
     _reason,
     cancel_step,
 )
-from swarm_opt._hivemind.fork import without_tensor_memory
+from swarm_opt._hivemind.fork import children_ignore_sigint, without_tensor_memory
 from swarm_opt._hivemind.gather import (
     AGGREGATION_KEY,
     AUX_KEY,
@@ -71,19 +70,12 @@ def engine_for(compression: Compression) -> Type[_Engine]:
 
 def _start_child(engine: _Engine) -> None:
     """Fork the averager process: without the model's memory (it never reads it), and ignoring Ctrl-C (the user's
-    process shuts it down). hivemind's ``run_in_background`` ignores SIGINT in the *calling* process as well, which
-    would leave a training script that created an Optimizer deaf to Ctrl-C; here the caller's handler is restored."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.getsignal(signal.SIGINT) if in_main_thread else None
-    try:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
-            engine.dies_with_parent = True  # with the main thread, i.e. the process (not a thread that may end)
-        with without_tensor_memory():
-            engine.start()
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGINT, previous)
+    process shuts it down; hivemind's ``run_in_background`` would ignore SIGINT in the calling process too, leaving
+    a training script deaf to Ctrl-C)."""
+    # with the main thread, i.e. the process (not a thread that may end)
+    engine.dies_with_parent = threading.current_thread() is threading.main_thread()
+    with without_tensor_memory(), children_ignore_sigint():
+        engine.start()
 
 
 class TensorAverager:
@@ -258,11 +250,12 @@ class TensorAverager:
         return control is not None and not control.done() and control.stage == AveragingStage.AWAITING_TRIGGER
 
     def all_reduce(self, write: BufferWriter, weight: float, round_id: int,
-                   round_is_over: Callable[[], bool] = lambda: False) -> Optional[AveragingResult]:
+                   round_is_over: Callable[[], Optional[str]] = lambda: None) -> Optional[AveragingResult]:
         """Average with a group of peers in the same round: ``write(buffers)`` puts this peer's values into the
         buffers, the result holds the group's weighted mean; ``None`` if the round failed or mixed peers of
-        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()``
-        (the swarm completed it without us: waiting on would only find the swarm's next round)."""
+        different rounds. While still looking for a group, the round is abandoned as soon as ``round_is_over()`` says
+        why it is over for this peer (the swarm completed it without us: waiting on would only find the swarm's next
+        round; or no group it could find would hold a majority)."""
         with self._engine.get_tensors() as buffers:
             write(buffers)
             # a group formed ahead for the lane sends unchecked: every member checks the sum, which a non-finite value
@@ -298,8 +291,9 @@ class TensorAverager:
                     what, call = watch.result(timeout=0.2)
                     break
                 except concurrent.futures.TimeoutError:
-                    if control.stage == AveragingStage.LOOKING_FOR_GROUP and round_is_over():
-                        raise _RoundOver(f"the swarm completed round {round_id} without this peer") from None
+                    over = round_is_over() if control.stage == AveragingStage.LOOKING_FOR_GROUP else None
+                    if over:
+                        raise _RoundOver(over) from None
                     if time.monotonic() > deadline:
                         raise
             finite = None  # not checked yet

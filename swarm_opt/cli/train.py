@@ -24,7 +24,7 @@ import torch
 
 from swarm_opt import protocol, strategies
 from swarm_opt._hivemind.beacon import Beacon
-from swarm_opt._hivemind.node import StopRequest, children_ignore_sigint, start_dht
+from swarm_opt._hivemind.node import StopRequest, start_dht
 from swarm_opt.cli.options import private_run, start_metrics
 from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
@@ -396,21 +396,21 @@ def run_train(args: argparse.Namespace) -> int:
     longest: Optional[_LongestStep] = None
     model, scaler = recipe.model, recipe.grad_scaler()
     try:
-        with children_ignore_sigint():  # the optimizer's averager is a child process too
-            opt = swarm_opt.Optimizer(
-                dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
-                batch_size_per_step=args.batch_size, params=recipe.groups(),
-                optimizer=recipe.build_optimizer, scheduler=recipe.schedule, strategy=strategy,
-                matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
-                transport=transport, aggregation=args.aggregation, clip_grad_norm=recipe.clip_grad_norm,
-                identity=identity.fingerprint,
-            )
+        # joining may download the swarm's state for a while: a Ctrl-C meanwhile stops the peer before its first step
+        stop.install()
+        opt = swarm_opt.Optimizer(
+            dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
+            batch_size_per_step=args.batch_size, params=recipe.groups(),
+            optimizer=recipe.build_optimizer, scheduler=recipe.schedule, strategy=strategy,
+            matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+            transport=transport, aggregation=args.aggregation, clip_grad_norm=recipe.clip_grad_norm,
+            identity=identity.fingerprint,
+        )
         opt.observe(stats)
         stats.watch(opt)
         if metrics is not None:
             metrics.watch(opt)
             opt.observe(metrics)
-        stop.install()
         shard = f", data shard {batches.shard}" if batches.shard is not None else ""
         _say(f"joined run '{args.run_id}' as peer {dht.peer_id} "
              f"({'client mode' if args.client_mode else 'accepting connections'}); "
@@ -506,16 +506,15 @@ def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht:
 
     threading.Thread(target=heartbeat, name="swarm_opt.HelperStats", daemon=True).start()
     try:
-        with children_ignore_sigint():
-            params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
-            helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=params,
-                                             strategy=strategy, matchmaking_time=args.matchmaking_time,
-                                             averaging_timeout=args.averaging_timeout,
-                                             aggregation=args.aggregation, identity=identity)
+        stop.install()
+        params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
+        helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=params,
+                                         strategy=strategy, matchmaking_time=args.matchmaking_time,
+                                         averaging_timeout=args.averaging_timeout,
+                                         aggregation=args.aggregation, identity=identity)
         stats.watch(helper)
         if metrics is not None:
             metrics.watch(helper)
-        stop.install()
         _say(f"helping run '{args.run_id}' as auxiliary peer {dht.peer_id}: reduces a share of every round, "
              f"trains nothing")
         helper.run(epochs=args.epochs, stop=stop.event)

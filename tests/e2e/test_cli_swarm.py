@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
 
 import swarm_opt
+from swarm_opt import testing
 
 FAST_ROUNDS = ["--matchmaking-time", "1", "--averaging-timeout", "15"]
 
@@ -123,3 +125,26 @@ def test_two_peers_on_the_gloo_lane_average_there(cli):
         lane = re.search(r"reached epoch 3, (\d+) round\(s\) over the gloo lane; done", peer.stderr)
         assert lane and int(lane.group(1)) >= 1, peer.describe()
         assert "Traceback" not in peer.stderr and "WARNING" not in peer.stderr, peer.describe()
+
+
+@pytest.mark.swarm
+@pytest.mark.extended
+@pytest.mark.timeout(240)
+def test_ctrl_c_while_a_newcomer_joins_is_heard(cli):
+    """A newcomer's construction waits for the swarm's state (up to NEWCOMER_PATIENCE seconds): a Ctrl-C then must be
+    heard at once and stop the peer before it trains (it was once ignored there, and the peer went on to train)."""
+    _, maddr = cli.dht()
+    common = train_args("e2e_join_ctrl_c", maddr, "--target-batch-size", "256")
+    # in client mode the only peer cannot serve its state: a newcomer waits for a donor
+    cli.start("founder", *common, "--client-mode").wait_for(r"^epoch 2: ", 120)
+    newcomer = cli.start("newcomer", *common, "--data-seed", "1", "-v")
+    newcomer.wait_for("downloading its state before the first step", 120, stream="stderr")
+    newcomer.interrupt()
+    newcomer.wait_for("stopping after the current step", 20, stream="stderr")
+    assert newcomer.wait(90) == 0, newcomer.describe()
+    assert "Traceback" not in newcomer.stderr and not re.search(r"^epoch \d+:", newcomer.stdout, re.MULTILINE)
+    deadline = time.monotonic() + 10
+    while testing.session_members(newcomer.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not testing.session_members(newcomer.proc.pid), "the newcomer left processes behind (DHT, p2pd, averager)"
+

@@ -265,3 +265,32 @@ def test_suspensions_double_at_each_offence_and_forgive_a_peer_that_stays_clean(
     assert bans.offences("a") == 0
     with pytest.raises(ValueError):
         Suspensions(first=0.0, longest=1.0)
+
+
+def test_a_peer_ignored_for_standing_ahead_counts_again_once_it_stands_with_the_swarm(caplog):
+    """After a partition heals, the side that trained on alone stands ahead until it takes the majority's state: it
+    was honest, so it counts again at once, not after ``ignore_seconds``; a second claim ahead costs twice as long."""
+    checker = ClaimChecker(TrustConfig(ahead_grace=5.0, ignore_seconds=60.0))
+    seen_epoch_begin(checker, 100, 99.0)
+    local = rec("me", 100, 10, 10.0, 100.0)
+    honest = [rec("a", 100, 20, 10.0, 100.0), rec("b", 100, 30, 10.0, 100.0)]
+    cut = rec("cut", 450, 0, 10.0, 100.0)  # trained on alone while the links were down
+    with caplog.at_level(logging.INFO, logger="swarm_opt.trust"):
+        for t in (100.0, 106.0):
+            checked = checker.check(honest + [cut], local, t, TARGET, local_epoch_started=99.0)
+        assert "cut" not in {r.instance for r in checked.records} and checked.ahead == 0  # ignored
+        switched = rec("cut", 100, 0, 10.0, 107.0)  # it took the majority's state
+        checked = checker.check(honest + [switched], local, 107.0, TARGET, local_epoch_started=99.0)
+        assert {r.instance for r in checked.records} == {"a", "b", "cut"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("stands with the swarm again (epoch 100)" in line for line in lines), lines
+    assert any("a side of a partition that trained on alone, or a liar" in line for line in lines), lines
+    # standing ahead again: ignored after the grace, for twice as long
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        for t in (110.0, 116.0):
+            checker.check(honest + [rec("cut", 999, 0, 10.0, t)], local, t, TARGET, local_epoch_started=99.0)
+    assert any("for 120 s" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # a liar still far ahead stays ignored for its whole suspension
+    checked = checker.check(honest + [rec("cut", 999, 0, 10.0, 170.0)], local, 170.0, TARGET, 99.0)
+    assert "cut" not in {r.instance for r in checked.records} and checked.ahead == 0

@@ -511,19 +511,22 @@ def worker(args: argparse.Namespace, setup: Callable[..., PeerSetup] = default_s
         dht.shutdown()
 
 
-def run_swarm(args: argparse.Namespace, name: str, tmp: Path, script: str = __file__) -> List[dict]:
+def run_swarm(args: argparse.Namespace, name: str, tmp: Path, script: str = __file__,
+              argv: Optional[Callable[[int], List[str]]] = None) -> List[dict]:
     """``args.peers`` real peers of strategy ``name``, each ``script --worker`` (this file's ``worker``, or another
-    benchmark's worker with the same arguments and files), from the start signal to their results."""
+    benchmark's worker with the same arguments and files) or ``python *argv(rank)``, from the start signal to their
+    results."""
     procs, logs = [], []
     try:
         for rank in range(args.peers):
             log = tmp / f"{name}_peer{rank}.log"
-            worker_args = [script, "--worker", "--rank", str(rank), "--tmp", str(tmp), "--strategy-name", name,
-                           "--seed", str(args.real_seed), "--rounds", str(args.real_rounds), "--peers", str(args.peers),
-                           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-                           "--matchmaking-time", str(args.matchmaking_time), "--shares", args.shares,
-                           "--averaging-timeout", str(args.averaging_timeout), "--step-sleep", str(args.step_sleep),
-                           "--max-seconds", str(args.max_seconds)]
+            worker_args = argv(rank) if argv is not None else [
+                script, "--worker", "--rank", str(rank), "--tmp", str(tmp), "--strategy-name", name,
+                "--seed", str(args.real_seed), "--rounds", str(args.real_rounds), "--peers", str(args.peers),
+                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+                "--matchmaking-time", str(args.matchmaking_time), "--shares", args.shares,
+                "--averaging-timeout", str(args.averaging_timeout), "--step-sleep", str(args.step_sleep),
+                "--max-seconds", str(args.max_seconds)]
             procs.append(launch(worker_args, log, env_extra={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}))
             logs.append(log)
         deadline = time.monotonic() + 300

@@ -39,21 +39,30 @@ def start_machine(swarm, first: int, batch_sizes, **config) -> None:
 def test_a_two_rank_peer_and_a_one_rank_peer_equal_one_process_on_the_union_of_batches(swarm, inner):
     """Ranks of 8 and 12 samples on one machine and a peer of 20 end with the parameters of one process on the
     union of every epoch's batches, all three processes identical; the machine publishes one progress record."""
-    epochs = 4
-    common = dict(target_batch_size=240, inner=inner, epochs=epochs, expect_peers=2, step_sleep=0.03)
-    start_machine(swarm, 0, [8, 12], **common)
+    results = _machine_beside_a_peer(swarm, inner, [8, 12])
+    # one record per machine: every peer saw two peers of the swarm, never three
+    peers_seen = {rep["num_peers"] for r in (results[0], results[2]) for rep in r["reports"] if not rep["caught_up"]}
+    assert peers_seen == {2}, peers_seen
+    assert_one_process(results, inner, _EPOCHS)
+    assert_quiet(swarm)
+
+
+_EPOCHS = 4
+
+
+def _machine_beside_a_peer(swarm, inner: str, rank_batches: list, **machine) -> list:
+    """A machine of ranks with ``rank_batches`` and a one-rank peer of 20 train ``_EPOCHS`` epochs; their results,
+    checked: every process at the last epoch, the machine's ranks identical."""
+    common = dict(target_batch_size=240, inner=inner, epochs=_EPOCHS, expect_peers=2, step_sleep=0.03)
+    start_machine(swarm, 0, rank_batches, **machine, **common)
     swarm.start(2, batch_size=20, **common)
     swarm.wait(timeout=200)
     results = [swarm.result(r) for r in range(3)]
     for r in results:
-        assert r["epoch"] == epochs
+        assert r["epoch"] == _EPOCHS
     for p, q in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(p, q), "the ranks of the machine disagree"
-    # one record per machine: every peer saw two peers of the swarm, never three
-    peers_seen = {rep["num_peers"] for r in (results[0], results[2]) for rep in r["reports"] if not rep["caught_up"]}
-    assert peers_seen == {2}, peers_seen
-    assert_one_process(results, inner, epochs)
-    assert_quiet(swarm)
+    return results
 
 
 @pytest.mark.extended
@@ -63,17 +72,8 @@ def test_a_two_rank_fsdp2_peer_and_a_one_rank_peer_equal_one_process_on_the_unio
     layer); rank 0 trains one full copy with the swarm and every rank takes its slice. With a plain peer beside it,
     the three processes end with the parameters of one process on the union of every epoch's batches (FSDP2 weighs
     its ranks equally: equal batches)."""
-    epochs = 4
-    common = dict(target_batch_size=240, inner=inner, epochs=epochs, expect_peers=2, step_sleep=0.03)
-    start_machine(swarm, 0, [10, 10], fsdp=True, **common)
-    swarm.start(2, batch_size=20, **common)
-    swarm.wait(timeout=200)
-    results = [swarm.result(r) for r in range(3)]
-    for r in results:
-        assert r["epoch"] == epochs
-    for p, q in zip(results[0]["params"], results[1]["params"]):
-        assert torch.equal(p, q), "the ranks of the machine disagree"
-    assert_one_process(results, inner, epochs)
+    results = _machine_beside_a_peer(swarm, inner, [10, 10], fsdp=True)
+    assert_one_process(results, inner, _EPOCHS)
     assert_quiet(swarm)
 
 

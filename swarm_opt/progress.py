@@ -306,10 +306,11 @@ def mismatch_line(run_id: str, schemas: Sequence[str], legacy: Mapping[str, int]
 
 
 def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard: Shard = (0, 0),
-                  departed: Optional[set] = None) -> tuple[List[ProgressRecord], List[str]]:
+                  departed: Optional[set] = None, owners: Optional[list] = None
+                  ) -> tuple[List[ProgressRecord], List[str]]:
     """Validate what the DHT returned for ``shard``. Returns the usable records and the schemas of those that came
     from a different model (or protocol); the instance of each peer that withdrew its record (it left) is added to
-    ``departed``.
+    ``departed``, and the hash of each usable record's signer (None if unsigned) to ``owners``, in order.
 
     Anything malformed, out of range, from the far future, stored under a shard its signer's key does not hash to
     or (unless ``model_schema`` is None: an observer) from a peer with another model is dropped.
@@ -324,8 +325,8 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard
             if departed is not None and isinstance(entry, ValueWithExpiration) and isinstance(subkey, bytes):
                 departed.add(subkey.rsplit(b"/", 1)[-1].decode(errors="replace"))
             continue
+        owner = owner_hash(subkey)
         if shard[0] > 0:
-            owner = owner_hash(subkey)
             if owner is None or shard_of(owner, shard[0]) != shard:
                 logger.debug("Ignoring a progress record stored under another peer's shard: %r", subkey)
                 continue
@@ -341,6 +342,8 @@ def parse_records(raw: object, *, model_schema: Optional[str], now: float, shard
             mismatched.append(record.model_schema)
             continue
         records.append(record)
+        if owners is not None:
+            owners.append(owner)
     return records, mismatched
 
 
@@ -466,8 +469,8 @@ class SampledRecords:
         else:
             shard = self.sample.next_read()
             now = get_dht_time()
-            records, mismatched = self._parse(shard, self._get(shard, timeout), now)
-            self._hold(shard, records, now)
+            records, owners, mismatched = self._parse(shard, self._get(shard, timeout), now)
+            self._hold(shard, records, now, owners)
         return self.sample.records(get_dht_time()), mismatched
 
     def probe(self, timeout: float) -> List[str]:
@@ -484,9 +487,9 @@ class SampledRecords:
                 logger.debug("Progress probe of %s failed: %r", shard, e)
                 raw = None
             found.append(self._parse(shard, raw, now))
-        level = self.sample.settle([len(records) for records, _ in found])
-        records, mismatched = found[level if level is not None else 0]
-        self._hold(shards[level if level is not None else 0], records, now)
+        level = self.sample.settle([len(records) for records, _, _ in found])
+        records, owners, mismatched = found[level if level is not None else 0]
+        self._hold(shards[level if level is not None else 0], records, now, owners)
         return mismatched
 
     def _get(self, shard: Shard, timeout: float) -> object:
@@ -497,17 +500,22 @@ class SampledRecords:
         beam = {} if shard[0] == 0 else {"beam_size": _SHARD_READ_BEAM}
         return self.dht.get(shard_key(self.run_id, shard), latest=True, return_future=True, **beam)
 
-    def _parse(self, shard: Shard, raw: object, now: float) -> Tuple[List[ProgressRecord], List[str]]:
+    def _parse(self, shard: Shard, raw: object, now: float
+               ) -> Tuple[List[ProgressRecord], List[Optional[int]], List[str]]:
+        """The records of ``shard`` (not ours), their signers' hashes, and the schemas of other models'."""
+        owners: List[Optional[int]] = []
         records, mismatched = parse_records(raw, model_schema=self.model_schema, now=now, shard=shard,
-                                            departed=self.departed)
-        return [r for r in records if r.instance != self._exclude], mismatched
+                                            departed=self.departed, owners=owners)
+        kept = [(r, o) for r, o in zip(records, owners) if r.instance != self._exclude]
+        return [r for r, _ in kept], [o for _, o in kept], mismatched
 
-    def _hold(self, shard: Shard, records: List[ProgressRecord], now: float) -> None:
+    def _hold(self, shard: Shard, records: List[ProgressRecord], now: float,
+              owners: Optional[List[Optional[int]]] = None) -> None:
         if shard[0] > 0:  # held for up to a horizon: a record stale when read stays as stale as it was then
             oldest = now - self.config.max_extrapolation
             records = [r if r.time >= oldest else r.copy(update={"time": oldest}) for r in records]
         self._latest = records
-        self.sample.add(shard, records, now)
+        self.sample.add(shard, records, now, owners=owners)
 
 
 class ProgressTracker:

@@ -131,7 +131,7 @@ class ShardSample:
         self.exact_up_to, self.shard_size, self.horizon = exact_up_to, shard_size, horizon
         self.level = 0
         self.peers: Optional[float] = None  # smoothed estimate of the live peers, ourselves included
-        self._held: Dict[Shard, Tuple[float, list]] = {}  # disjoint shards -> (time read, records)
+        self._held: Dict[Shard, Tuple[float, list, list]] = {}  # disjoint shards -> (time read, records, owners)
         self._rng = rng or random.Random()
 
     # --- which keys -------------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class ShardSample:
         """The shard of our level read least recently (never read first), ties broken at random so that peers
         spread their reads over the shards."""
         def read_at(index: int) -> float:
-            return max((t for shard, (t, _) in self._held.items()
+            return max((t for shard, (t, _, _) in self._held.items()
                         if shard[0] <= self.level and _overlap(shard, (self.level, index))), default=-math.inf)
 
         indices = list(range(2 ** self.level))
@@ -159,16 +159,32 @@ class ShardSample:
         return frozenset(levels)
 
     # --- what was read ----------------------------------------------------------------------------------------------
-    def add(self, shard: Shard, records: list, now: float) -> None:
-        """Hold ``records`` as shard ``shard``'s content at ``now``, replacing whatever overlapped it."""
+    def add(self, shard: Shard, records: list, now: float, owners: Optional[Sequence[Optional[int]]] = None) -> None:
+        """Hold ``records`` as shard ``shard``'s content at ``now``, replacing whatever overlapped it. ``owners``: the
+        hash of each record's signer (``owner_hash``; None where unknown). A coarser shard replaced by a finer one
+        leaves its records that belong to its other parts held as those finer shards, read when it was: a peer that
+        moves up a level keeps the whole swarm in view until it has read each finer shard, instead of estimating
+        from one shard scaled up (a lucky draw that could fire the epoch trigger early, as at a swarm's start)."""
+        owners = list(owners) if owners is not None else [None] * len(records)
         for held in [s for s in self._held if _overlap(s, shard)]:
-            del self._held[held]
-        self._held[shard] = (now, list(records))
+            read, held_records, held_owners = self._held.pop(held)
+            if held[0] < shard[0]:
+                self._refile(held, read, held_records, held_owners, taken=shard)
+        self._held[shard] = (now, list(records), owners)
         self._expire(now)
+
+    def _refile(self, coarse: Shard, read: float, records: list, owners: list, taken: Shard) -> None:
+        """Hold the records of ``coarse`` as its shards at ``taken``'s level, all but ``taken`` (records whose owner
+        is unknown cannot be placed: dropped)."""
+        level = taken[0]
+        for index in range(coarse[1], 2 ** level, 2 ** coarse[0]):
+            if index != taken[1]:
+                part = [(r, o) for r, o in zip(records, owners) if o is not None and o % 2 ** level == index]
+                self._held[(level, index)] = (read, [r for r, _ in part], [o for _, o in part])
 
     def records(self, now: float) -> list:
         self._expire(now)
-        return [record for _, records in self._held.values() for record in records]
+        return [record for _, records, _ in self._held.values() for record in records]
 
     @property
     def coverage(self) -> float:
@@ -210,5 +226,5 @@ class ShardSample:
         return float(self.exact_up_to if level == 0 else max(self.exact_up_to, self.shard_size * 2 ** level))
 
     def _expire(self, now: float) -> None:
-        for shard in [s for s, (t, _) in self._held.items() if now - t > self.horizon]:
+        for shard in [s for s, (t, _, _) in self._held.items() if now - t > self.horizon]:
             del self._held[shard]

@@ -18,9 +18,12 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, Optional
 
-_ASYNCIO_SHUTDOWN_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
-                           "Task exception was never retrieved", "Future exception was never retrieved",
-                           "Exception in callback")
+#: what asyncio reports of hivemind's own tasks: abandoned at shutdown, and p2pd's stream handlers whose remote end
+#: died mid-stream (a SIGKILLed peer: uvloop then reports "cannot reuse already awaited coroutine", dozens an hour
+#: under churn)
+_ASYNCIO_NOISE = ("Task was destroyed but it is pending", "aclose(): asynchronous generator",
+                  "Task exception was never retrieved", "Future exception was never retrieved",
+                  "Exception in callback", "Unhandled exception in client_connected_cb")
 
 
 class _Downgrade(logging.Handler):
@@ -32,13 +35,13 @@ class _Downgrade(logging.Handler):
 
 
 class _DropHivemindAsyncioNoise(logging.Filter):
-    """asyncio reports tasks that hivemind abandons (at shutdown, or fire-and-forget DHT stores that time out); they
-    are not the user's. Recognised by the traceback naming hivemind, or by being logged inside one of hivemind's
+    """asyncio reports tasks that hivemind abandons (at shutdown, or fire-and-forget DHT stores that time out) and
+    its stream handlers that fail when the other peer dies (``_ASYNCIO_NOISE``); they are not the user's. Recognised by the traceback naming hivemind, or by being logged inside one of hivemind's
     own processes (the DHT and averager processes are ``multiprocessing.Process`` subclasses from hivemind)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
-        if not message.startswith(_ASYNCIO_SHUTDOWN_NOISE):
+        if not message.startswith(_ASYNCIO_NOISE):
             return True
         return not (_in_hivemind_process() or "hivemind" in _full_text(record))
 

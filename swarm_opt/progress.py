@@ -794,9 +794,14 @@ class ProgressTracker:
         self._version, self._version_streak = found, (self._version_streak + 1 if same else int(found is not None))
 
     def _local_record(self) -> ProgressRecord:
+        """This peer's record. Its samples stop at the global batch: a peer that keeps accumulating while its rounds
+        fail (cut off by the network: ``Optimizer._cut_off``) computes many global batches in one epoch, which tell
+        nobody anything more and which ``swarm_opt.trust`` takes for a lie (it would ignore the honest peer as the
+        network heals, and the peers that ignore it would each see too few peers to commit)."""
         # our own values need no validation, and step() reads this every call: skip pydantic's checks
         return ProgressRecord.construct(
-            peer_id=self._peer_id, instance=self._instance, epoch=self._epoch, samples=self._samples,
+            peer_id=self._peer_id, instance=self._instance, epoch=self._epoch,
+            samples=min(self._samples, self.target_batch_size),
             samples_per_second=float(self._throughput.update(self._samples)), time=float(get_dht_time()),
             client_mode=self.client_mode, model_schema=self.model_schema, target_batch_size=self.target_batch_size,
             params_digest=self._params_digest, line=self._line,

@@ -39,3 +39,29 @@ def test_new_samples_alone_republish_the_record_at_most_every_half_max_extrapola
         assert len(stores) == before + 1  # a new epoch: at once
     finally:
         dht.shutdown()
+
+
+def test_a_peer_that_accumulates_past_the_global_batch_claims_no_more_than_it_and_no_reader_strikes_it():
+    """A peer cut off by the network keeps accumulating (its rounds cannot commit): 2of6-3min's peer claimed 439,911
+    samples for a global batch of 512 and the peers of its own side ignored it as a liar, then each saw too few
+    peers to commit and trained alone. Its record says the global batch at most, which a reader's plausibility
+    bound never strikes, however little time it saw pass."""
+    from swarm_opt import TrustConfig
+    from swarm_opt.trust import ClaimChecker
+
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    try:
+        target = 512
+        tracker = ProgressTracker(dht, "accumulates", target, model_schema="m")
+        tracker.report(3, 439_911)
+        record = tracker._local_record()
+        assert record.samples == target and tracker.progress.ready
+        reader = ClaimChecker(TrustConfig())
+        local = record.copy(update={"instance": "reader", "samples": 8, "samples_per_second": 10.0})
+        reader.check([record.copy(update={"samples_per_second": 10.0})], local, record.time, target,
+                     local_epoch_started=record.time)
+        checked = reader.check([record.copy(update={"samples_per_second": 10.0})], local, record.time + 0.1, target,
+                               local_epoch_started=record.time)
+        assert [r.instance for r in checked.records] == [record.instance]  # counted (bounded), not ignored
+    finally:
+        dht.shutdown()

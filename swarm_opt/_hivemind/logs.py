@@ -36,8 +36,9 @@ class _Downgrade(logging.Handler):
 
 class _DropHivemindAsyncioNoise(logging.Filter):
     """asyncio reports tasks that hivemind abandons (at shutdown, or fire-and-forget DHT stores that time out) and
-    its stream handlers that fail when the other peer dies (``_ASYNCIO_NOISE``); they are not the user's. Recognised by the traceback naming hivemind, or by being logged inside one of hivemind's
-    own processes (the DHT and averager processes are ``multiprocessing.Process`` subclasses from hivemind)."""
+    its stream handlers that fail when the other peer dies (``_ASYNCIO_NOISE``); they are not the user's.
+    Recognised by the traceback naming hivemind, or by being logged inside one of hivemind's own processes (the DHT
+    and averager processes are ``multiprocessing.Process`` subclasses from hivemind)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)

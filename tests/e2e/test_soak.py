@@ -16,9 +16,12 @@ import pytest
 from swarm_opt import testing
 
 REPO = Path(__file__).resolve().parents[2]
-#: after the warm-up, between the first and the last quarter's medians of a stable peer's tree: 4.5 MB is one copy
-#: of the soak model's parameters, so a copy kept per round (hundreds of rounds) or per failed round (tens) exceeds it
-MAX_PSS_GROWTH_MB = 120
+#: after the warm-up, between the first and the last quarter's medians of a stable peer's tree, resident memory: 4.5 MB
+#: is one copy of the soak model's parameters, so a copy kept per round (hundreds of rounds) or per failed round
+#: (tens) exceeds it. Resident, not proportional (PSS): the averager is forked from the trainer and shares its heap
+#: until either writes to it (a full garbage collection does at once), which moves PSS and USS up by ~100 MB in one
+#: step at a random moment of a short run (seen: PSS +121 to +135 MB, RSS +21 to +36 MB) without a byte more in use
+MAX_RSS_GROWTH_MB = 80
 MAX_FD_GROWTH = 8  # connections come and go; a descriptor kept per round or per churn event is tens to hundreds
 MAX_THREAD_GROWTH = 2
 
@@ -46,7 +49,7 @@ def test_a_short_soak_under_churn_and_failed_rounds_grows_nothing_and_leaves_not
     assert any(p["rounds"]["failed"] for p in result["peers"]), report  # the freezes failed rounds, as meant
     for peer in result["peers"]:
         assert peer["rounds"]["committed"] >= 10, report
-        assert peer["pss"]["growth"] <= MAX_PSS_GROWTH_MB, report
+        assert peer["rss"]["growth"] <= MAX_RSS_GROWTH_MB, report
         assert peer["fds"]["growth"] <= MAX_FD_GROWTH, report
         assert peer["threads"]["growth"] <= MAX_THREAD_GROWTH, report
         assert peer["processes"]["max"] - peer["processes"]["min"] <= 1, report  # torch may start its shm manager

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -251,11 +252,20 @@ _ANSWERED, _REFUSED, _UNREACHABLE = "answered", "refused", "unreachable"
 async def _reach(node, peer_id: str, addrs: List[str], timeout: float) -> str:
     """Dial ``peer_id`` at ``addrs`` (the daemon may also know others) and ping it, which adds each to the other's
     routing table. Says whether it answered, whether its host refused the connection (it is up, the peer is gone),
-    or neither (a link down, a host off)."""
+    or neither (a link down, a host off).
+
+    Where every address is a plain TCP one, a bare TCP connection to it (closed at once, nothing sent) comes first,
+    and the daemon dials only when one was accepted. libp2p puts an address that failed to dial in a backoff that
+    grows with each failure (5 s + n² s, up to 5 minutes) and refuses to dial it again meanwhile, from this peer's
+    every part (its DHT, its averager): a watcher that dialled every few seconds through a 3-minute partition left
+    each peer unable to reach the other side for up to a minute after the links came back."""
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
     peer = PeerID.from_base58(peer_id)
+    probed = await _tcp_probe(addrs, timeout)
+    if probed is not None and probed != _ANSWERED:
+        return probed
     refused = False
     if addrs:
         try:
@@ -269,6 +279,34 @@ async def _reach(node, peer_id: str, addrs: List[str], timeout: float) -> str:
     return _ANSWERED if answered else _REFUSED if refused else _UNREACHABLE
 
 
+async def _tcp_probe(addrs: List[str], timeout: float) -> Optional[str]:
+    """Whether any of ``addrs`` accepts a TCP connection (``_ANSWERED``), refuses it (``_REFUSED``: its host is up,
+    nothing listens) or neither (``_UNREACHABLE``); None when an address is not plain TCP (a relay, QUIC, a DNS
+    name): the daemon knows how to dial those."""
+    endpoints = []
+    for addr in addrs:
+        found = _TCP_ADDR.fullmatch(addr)
+        if found is None:
+            return None
+        endpoints.append((found.group(2), int(found.group(3))))
+    if not endpoints:
+        return None
+
+    async def probe(host: str, port: int) -> str:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        except ConnectionRefusedError:
+            return _REFUSED
+        except (OSError, asyncio.TimeoutError):
+            return _UNREACHABLE
+        writer.close()
+        return _ANSWERED
+
+    answers = await asyncio.gather(*(probe(host, port) for host, port in endpoints))
+    return next((a for a in (_ANSWERED, _REFUSED) if a in answers), _UNREACHABLE)
+
+
+_TCP_ADDR = re.compile(r"/(ip4|ip6)/([^/]+)/tcp/(\d+)")
 _watchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _watchers_lock = threading.Lock()
 

@@ -770,14 +770,24 @@ class Optimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load what ``state_dict()`` returned (a checkpoint). A checkpoint older than the state this peer held (it
+        downloaded the swarm's newer state as it joined: Hugging Face's ``Trainer`` and most loops load the
+        optimizer's checkpoint after building it) leaves its parameters ahead of its epoch: the peer catches up with
+        the swarm at once, as its next step would have (the checkpoint's own strategy state kept, as in any catch-up),
+        so that no step computes gradients at a state that never existed."""
         if self._ranks.follows:
             self._load_state_locally(state_dict)
             return
+        held = self._epoch
         self._rounds.settle()
         if self._load_state_locally(state_dict):
             self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
             self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
             self._averager.offer_state(self._epoch)
+            if self._epoch < held:
+                logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
+                            f"{held}): catching up with the swarm")
+                self._catch_up(max(held, self._tracker.progress.epoch))
 
     def _load_state_locally(self, state_dict: Dict[str, Any]) -> bool:
         """Load ``state_dict()``'s output into the inner optimizer, scheduler and strategy; True if it held an epoch

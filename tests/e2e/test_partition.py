@@ -185,6 +185,7 @@ def test_peers_find_each_other_through_a_restarted_bootstrap_node(make_hosts, tm
 
 
 @pytest.mark.swarm
+@pytest.mark.extended  # 36 s: the default suite stays within 20 minutes
 @pytest.mark.timeout(180)
 def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make_hosts, tmp_path):
     hosts = make_hosts(3)

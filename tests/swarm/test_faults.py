@@ -205,6 +205,7 @@ def test_a_slow_stepping_peer_is_waited_for_not_failed(swarm):
     assert sum(rep["group_size"] == 3 for rep in slow) >= 2, results[2]["reports"]  # averaged with the others
 
 
+@pytest.mark.extended  # 35 s: the default suite stays within 20 minutes
 def test_a_slow_peer_that_joins_late_gets_back_into_rounds_after_catching_up(swarm):
     """A peer whose steps (4 s) are slower than the swarm's rounds (~3 s) joins a swarm already training: it catches
     up by download, and must then get into the next round's group at once. If it only looked for a group at its

@@ -96,3 +96,29 @@ def test_only_a_running_dht_of_this_process_is_watched():
 def test_config_is_checked():
     with pytest.raises(ValueError, match="max_backoff"):
         WatchConfig(min_backoff=5, max_backoff=1)
+
+
+def test_a_bare_tcp_connection_says_whether_a_missing_peers_host_listens_before_the_daemon_dials_it():
+    """The probe that keeps the watcher's retries out of libp2p's dial backoff: a listening port answers, a closed
+    one refuses (its host is up, the peer left), an address that is not plain TCP is left to the daemon (None)."""
+    import asyncio
+    import socket
+
+    from swarm_opt._hivemind.rebootstrap import _ANSWERED, _REFUSED, _tcp_probe
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(1)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+    try:
+        open_port, closed_port = listening.getsockname()[1], closed.getsockname()[1]
+        probe = lambda addrs: asyncio.run(_tcp_probe(addrs, timeout=2.0))  # noqa: E731
+        assert probe([f"/ip4/127.0.0.1/tcp/{open_port}"]) == _ANSWERED
+        assert probe([f"/ip4/127.0.0.1/tcp/{closed_port}"]) == _REFUSED
+        assert probe([f"/ip4/127.0.0.1/tcp/{closed_port}", f"/ip4/127.0.0.1/tcp/{open_port}"]) == _ANSWERED
+        assert probe([f"/ip4/127.0.0.1/tcp/{open_port}", "/ip4/127.0.0.1/udp/4001/quic"]) is None
+        assert probe([]) is None
+    finally:
+        listening.close()
+        closed.close()

@@ -226,9 +226,9 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
 @pytest.mark.swarm
 @pytest.mark.extended
 @pytest.mark.timeout(720)
-@pytest.mark.parametrize("size,sides,seconds", [(5, [{2}], 30), (6, [{2, 5}], 30), (5, [{2}], 180),
-                                                (6, [{2, 5}], 180), (6, [{2}, {5}], 180)],
-                         ids=["1of5-30s", "2of6-30s", "1of5-3min", "2of6-3min", "2of6-apart-3min"])
+@pytest.mark.parametrize("size,sides,seconds", [(5, [{2}], 30), (6, [{2, 5}], 30), (6, [{2}, {5}], 30),
+                                                (5, [{2}], 180), (6, [{2, 5}], 180), (6, [{2}, {5}], 180)],
+                         ids=["1of5-30s", "2of6-30s", "2of6-apart-30s", "1of5-3min", "2of6-3min", "2of6-apart-3min"])
 def test_a_training_swarm_split_by_a_partition_holds_one_model_within_60_s_of_healing(make_hosts, tmp_path, size,
                                                                                       sides, seconds):
     """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own

@@ -45,7 +45,7 @@ from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
 from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.ranks import LocalGroup, join_local_group, unshard_params
+from swarm_opt.ranks import SOLO, LocalGroup, join_local_group, unshard_params
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -774,7 +774,8 @@ class Optimizer(torch.optim.Optimizer):
         downloaded the swarm's newer state as it joined: Hugging Face's ``Trainer`` and most loops load the
         optimizer's checkpoint after building it) leaves its parameters ahead of its epoch: the peer catches up with
         the swarm at once, as its next step would have (the checkpoint's own strategy state kept, as in any catch-up),
-        so that no step computes gradients at a state that never existed."""
+        so that no step computes gradients at a state that never existed. A machine of several ranks catches up in
+        its next step, where its ranks download together (``swarm_opt.ranks``)."""
         if self._ranks.follows:
             self._load_state_locally(state_dict)
             return
@@ -784,7 +785,7 @@ class Optimizer(torch.optim.Optimizer):
             self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
             self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
             self._averager.offer_state(self._epoch)
-            if self._epoch < held:
+            if self._epoch < held and self._ranks is SOLO:  # a machine's ranks catch up together in step()
                 logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
                             f"{held}): catching up with the swarm")
                 self._catch_up(max(held, self._tracker.progress.epoch))

@@ -179,7 +179,8 @@ class ShardSample:
         level = taken[0]
         for index in range(coarse[1], 2 ** level, 2 ** coarse[0]):
             if index != taken[1]:
-                part = [(r, o) for r, o in zip(records, owners) if o is not None and shard_of(o, level) == (level, index)]
+                part = [(r, o) for r, o in zip(records, owners)
+                        if o is not None and shard_of(o, level) == (level, index)]
                 self._held[(level, index)] = (read, [r for r, _ in part], [o for _, o in part])
 
     def records(self, now: float) -> list:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
@@ -101,14 +101,16 @@ def _name(peer_id: bytes) -> str:
 
 def snapshot_from_records(run_id: str, records: List[ProgressRecord], now: float,
                           target_batch_size: Optional[int] = None, max_extrapolation: float = 0.0,
-                          scale: float = 1.0) -> RunSnapshot:
+                          scale: float = 1.0, ahead: Sequence[ProgressRecord] = ()) -> RunSnapshot:
+    """The run as ``records`` tell it; ``ahead``: live peers' records listed among the peers but not counted in the
+    swarm's epoch and samples."""
     if target_batch_size is None:
         target_batch_size = _common_target(records)
     swarm = aggregate_progress(records, None, target_batch_size or 1, now, max_extrapolation=max_extrapolation,
                                scale=scale)
     peers = tuple(sorted(
         (PeerView(_peer_name(r), r.epoch, r.samples, r.samples_per_second, r.client_mode, max(0.0, now - r.time),
-                  r.model_schema) for r in records),
+                  r.model_schema) for r in (*records, *ahead)),
         key=lambda p: (p.client_mode, p.peer_id)))
     return RunSnapshot(run_id, now, swarm.epoch, swarm.samples_accumulated, swarm.samples_per_second, peers,
                        target_batch_size, scale)
@@ -240,11 +242,14 @@ class RunMonitor:
         stats = read_stats(self.dht, self.run_id, timeout) if self.with_stats else {}
         now = get_dht_time()
         target = self.target_batch_size or _common_target(records)
-        counted = self._checker.check(records, None, now, target or 1).records
+        checked = self._checker.check(records, None, now, target or 1)
+        # a peer one epoch ahead (it committed the round first) is live and listed, but not counted in the epoch
+        counted = {(r.peer_id, r.instance) for r in checked.records}
+        ahead = [r for r in records if (r.peer_id, r.instance) in checked.live.difference(counted)]
         scale = self._records.sample.scale
-        snapshot = snapshot_from_records(self.run_id, counted, now, self.target_batch_size,
-                                         self._records.max_extrapolation, scale)
-        self._records.sample.observe(scale * len(counted))
+        snapshot = snapshot_from_records(self.run_id, checked.records, now, self.target_batch_size,
+                                         self._records.max_extrapolation, scale, ahead=ahead)
+        self._records.sample.observe(scale * (len(checked.records) + len(ahead)))
         if snapshot.peers:
             self.history.append((time.time(), snapshot.fractional_epoch, snapshot.num_peers))
         refused = self._refusals.current()

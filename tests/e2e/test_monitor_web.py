@@ -100,12 +100,7 @@ def test_the_web_page_follows_a_live_run_in_a_real_browser(cli):
     # the next epoch shows up without reloading anything but the page's own polling
     peers[0].wait_for(rf"^epoch {epoch + 1}: ", 120)
     time.sleep(2.0)  # the page is at most ~2 s behind the DHT
-    deadline = time.monotonic() + 10  # one poll of the page once missed the client-mode peer's row (1 run in 3)
-    while True:
-        dom = page_dom(url)
-        if '<span class="tag client">client</span>' in dom or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+    dom = page_dom(url)  # (a peer one epoch ahead of the others' records, as at an epoch's end, is listed too)
     assert shown(dom)[0] >= epoch + 1, dom[-3000:]
     assert re.search(r'<span class="tag client">client</span>', dom)
     assert re.search(r'class="num">\d+\.\d+</td>', dom), "no peer's training loss is shown"  # from the stats record

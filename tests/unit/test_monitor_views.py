@@ -217,3 +217,19 @@ def test_the_monitor_lists_who_trust_ignores_until_the_suspension_ends(monkeypat
     assert refusals.current() == {b"liar": "it claims epoch 1005 while the swarm is at 5"}
     clock[0] += 61.0
     assert refusals.current() == {}
+
+
+def test_the_monitor_lists_a_peer_one_epoch_ahead_without_counting_it_in_the_epoch(monkeypatch):
+    """At an epoch's end the peer that committed first stands one epoch ahead of the others' records for a moment:
+    live, so listed (and counted in the swarm's size, as a trainer's tracker counts it), but not in the epoch."""
+    from swarm_opt.monitor import reader
+
+    records = [record("a", 5, 100), record("b", 5, 60), record("c", 6, 0, client=True)]
+    sample = SimpleNamespace(scale=1.0, observe=lambda n: None)
+    fake = SimpleNamespace(read=lambda timeout: (records, []), sample=sample, max_extrapolation=0.0)
+    monkeypatch.setattr(reader, "use_progress_records", lambda dht, run_id: None)
+    monkeypatch.setattr(reader, "SampledRecords", lambda *args, **kwargs: fake)
+    snapshot = reader.RunMonitor(None, "r1", target_batch_size=256).read()
+    assert snapshot.epoch == 5 and snapshot.samples_accumulated == 160
+    assert {p.peer_id for p in snapshot.peers} >= {reader._peer_name(r) for r in records}
+    assert snapshot.num_peers == 3 and snapshot.num_clients == 1

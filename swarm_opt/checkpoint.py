@@ -378,9 +378,9 @@ class Checkpointer:
                 schemas: Sequence[str] = ()) -> Optional[dict]:
         """Load ``path`` (default: the latest checkpoint) into the model and optimizer. Returns the checkpoint's
         ``{"epoch", "metrics", "extra"}``, or None if there is none. If the swarm has moved on meanwhile, the
-        optimizer catches up from peers at its next step, as any peer that fell behind does. Besides the
-        optimizer's ``model_schema`` and ``legacy_schemas`` (this model under an older release), ``schemas`` are
-        accepted too (what an older release gave a caller's own identity)."""
+        optimizer catches up with it as it loads (``Optimizer.load_state_dict``), as any peer that fell behind
+        does. Besides the optimizer's ``model_schema`` and ``legacy_schemas`` (this model under an older release),
+        ``schemas`` are accepted too (what an older release gave a caller's own identity)."""
         return _restore(opt, model, Path(path) if path is not None else self.latest(), schemas)
 
 

@@ -45,7 +45,7 @@ from swarm_opt.offload import Offload, OffloadedParameters
 from swarm_opt.options import resolve
 from swarm_opt.privacy import OpacusPrivacy
 from swarm_opt.progress import ProgressTracker, SwarmProgress
-from swarm_opt.ranks import SOLO, LocalGroup, join_local_group, unshard_params
+from swarm_opt.ranks import LocalGroup, join_local_group, unshard_params
 from swarm_opt.round import RoundInFlight, RoundRunner, is_majority
 from swarm_opt.strategies.base import Strategy
 
@@ -774,21 +774,28 @@ class Optimizer(torch.optim.Optimizer):
         downloaded the swarm's newer state as it joined: Hugging Face's ``Trainer`` and most loops load the
         optimizer's checkpoint after building it) leaves its parameters ahead of its epoch: the peer catches up with
         the swarm at once, as its next step would have (the checkpoint's own strategy state kept, as in any catch-up),
-        so that no step computes gradients at a state that never existed. A machine of several ranks catches up in
-        its next step, where its ranks download together (``swarm_opt.ranks``)."""
+        so that no step computes gradients at a state that never existed. On a machine of several ranks every rank
+        calls it (as it would ``torch.optim.Optimizer.load_state_dict``): rank 0 loads and catches up, and the other
+        ranks take its state (``swarm_opt.ranks``)."""
         if self._ranks.follows:
             self._load_state_locally(state_dict)
+            self._ranks.around_download(self, lambda: None)  # rank 0's state: the checkpoint's, or the swarm's
             return
         held = self._epoch
         self._rounds.settle()
-        if self._load_state_locally(state_dict):
-            self._mark_synced()  # our own history; if the swarm moved on, step() catches up as usual
-            self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
-            self._averager.offer_state(self._epoch)
-            if self._epoch < held and self._ranks is SOLO:  # a machine's ranks catch up together in step()
-                logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
-                            f"{held}): catching up with the swarm")
-                self._catch_up(max(held, self._tracker.progress.epoch))
+        self._ranks.around_download(self, lambda: self._resume(state_dict, held))
+
+    def _resume(self, state_dict: Dict[str, Any], held: int) -> None:
+        """``load_state_dict``'s work on the peer that speaks for its machine (``held``: its epoch before)."""
+        if not self._load_state_locally(state_dict):
+            return
+        self._mark_synced()  # our own history; if the swarm moved on, we catch up below (or step() does)
+        self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
+        self._averager.offer_state(self._epoch)
+        if self._epoch < held:
+            logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
+                        f"{held}): catching up with the swarm")
+            self._catch_up(max(held, self._tracker.progress.epoch))
 
     def _load_state_locally(self, state_dict: Dict[str, Any]) -> bool:
         """Load ``state_dict()``'s output into the inner optimizer, scheduler and strategy; True if it held an epoch

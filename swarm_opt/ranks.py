@@ -448,8 +448,9 @@ class _Voice(_Ranks):
 
     def around_download(self, opt: Any, download: Callable[[], None]) -> None:
         """A download inside ``step()`` reaches the followers with the step; one the caller asked for (every rank
-        calls ``load_state_from_peers``) reaches them at once, or its error does."""
-        if self._in_step:
+        calls ``load_state_from_peers`` or ``load_state_dict``) reaches them at once, or its error does; one inside
+        such a call (a checkpoint's catch-up) goes with it."""
+        if self._in_step or self._listening:
             download()
             return
         self._listening = True

@@ -169,9 +169,11 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
     assert resumed["rounds"][0]["epoch"] >= 3  # it went on from its checkpoint's epoch or later, not from scratch
     assert sum(not rnd["caught_up"] and rnd["group_size"] == PEERS for rnd in resumed["rounds"]) >= 2
     assert_same_params_at_each_epoch(survivors + [resumed], 6)
-    for r in survivors:  # never stalled: no gap between two of their epochs longer than a few rounds
+    for r in survivors:  # never stalled: no gap between two of their epochs longer than a few rounds (they train on
+        # at least until the resumed peer's two rounds with them, which follow the kill at once when it caught up as
+        # the checkpoint loaded)
         times = [killed_at] + [rnd["time"] for rnd in r["rounds"] if rnd["time"] > killed_at]
-        assert len(times) > 3 and max(b - a for a, b in zip(times, times[1:])) < 20, r["rounds"]
+        assert len(times) >= 3 and max(b - a for a, b in zip(times, times[1:])) < 20, r["rounds"]
 
 
 @pytest.mark.extended

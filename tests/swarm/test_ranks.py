@@ -179,6 +179,49 @@ def test_a_machine_writes_each_checkpoint_once_and_every_rank_resumes_from_it(sw
     assert (ckpt / "epoch-00000003.pt").exists()
 
 
+@pytest.mark.extended
+@pytest.mark.timeout(420)
+def test_a_machine_resuming_an_older_checkpoint_takes_the_swarms_state_on_every_rank_as_it_loads(swarm, tmp_path):
+    """A 2-rank machine beside two one-process peers checkpoints every epoch, is killed after epoch 2 and restarts
+    from that checkpoint while the others trained on: rank 0 downloads the swarm's newer state as the checkpoint
+    loads (``Optimizer.load_state_dict``) and rank 1 takes it from rank 0, so both ranks step first at the swarm's
+    state, not at the checkpoint's; then the four processes train on to one model."""
+    ckpt, epochs = tmp_path / "ckpt", 25
+    common = dict(task="lsq", target_batch_size=64, inner="sgd", step_sleep=0.2, averaging_timeout=15.0,
+                  max_seconds=180, epochs=epochs)
+    swarm.start(0, batch_size=16, expect_peers=3, **common)
+    swarm.start(1, batch_size=16, expect_peers=3, **common)
+    start_machine(swarm, 2, [8, 8], checkpoint=str(ckpt), expect_peers=3, **common)
+    _wait_for(lambda: (ckpt / "epoch-00000002.pt").exists(), 90, lambda: swarm.log(2))
+    swarm.kill(2)
+    swarm.kill(3)
+    _wait_for(lambda: _logged_epoch(swarm.log(0)) >= 5, 90, lambda: swarm.log(0))
+    start_machine(swarm, 4, [8, 8], checkpoint=str(ckpt), **common)
+    swarm.wait(timeout=240)
+    results = {r: swarm.result(r) for r in (0, 1, 4, 5)}
+    restored = [results[r]["restored"] for r in (4, 5)]
+    assert restored[0]["epoch"] == restored[1]["epoch"] > 2, restored  # the swarm's epoch, not the checkpoint's
+    assert torch.equal(restored[0]["w"], restored[1]["w"]), restored
+    assert "older than the state this peer held" in swarm.log(4), swarm.log(4)
+    for r in (0, 1, 4, 5):
+        assert results[r]["epoch"] == epochs
+        assert torch.allclose(results[r]["w"], results[0]["w"], rtol=0, atol=1e-6), {k: v["w"] for k, v in
+                                                                                        results.items()}
+    for r in (4, 5):
+        assert "Traceback" not in swarm.log(r) and " WARNING " not in swarm.log(r), swarm.log(r)
+
+
+def _wait_for(condition, timeout: float, log) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, log()
+        time.sleep(0.1)
+
+
+def _logged_epoch(log: str) -> int:
+    return max((int(e) for e in re.findall(r"epoch (\d+): averaged", log)), default=0)
+
+
 @pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.extended)])
 def test_a_killed_rank_takes_its_machine_out_and_the_other_peer_trains_on(swarm, victim):
     """SIGKILL one rank of the 2-rank peer (1: a follower, 0: the rank that speaks for the machine) after epoch 2:

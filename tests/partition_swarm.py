@@ -2,7 +2,7 @@
 (``tests/e2e/test_partition.py``) and of ``benchmarks/partition.py``.
 
 A bootstrap node (``swarm-opt dht``) runs on host 0 and one gradient-averaging trainer (``swarm-opt train``, task
-``digits`` paced as on an accelerator: ``tests/paced_task.py``) on each of hosts 1..N (``tests/hosts.py``). A thread reads the trainers' output every quarter second and
+``digits``) on each of hosts 1..N (``tests/hosts.py``). A thread reads the trainers' output every quarter second and
 notes when each epoch line first appeared, so that a caller can measure the run's epoch rate over any window, find
 the first epoch every trainer printed with the same test metrics (one model: the test set is the same for all, so
 equal metrics mean equal parameters) and tell which trainers downloaded a state after the links came back.
@@ -26,7 +26,6 @@ from swarm_opt import testing
 from tests.hosts import Hosts
 
 PORT = 31337
-PACED_TASK = Path(__file__).parent / "paced_task.py"  # digits, each step 50 ms without the CPU (see that file)
 LOST = "Lost sight of the swarm's DHT"
 FOUND = "Found the swarm's DHT again"
 EPOCH = re.compile(r"^epoch (\d+): (test accuracy [\d.]+%, test loss [\d.]+)(.*)$", re.MULTILINE)
@@ -95,7 +94,7 @@ class TrainingSwarm:
         bootstrap = self.node.wait_for(r"^(/ip4/10\.\S+/p2p/\S+)$", 60).group(1)
         self.trainers = {i: Proc(hosts, i, f"trainer{i}", [
             sys.executable, "-m", "swarm_opt", "train", "--run-id", "partition", "--initial-peers", bootstrap,
-            "--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/{PORT}", "--task", f"{PACED_TASK}:make_task", "--target-batch-size",
+            "--host-maddrs", f"/ip4/{hosts.address(i)}/tcp/{PORT}", "--task", "digits", "--target-batch-size",
             str(target_batch_size), "--batch-size", "32", "--min-peers", str(size), "--matchmaking-time",
             str(self.matchmaking_time),
             "--averaging-timeout", str(averaging_timeout), "--data-seed", str(i), "-v"], workdir)

@@ -225,6 +225,7 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
 
 @pytest.mark.swarm
 @pytest.mark.extended
+@pytest.mark.xdist_group("training-partitions")  # one at a time: each compares its own epoch rates over time
 @pytest.mark.timeout(720)
 @pytest.mark.parametrize("size,sides,seconds", [(5, [{2}], 30), (6, [{2, 5}], 30), (6, [{2}, {5}], 30),
                                                 (5, [{2}], 180), (6, [{2, 5}], 180), (6, [{2}, {5}], 180)],

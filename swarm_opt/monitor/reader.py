@@ -244,8 +244,8 @@ class RunMonitor:
         target = self.target_batch_size or _common_target(records)
         checked = self._checker.check(records, None, now, target or 1)
         # a peer one epoch ahead (it committed the round first) is live and listed, but not counted in the epoch
-        counted = {(r.peer_id, r.instance) for r in checked.records}
-        ahead = [r for r in records if (r.peer_id, r.instance) in checked.live.difference(counted)]
+        ahead_keys = checked.live.difference((r.peer_id, r.instance) for r in checked.records)
+        ahead = [r for r in records if (r.peer_id, r.instance) in ahead_keys]
         scale = self._records.sample.scale
         snapshot = snapshot_from_records(self.run_id, checked.records, now, self.target_batch_size,
                                          self._records.max_extrapolation, scale, ahead=ahead)

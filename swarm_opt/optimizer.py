@@ -777,9 +777,8 @@ class Optimizer(torch.optim.Optimizer):
         so that no step computes gradients at a state that never existed. On a machine of several ranks every rank
         calls it (as it would ``torch.optim.Optimizer.load_state_dict``): rank 0 loads and catches up, and the other
         ranks take its state (``swarm_opt.ranks``)."""
-        if self._ranks.follows:
-            self._load_state_locally(state_dict)
-            self._ranks.around_download(self, lambda: None)  # rank 0's state: the checkpoint's, or the swarm's
+        if self._ranks.follows:  # rank 0's state: the checkpoint's, or the swarm's; or the error rank 0 met
+            self._ranks.around_download(self, lambda: None)
             return
         held = self._epoch
         self._rounds.settle()

@@ -378,6 +378,30 @@ def part_owners(runner: AllReduceRunner) -> List[Tuple[int, int]]:
     return [(share, part.numel()) for share, queue in enumerate(parts) for part, _ in queue]
 
 
+def partial_failure(runner: AllReduceRunner) -> str:
+    """Why an all-reduce runner can no longer average every part with everyone ('' while it still can). A sender
+    that this peer's reducer lost after reducing every part (it left, or failed on its side, before taking its last
+    replies) does not count: every part was complete, this peer's result and its other groupmates' included."""
+    banned, failed = len(runner.banned_senders), runner.tensor_part_container.failed_size
+    if runner.tensor_part_reducer.abandoned or failed:
+        return f"partial all-reduce: {banned} sender(s) failed, {failed} values not averaged"
+    return ""
+
+
+def audit_evidence(audited: Audited, runners: Sequence[AllReduceRunner], owners: Sequence[Tuple[int, int]],
+                   first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], first_order: Sequence[PeerID],
+                   second_order: Sequence[PeerID]) -> Set[Tuple[PeerID, PeerID]]:
+    """The reducers' disagreements of an audited round (``disagreeing_reducers``), only if both all-reduces
+    averaged every part: hivemind fills a part whose reducer failed with this member's own values, which differ from
+    the other reducer's mean without anyone lying, and differently on each member (each sees its own values and
+    its own failures): such a round fails as partial, and names nobody."""
+    for runner in runners:
+        failure = partial_failure(runner)
+        if failure:
+            raise AllreduceException(failure)
+    return disagreeing_reducers(audited, owners, first, second, first_order, second_order)
+
+
 def disagreeing_reducers(audited: Audited, owners: Sequence[Tuple[int, int]], first: Sequence[torch.Tensor],
                          second: Sequence[torch.Tensor], first_order: Sequence[PeerID],
                          second_order: Sequence[PeerID]) -> Set[Tuple[PeerID, PeerID]]:

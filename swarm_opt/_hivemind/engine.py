@@ -37,10 +37,11 @@ from swarm_opt._hivemind.allreduce import (
     AUDIT_SUFFIX,
     AllOrNothingRunner,
     Traffic,
+    audit_evidence,
     audit_order,
-    disagreeing_reducers,
     liars,
     part_owners,
+    partial_failure,
 )
 from swarm_opt._hivemind.gather import (
     AUX_KEY,
@@ -659,7 +660,8 @@ class _Engine(DecentralizedAverager):
         if self.mode == AveragingMode.AUX:  # a helper receives no results: it has nothing to compare
             return audit
         pairs = await asyncio.get_event_loop().run_in_executor(
-            None, disagreeing_reducers, self.aggregation, owners, tensors, copies, group_info.peer_ids, order)
+            None, audit_evidence, self.aggregation, [runner, audit], owners, tensors, copies, group_info.peer_ids,
+            order)
         if pairs:
             now = time.monotonic()
             for liar in liars(pairs):
@@ -811,7 +813,7 @@ class _Engine(DecentralizedAverager):
                 states = "; ".join(_runner_state(key, runner) for key, runner in self._all_reduces(group_info.group_id))
                 logger.debug("Round still running: %s. %s", states or "no all-reduce started", _where_tasks_wait())
             for runner in self._runners(group_info.group_id):
-                failure = _partial_failure(runner)
+                failure = partial_failure(runner)
                 if failure:
                     return failure
                 missing = _missing_senders(runner)
@@ -862,7 +864,7 @@ class _Engine(DecentralizedAverager):
         future = self._running_groups.get(group_id)
         if future is not None and future.done() and not future.cancelled() and not future.exception() \
                 and not isinstance(future.result(), _LaneRound):  # a lane all-reduce completes in full or raises
-            failure = _partial_failure(future.result())
+            failure = partial_failure(future.result())
             if failure:
                 raise AllreduceException(failure)
 
@@ -921,16 +923,6 @@ def _reason(error: BaseException) -> str:
     """A failed round's exception in a few words (hivemind wraps the all-reduce's own in 'Unable to run ...')."""
     text = str(error).strip() or type(error).__name__
     return text.removeprefix("Unable to run All-Reduce: ").splitlines()[0][:200]
-
-
-def _partial_failure(runner: Any) -> str:
-    """Why an all-reduce runner can no longer average every part with everyone ('' while it still can). A sender
-    that this peer's reducer lost after reducing every part (it left, or failed on its side, before taking its last
-    replies) does not count: every part was complete, this peer's result and its other groupmates' included."""
-    banned, failed = len(runner.banned_senders), runner.tensor_part_container.failed_size
-    if runner.tensor_part_reducer.abandoned or failed:
-        return f"partial all-reduce: {banned} sender(s) failed, {failed} values not averaged"
-    return ""
 
 
 async def cancel_within(grace: float, *tasks: asyncio.Future) -> bool:

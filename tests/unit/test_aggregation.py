@@ -315,6 +315,44 @@ def test_a_lying_reducer_is_named_when_some_member_reduces_no_part(liar):
     assert liars(pairs) == {liar}, pairs
 
 
+def test_a_share_whose_reducer_failed_is_no_evidence_against_anyone():
+    """hivemind fills the parts of a reducer that failed (a stream lost under load) with this member's own values:
+    they differ from the other reducer's mean of that share though nobody lied, and each member sees its own
+    values there. Compared, they named honest reducers, and members of one round named different ones (one honest
+    peer was then left out of groups for 10 minutes and the others had no majority). The round fails as partial."""
+    from types import SimpleNamespace
+
+    from hivemind.averaging.partition import TensorPartContainer
+
+    from swarm_opt._hivemind.allreduce import audit_evidence, audit_order, disagreeing_reducers, part_owners
+
+    peers = ["a", "b", "c", "d"]
+    own = [torch.arange(12.0)]  # this member's values; the group's mean is 0 everywhere
+    runners = []
+    for failed_share in (None, 1):  # the audit all-reduce is complete; the first lost reducer b
+        container = TensorPartContainer([t.clone() for t in own], [0.25] * 4, part_size_bytes=12, return_deltas=False)
+        for share in range(4):
+            if share == failed_share:
+                container.register_failed_reducer(share)
+            else:
+                for index in range(container.num_parts_by_peer[share]):
+                    container.register_processed_part(share, index, torch.zeros(3))
+        runners.append(SimpleNamespace(tensor_part_container=container, banned_senders=set(),
+                                       tensor_part_reducer=SimpleNamespace(abandoned=False)))
+    audit, first = runners
+    order = audit_order(peers, first.tensor_part_container.num_parts_by_peer)
+    owners = part_owners(first)
+
+    async def outputs(runner):
+        return [t async for t in runner.tensor_part_container.iterate_output_tensors()]
+
+    first_means, audit_means = asyncio.run(outputs(first)), asyncio.run(outputs(audit))
+    assert disagreeing_reducers(swarm_opt.Audited(), owners, first_means, audit_means, peers, order) == {("b", "c")}
+    with pytest.raises(AllreduceException, match="partial all-reduce"):
+        audit_evidence(swarm_opt.Audited(), [first, audit], owners, first_means, audit_means, peers, order)
+    assert audit_evidence(swarm_opt.Audited(), [audit, audit], owners, audit_means, audit_means, peers, order) == set()
+
+
 # --- Reputation: reducers that remember senders ---------------------------------------------------------------------
 
 def test_scores_tell_a_sign_flipper_and_a_shifter_from_honest_copies():

@@ -219,7 +219,7 @@ async def _own_share_whose_part_fails() -> tuple:
     Does the round's output still end (with the part marked failed) and does the watchdog see the failure?"""
     from hivemind.averaging.partition import TensorPartContainer
 
-    from swarm_opt._hivemind.engine import _partial_failure
+    from swarm_opt._hivemind.allreduce import partial_failure
 
     container = TensorPartContainer([torch.ones(3)], peer_fractions=(1.0, 0.0), return_deltas=False)
     runner = _bare_runner(["me", "b"])
@@ -232,7 +232,7 @@ async def _own_share_whose_part_fails() -> tuple:
     own = asyncio.ensure_future(runner._communicate_with_peer("me"))
     outputs = [t async for t in container.iterate_output_tensors()]  # hangs if the own share's parts never come
     results = await asyncio.gather(own, other, return_exceptions=True)
-    return outputs, results, container.failed_size, _partial_failure(runner)
+    return outputs, results, container.failed_size, partial_failure(runner)
 
 
 def test_an_own_share_that_cannot_be_reduced_fails_the_round_at_once():

@@ -36,6 +36,7 @@ def test_a_helper_reduces_shares_of_the_rounds_and_the_trainers_still_equal_one_
     assert any(_close(trainers[0]["params"], expected) for expected in possible_references(trainers, "sgd", epochs))
 
 
+@pytest.mark.extended
 def test_a_helper_given_epochs_leaves_once_the_trainers_are_gone(swarm):
     """A helper asked to help up to epoch 8 of a run whose trainers stop at 4: they withdraw their records as they
     leave, so it never sees epoch 8 (nor, had it missed the last rounds, 4); it leaves once no trainer has been seen

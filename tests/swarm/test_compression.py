@@ -109,7 +109,8 @@ def check_rounds(swarm, results: list, strategy: str) -> None:
 
 # each codec and each kind of strategy once by default; the other two pairings are extended (CI budget)
 @pytest.mark.parametrize("codec, strategy, strategy_cls", [
-    ("Float16", "grad", swarm_opt.GradientAveraging), ("Int8Blockwise", "local", swarm_opt.LocalUpdates),
+    ("Float16", "grad", swarm_opt.GradientAveraging),
+    pytest.param("Int8Blockwise", "local", swarm_opt.LocalUpdates, marks=pytest.mark.extended),
     pytest.param("Int8Blockwise", "grad", swarm_opt.GradientAveraging, marks=pytest.mark.extended),
     pytest.param("Float16", "local", swarm_opt.LocalUpdates, marks=pytest.mark.extended)],
     ids=["Float16-grad", "Int8Blockwise-local", "Int8Blockwise-grad", "Float16-local"])

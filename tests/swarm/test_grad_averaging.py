@@ -194,6 +194,7 @@ def test_equal_shares_give_peers_of_different_speeds_the_same_samples_per_round(
     assert_one_process(results, "sgd", epochs)
 
 
+@pytest.mark.extended
 def test_peers_whose_progress_records_are_sharded_still_equal_one_process(swarm):
     """Five peers with ``shard_size=2, exact_up_to=2`` keep their progress records under several DHT keys (level 1 or
     2) and each reads one key per period: the epoch trigger works from a sample of the swarm (the path of a swarm of

@@ -28,7 +28,7 @@ def test_groups_of_two_commit_partial_rounds_and_mix_four_peers_to_one_value(swa
     assert 0.0 < float(finals.mean()) < 3.0
 
 
-@pytest.mark.parametrize("strategy", ["grad", "grad_overlap"])
+@pytest.mark.parametrize("strategy", ["grad", pytest.param("grad_overlap", marks=pytest.mark.extended)])
 def test_gradient_averaging_in_groups_leaves_each_group_identical_and_mixes_the_groups(swarm, strategy):
     """Four peers in groups of two that start apart (0, 1, 2, 3: founders that forgot their seed) and train on
     different least-squares problems with gradient averaging: rounds carry the parameters with the gradients, so

@@ -78,7 +78,7 @@ def test_overlapped_rounds_apply_each_epochs_gradients_at_the_parameters_they_we
     assert not _close(results[0]["params"], delayed_reference(fresh, epochs), 1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["grad", "grad_overlap"])
+@pytest.mark.parametrize("strategy", [pytest.param("grad", marks=pytest.mark.extended), "grad_overlap"])
 def test_a_bug_inside_a_round_is_raised_from_step_whether_the_round_blocks_or_runs_in_the_background(swarm,
                                                                                                       strategy):
     """One round protocol for both: an unexpected error in a round's ``write`` gives the round back and surfaces

@@ -175,6 +175,7 @@ def test_fp16_factors_halve_the_bytes_and_train_as_well(swarm):
     assert distance <= 1.5 * exact_distance
 
 
+@pytest.mark.extended
 def test_a_peer_killed_inside_a_powersgd_round_does_not_stall_the_others(swarm):
     """The victim dies inside an all-reduce phase (phase 1 or 2) with its groupmates still exchanging parts with it:
     the survivors' round fails (a partial phase never commits), they go on in pairs without stalling, and their

@@ -212,7 +212,8 @@ def test_shutdown_leaves_no_processes_behind():
     assert not ours()
 
 
-@pytest.mark.parametrize("strategy", ["grad", "local", "scaffold"])
+@pytest.mark.parametrize("strategy", ["grad", pytest.param("local", marks=pytest.mark.extended),
+                                      pytest.param("scaffold", marks=pytest.mark.extended)])
 def test_offloaded_training_equals_training_in_place(dht, strategy):
     """Offload() moves the optimizer onto host copies of the parameters; the arithmetic must not change."""
     make_strategy = {"grad": swarm_opt.GradientAveraging, "local": swarm_opt.LocalUpdates,

@@ -9,7 +9,7 @@ from tests.swarm.test_grad_averaging import assert_one_process
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 
 
-@pytest.mark.parametrize("inner", ["sgd", "adam"])
+@pytest.mark.parametrize("inner", ["sgd", pytest.param("adam", marks=pytest.mark.extended)])
 def test_peers_started_together_without_waiting_for_each_other_equal_one_process(swarm, inner):
     """Three peers of unequal batch sizes start at once and train at once, as users start them (no wait until each
     saw the others), on short epochs: none commits an epoch alone while the others commit it together."""

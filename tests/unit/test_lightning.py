@@ -247,7 +247,8 @@ def test_offload_with_lightnings_gradient_clipping_by_value_is_refused_before_an
     assert cb.dht is None
 
 
-@pytest.mark.parametrize("offload", [None, swarm_opt.Offload(pin_memory=False)], ids=["plain", "offload"])
+@pytest.mark.parametrize("offload", [None, pytest.param(swarm_opt.Offload(pin_memory=False),
+                                                        marks=pytest.mark.extended)], ids=["plain", "offload"])
 def test_lightnings_norm_clipping_becomes_the_swarm_optimizers(offload, no_leftovers):
     """``gradient_clip_val`` (by norm) is the swarm optimizer's ``clip_grad_norm`` during the fit (Lightning clips
     nothing itself), with or without offload (then no longer refused), and the trainer's own setting is given back

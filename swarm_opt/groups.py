@@ -7,11 +7,12 @@ each other under one matchmaking key (``RoundPlan.cell``, hivemind's group bits:
 groups of at most ``size``.
 On a complete grid (``side ** dims`` peers, one per cell) ``dims`` consecutive rounds give every peer the exact
 mean of the swarm: after the round along dimension 0 every line holds its own mean, after the round along
-dimension 1 every plane holds the mean of its lines, and so on. Peers start at random coordinates (from their peer
-id); after a committed round the members of a group take distinct random coordinates along the round's dimension
-(drawn alike by every member from the round and the members), so that they land in different lines next round
-(hivemind's ``GroupKeyManager.update_key_on_group_assembled`` does the same with its key bits) and lines fill
-evenly; a peer whose round failed (its line was short of peers) draws a new coordinate on its own, so that no peer
+dimension 1 every plane holds the mean of its lines, and so on. A peer that knows every live peer takes the cell of
+its rank among them (``ranked_coords``): lines then hold equal numbers of peers. Otherwise peers sit at random
+coordinates (from their peer id); after a committed round the members of a group take distinct random coordinates
+along the round's dimension (drawn alike by every member from the round and the members), so that they land in
+different lines next round (hivemind's ``GroupKeyManager.update_key_on_group_assembled`` does the same with its key
+bits); a peer whose round failed (its line was short of peers) draws a new coordinate on its own, so that no peer
 stays stuck in a line that the others left.
 
 One code path for every swarm size: a swarm of at most ``size`` peers (or ``groups=None``) is a grid of one
@@ -39,7 +40,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 _MAX_DIMS = 32  # coordinates a peer keeps: a grid of sides >= 2 with more dimensions would hold 4e9 peers
 _COORDINATE_RANGE = 2**16  # coordinates are kept modulo each round's side
@@ -104,11 +105,16 @@ class Grid:
     """One peer's coordinates on the averaging grid (``size`` the most peers in a group; ``None``: one group).
 
     :param seed: where the peer starts (its peer id): peers draw their coordinates independently.
+    :param live_peers: the ids of the live peers, this one included, where this peer knows them all (None where its
+        view is a sample): every peer then takes the cell of its rank among them (``ranked_coords``), so that lines
+        hold equal numbers of peers; the random coordinates serve the other rounds.
     """
 
-    def __init__(self, size: Optional[int], seed: Any) -> None:
+    def __init__(self, size: Optional[int], seed: Any,
+                 live_peers: Callable[[], Optional[Sequence[Any]]] = lambda: None) -> None:
         self.size = size
         self._seed = _digest(seed)
+        self._live_peers = live_peers
         rng = random.Random(self._seed)
         self.coords = [rng.randrange(_COORDINATE_RANGE) for _ in range(_MAX_DIMS)]
         self._planned: Optional[Tuple[int, RoundPlan]] = None
@@ -128,10 +134,11 @@ class Grid:
         if dims == 1:
             return RoundPlan(0, 1, side, "")
         dimension = round_id % dims
+        coords = ranked_coords(self._seed, self._live_peers(), round_id, dims, side) or self.coords
         cell = 0
         for j in range(dims):
             if j != dimension:
-                cell = cell * side + self.coords[j] % side
+                cell = cell * side + coords[j] % side
         # the dimension leads the key: a peer a round behind (along another dimension) never meets this round's line
         width, dimension_width = (side ** (dims - 1) - 1).bit_length(), (dims - 1).bit_length()
         return RoundPlan(dimension, dims, side, format(dimension, f"0{dimension_width}b") + format(cell, f"0{width}b"))
@@ -155,6 +162,26 @@ class Grid:
         draw = random.Random(hashlib.sha256(round_id.to_bytes(8, "little", signed=True) + self._seed).digest())
         self.coords[plan.dimension] = draw.randrange(_COORDINATE_RANGE)
         self._planned = None
+
+
+def ranked_coords(me: bytes, peers: Optional[Sequence[Any]], round_id: int, dims: int, side: int
+                  ) -> Optional[Sequence[int]]:
+    """This peer's coordinates (``me``: the digest of its id) from its rank among ``peers``, ordered by a hash of
+    their ids and of the block of ``dims`` rounds that ``round_id`` belongs to: the digits of the rank in base
+    ``side``. Peers with the same view take distinct cells, filled in order, so that the lines of every round hold
+    equal numbers of peers (random coordinates fill them binomially: in a swarm of 4 on a 2 x 2 grid, a line of one
+    peer, which finds no group, every other round), and a complete grid gives the exact mean after the ``dims``
+    rounds of each block. A new order each block, so that the same peers do not always meet. None where the view is
+    unknown or does not hold this peer."""
+    if not peers:
+        return None
+    digests = {_digest(peer) for peer in peers}
+    if me not in digests:
+        return None
+    salt = (round_id // dims).to_bytes(8, "little", signed=True)
+    order = sorted(digests, key=lambda digest: hashlib.sha256(salt + digest).digest())
+    rank = order.index(me) % side ** dims
+    return [(rank // side ** j) % side for j in range(dims)]
 
 
 def _digest(value: Any) -> bytes:

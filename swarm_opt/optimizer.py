@@ -217,7 +217,8 @@ class Optimizer(torch.optim.Optimizer):
             member_info=self._member_info, access=access, lane=transport,
             target_group_size=None if groups is None else groups.size,
         )
-        self._grid = Grid(None if groups is None else groups.size, self._averager.peer_id)
+        self._grid = Grid(None if groups is None else groups.size, self._averager.peer_id,
+                          live_peers=self._tracker.live_peers)
         self._averager.group_key = lambda round_id: self._grid.plan(round_id, self._tracker.progress.num_peers).cell
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
                                    await_target=self._await_target, agrees=self._agrees, grid=self._grid)

@@ -780,6 +780,14 @@ class ProgressTracker:
         self._view_size, self._last_read_began = len(live), began
         self._read_seconds = max(took, 0.8 * self._read_seconds)
 
+    def live_peers(self) -> Optional[List[bytes]]:
+        """The ids of the peers seen live recently (``recent_peers``), this one included; None in a sampled view,
+        which knows only some of them."""
+        with self._lock:
+            if self.sampled:
+                return None
+            return [self._peer_id, *{peer for peer, _ in self._memory}]
+
     def _recent_peers(self) -> int:
         return 0 if self.sampled else 1 + len(self._memory)
 

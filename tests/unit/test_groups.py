@@ -4,6 +4,7 @@ SCAFFOLD's controls in partial groups, on the strategy code itself through swarm
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -294,6 +295,45 @@ def test_scaffold_controls_after_a_pass_are_the_swarms_correction():
     mean = sum(grads) / n
     for peer, g in zip(peers, grads):
         torch.testing.assert_close(peer.strategy.controls[0], mean - g, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n, size", [(4, 2), (9, 3), (16, 4), (24, 5), (64, 4)])
+def test_peers_that_see_the_same_live_peers_fill_every_line_evenly(n, size):
+    """With random coordinates a line holds a binomial number of peers: in 4 peers on a 2 x 2 grid, a line of one
+    (which finds no group) in most rounds; a real swarm of 4 then lost every other round. Peers that know every live
+    peer take the cells of their ranks: each round's lines hold the same numbers of peers (one less in a line
+    where the grid is not full), and a new order each block of ``dims`` rounds. Views that do not hold the peer (a
+    sample) fall back to the random coordinates."""
+    ids = [f"peer-{i}".encode() for i in range(n)]
+    ranked = [Grid(size, peer, live_peers=lambda: ids) for peer in ids]
+    random_lines = []
+    for round_id in range(12):
+        plans, committing, failing = moshpit_groups(ranked, ids, round_id)
+        sizes = Counter(plan.cell for plan in plans).values()
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 2, sorted(sizes)
+        assert not failing and sum(map(len, committing)) == n
+        random_plans, _, _ = moshpit_groups([Grid(size, peer) for peer in ids], ids, round_id)
+        random_lines.append(Counter(plan.cell for plan in random_plans).values())
+    assert any(max(sizes) - min(sizes) > 1 for sizes in random_lines)  # what the ranks spare
+    dims, _ = grid_shape(n, size)
+    blocks = [[Grid(size, peer, live_peers=lambda: ids).plan(round_id, n).cell for peer in ids]
+              for round_id in (0, dims)]
+    assert blocks[0] != blocks[1]  # the same dimension, another block: other lines
+    assert Grid(size, b"stranger", live_peers=lambda: ids).plan(1, n).cell == Grid(size, b"stranger").plan(1, n).cell
+
+
+def test_ranked_lines_give_the_exact_mean_after_dims_rounds():
+    side, dims = 3, 2
+    values = torch.randn(side ** dims, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    peers = _equal_weight_peers(values)
+    ids = [f"peer-{i}".encode() for i in range(len(peers))]
+    grids = [Grid(side, peer, live_peers=lambda: ids) for peer in ids]
+    for r in range(dims):  # one block
+        _step(peers)
+        committed, failed = moshpit_round([s for _, s in peers], grids, ids, r)
+        assert not failed and sorted(len(g) for g in committed) == [side] * side ** (dims - 1)
+    for w, _ in peers:
+        torch.testing.assert_close(w.detach(), values.mean(0), atol=1e-12, rtol=0)
 
 
 def test_failing_groups_change_nothing():

@@ -41,6 +41,7 @@ import torch
 from _common import REPO, code_version, command_line, machine, table, write_json
 from scale_sim import holders
 
+from swarm_opt.config import TrackerConfig
 from swarm_opt.groups import Grid
 from swarm_opt.simulation import moshpit_round
 from tests.swarm.conftest import Swarm  # the swarm tests' launcher and reaper
@@ -112,7 +113,10 @@ def simulated_spread(args: argparse.Namespace, size: Optional[int], miss: float,
     rng = random.Random(seed)
     peers = holders(torch.arange(args.peers, dtype=torch.float64)[:, None].repeat(1, 5))
     ids = list(range(args.peers))
-    grids = [Grid(size, i) for i in ids]
+    # as the real peers place themselves: by their ranks among the live peers where they see them all, else at random
+    exact = args.peers <= TrackerConfig().exact_up_to
+    place = (lambda i: Grid(size, i, live_peers=lambda: ids)) if exact else (lambda i: Grid(size, i))  # noqa: E731
+    grids = [place(i) for i in ids]
     for r in range(args.epochs):
         for w, strategy in peers:
             w.grad = torch.zeros_like(w)
@@ -123,7 +127,7 @@ def simulated_spread(args: argparse.Namespace, size: Optional[int], miss: float,
             for i in victims:
                 donor = peers[rng.choice([j for j in range(args.peers) if j not in victims])]
                 peers[i] = holders(donor[0].detach()[None])[0]
-                ids[i], grids[i] = args.peers + i, Grid(size, args.peers + i)
+                ids[i], grids[i] = args.peers + i, place(args.peers + i)
     finals = torch.stack([w.detach() for w, _ in peers])
     return float((finals - finals.mean(0)).norm(dim=1).max())
 

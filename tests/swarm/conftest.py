@@ -65,7 +65,8 @@ class Swarm:
     def round_events(self) -> str:
         """The peers' log lines about rounds that did not commit and about catching up, for assertion messages:
         why a round failed is what a failure of a swarm test needs first."""
-        marks = ("did not reach a majority", "Loaded the swarm's state", "continuing from the local model")
+        marks = ("did not reach a majority", "Loaded the swarm's state", "continuing from the local model",
+                 "it lies (or is broken)")  # whom an audited round named, and left out of later groups
         return "\n".join(f"peer {rank}: {line}" for rank in self.procs
                          for line in self.log(rank).splitlines() if any(m in line for m in marks))
 

@@ -656,9 +656,10 @@ class _Engine(DecentralizedAverager):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._check_complete(audit_id)
         if self.mode == AveragingMode.AUX:  # a helper receives no results: it has nothing to compare
+            self._check_complete(audit_id)
             return audit
+        # (audit_evidence fails the round if either all-reduce is partial, before comparing them)
         pairs = await asyncio.get_event_loop().run_in_executor(
             None, audit_evidence, self.aggregation, [runner, audit], owners, tensors, copies, group_info.peer_ids,
             order)

@@ -329,6 +329,9 @@ OPTIONS: Dict[str, List[_Option]] = {
         _Option("--checkpoint-dir", "save checkpoints (model and optimizer, DIR/epoch-NNNNNNNN.pt, "
                 "the last 3 kept) at exit and every --checkpoint-every epochs; resume from the latest", metavar="DIR"),
         _Option("--checkpoint-every", "global epochs between checkpoints", type=positive_int, default=10),
+        _Option("--eval-every", "global epochs between two evaluations on the task's test data (default: the "
+                "task's: every epoch for digits and mnist; the language models evaluate for at most a tenth of "
+                "their compute)", type=positive_int, metavar="N"),
         _METRICS,
         _Option("--log-dir", "write TensorBoard scalars (loss, test metrics, epoch, samples/s, round seconds, group "
                 "size) to DIR, one point per global epoch", metavar="DIR"),

@@ -47,6 +47,16 @@ TRAINING: Dict[str, Tuple[float, int, int]] = {
     "large": (3e-4, 4, 256),
 }
 WARMUP_EPOCHS, DECAY_EPOCHS, FLOOR = 10, 2000, 0.1
+#: the held-out windows of an evaluation, and the share of a peer's compute that evaluating may take: a forward pass
+#: over a window costs about a third of a training window's forward and backward
+EVAL_WINDOWS, EVAL_SHARE = 512, 0.1
+
+
+def eval_every(target: int, windows: int = EVAL_WINDOWS, share: float = EVAL_SHARE) -> int:
+    """Global epochs between two evaluations, so that evaluating ``windows`` windows takes at most ``share`` of what
+    training ``target`` windows per epoch takes (every epoch, the 100M model's evaluation would cost two thirds of
+    its training, and a peer evaluating for minutes is a peer missing the swarm's rounds)."""
+    return max(1, math.ceil(windows / (3 * share * target)))
 
 
 class _Block(nn.Module):
@@ -120,7 +130,7 @@ class HeldOut(Dataset):
     """A fixed slice of the held-out files: ``windows`` windows of ``context`` bytes at evenly spaced offsets across
     all of them (a loss on one file alone would follow that file's quirks)."""
 
-    def __init__(self, files: List[Path], context: int, windows: int = 512) -> None:
+    def __init__(self, files: List[Path], context: int, windows: int = EVAL_WINDOWS) -> None:
         text = b"\n".join(f.read_bytes() for f in files)
         data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         starts = torch.linspace(0, len(data) - context - 2, windows).long()
@@ -192,7 +202,8 @@ def language_model(size: str = "tiny") -> Recipe:
                                                                                    FLOOR)),
         clip_grad_norm=1.0,
         precision="bf16",
-        evaluation=Evaluation(HeldOut(held_out, context), batches=8, batch_size=64, metric=perplexity),
+        evaluation=Evaluation(HeldOut(held_out, context), batch_size=64, every_epochs=eval_every(target),
+                              metric=perplexity),
         batch_size=batch_size,
         target_batch_size=target,
         data_id=corpus_id(files),

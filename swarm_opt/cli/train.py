@@ -97,6 +97,10 @@ def apply_recipe(recipe: Recipe, args: argparse.Namespace) -> Recipe:
                                   f"own: drop {flag}, or replace the recipe's optimizer with --optimizer sgd")
         if "lr" in given:
             changes["optimizer"] = _with_lr(recipe.build_optimizer, args.lr)
+    if getattr(args, "eval_every", None) is not None:
+        if recipe.evaluation is None:
+            raise ConfigError("--eval-every: this task's recipe has no evaluation (Recipe(evaluation=...)); drop it")
+        changes["evaluation"] = replace(recipe.evaluation, every_epochs=args.eval_every)
     return replace(recipe, **changes)
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from swarm_opt.cli.commands import resolve_options
-from swarm_opt.cli.language_model import SIZES, language_model
+from swarm_opt.cli.language_model import SIZES, TRAINING, eval_every, language_model
 from swarm_opt.cli.train import _Batches, apply_recipe
 from swarm_opt.errors import ConfigError
 from swarm_opt.optimizer import identified_schema
@@ -131,6 +132,12 @@ def test_flags_override_the_recipe_and_the_defaults_do_not():
     env = resolve_options("train", argparse.Namespace(run_id="r"), {"SWARM_OPT_LR": "0.5"})
     assert settings(apply_recipe(recipe, env))["lr"] == 0.5
 
+    evaluated = replace(recipe, evaluation=Evaluation(data=[1], every_epochs=2))
+    assert apply_recipe(evaluated, args()).evaluation.every_epochs == 2
+    assert apply_recipe(evaluated, args(eval_every=5)).evaluation.every_epochs == 5
+    with pytest.raises(ConfigError, match="--eval-every: this task's recipe has no evaluation"):
+        apply_recipe(recipe, args(eval_every=5))
+
     sgd = apply_recipe(recipe, args(optimizer="sgd", lr=0.2))
     assert (settings(sgd)["optimizer"], settings(sgd)["lr"], settings(sgd)["momentum"]) == ("SGD", 0.2, 0.9)
     with pytest.raises(ConfigError, match="--momentum sets the command line's optimizer"):
@@ -225,6 +232,11 @@ def test_the_language_model_recipe_is_complete_and_sized():
     x, y = next(recipe.stream(DataShard(0, 16, seed=1)))
     assert x.shape == y.shape == (64,) and torch.equal(x[1:], y[:-1])
     assert recipe.evaluation is not None and len(recipe.evaluation.data) >= 4 * recipe.evaluation.batch_size
+    # evaluating takes at most a tenth of the compute: a window's forward costs about a third of a training window's
+    for target in (1, 8, 64, 256, 10_000):
+        every = eval_every(target)
+        assert len(recipe.evaluation.data) / 3 <= 0.1 * target * every < len(recipe.evaluation.data) / 3 + 0.1 * target
+    assert recipe.evaluation.every_epochs == eval_every(TRAINING["tiny"][2])
     held_out = set(recipe.evaluation.data.x[0].tolist())
     assert held_out  # a fixed slice
     with torch.no_grad():

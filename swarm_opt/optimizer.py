@@ -30,6 +30,7 @@ from swarm_opt import state_sync
 from swarm_opt._hivemind.gather import BOUND_KEY, COUNTED_KEY, DIGEST_KEY, PEERS_KEY
 from swarm_opt._hivemind.rebootstrap import watch_dht
 from swarm_opt._hivemind.tensor_averager import TensorAverager
+from swarm_opt._libc import malloc_trim
 from swarm_opt.aggregation import Aggregation
 from swarm_opt.auth import run_access
 from swarm_opt.buffers import AveragingResult
@@ -641,7 +642,10 @@ class Optimizer(torch.optim.Optimizer):
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
         ``StateDownloadError``. With a local group every rank calls it: rank 0 downloads, the others take its state.
         """
-        self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors))
+        try:
+            self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors))
+        finally:  # the downloaded state and the backup of ours, freed: glibc would keep their memory for itself
+            malloc_trim()
 
     def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any]) -> None:
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout

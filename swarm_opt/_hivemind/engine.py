@@ -32,7 +32,7 @@ from hivemind.utils import MPFuture, ValueWithExpiration, get_dht_time
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
 from hivemind.utils.streaming import combine_from_streaming
 
-from swarm_opt._hivemind import memtrace
+from swarm_opt._hivemind import memtrace, state_thread
 from swarm_opt._hivemind.allreduce import (
     AUDIT_SUFFIX,
     AllOrNothingRunner,
@@ -142,6 +142,9 @@ def _let_the_dht_read_our_calls(dht: DHT) -> None:
         logger.debug("DHT did not confirm this averager's last calls: %r", e)
 
 
+state_thread.install()
+
+
 class _Engine(DecentralizedAverager):
     """hivemind's averager, with two changes: the state it serves to newcomers comes from the host process, and a
     round in which any part was not averaged by everyone fails instead of reporting success (hivemind silently falls
@@ -187,6 +190,12 @@ class _Engine(DecentralizedAverager):
         self._tracer: Optional[memtrace.Tracer] = None  # SWARM_OPT_TRACEMALLOC's sampler (averager process)
         #: the all-reduce deadline this engine was made with: each round's own (``DEADLINE_KEY``) stays within it
         self._bound_allreduce = kwargs.get("allreduce_timeout")
+
+    def shutdown(self) -> None:  # the host process
+        alive = self.is_alive()
+        super().shutdown()
+        if alive:  # hivemind told the state-serving thread to end: it must not outlive the interpreter's exit
+            state_thread.join(self, self.shutdown_timeout)
 
     def run(self) -> None:  # the averager process
         if self.dies_with_parent:  # a host SIGKILLed alone must not leave this process behind, an orphan

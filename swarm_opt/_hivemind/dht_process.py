@@ -11,19 +11,54 @@ with the user's process group (``kill -9 -PGID``, a closed terminal), so it asks
 parent dies (``PR_SET_PDEATHSIG``), and answers SIGTERM by killing its own group, itself and the daemon, at once
 (hivemind sends SIGTERM only to a DHT that did not shut down in time). Where ``prctl`` is missing (not Linux) the
 DHT stays in the caller's group, as plain hivemind does.
+
+The DHT process is forked from the trainer, usually after the model was built, and never reads a tensor it inherited.
+Their pages are shared with the trainer only until the trainer writes them, as it does at every step; from then on
+they are this process's own copy, held for nothing (400 MB for a 100M-parameter model: ``benchmarks/large_model.py``).
+So it frees them first thing (``drop_inherited_tensors``).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import sys
 
 from swarm_opt._hivemind.rebootstrap import WatchedDHT
-from swarm_opt._libc import die_with_parent
+from swarm_opt._libc import die_with_parent, malloc_trim
 
 
 def _kill_own_group(signum: int, frame: object) -> None:
     os.killpg(0, signal.SIGKILL)
+
+
+def drop_inherited_tensors() -> int:
+    """In a forked process that uses none of the tensors it inherited: give their memory back (each CPU storage not
+    in shared memory is resized to nothing; storages that cannot be resized, such as a numpy array's, are left).
+    Returns the bytes freed."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    freed, seen = 0, set()
+    for obj in gc.get_objects():
+        # by its type: ``isinstance`` would ask each object its ``__class__``, and some answer with a warning
+        if not issubclass(type(obj), torch.Tensor):
+            continue
+        try:
+            if obj.device.type != "cpu" or obj.is_shared():
+                continue
+            storage = obj.untyped_storage()
+            if storage.data_ptr() in seen or not storage.nbytes():
+                continue
+            seen.add(storage.data_ptr())
+            size = storage.nbytes()
+            storage.resize_(0)
+        except Exception:  # not resizable (a numpy array's), or a tensor subclass without storage: left as it is
+            continue
+        freed += size
+    malloc_trim()
+    return freed
 
 
 class OwnGroupDHT(WatchedDHT):
@@ -31,6 +66,7 @@ class OwnGroupDHT(WatchedDHT):
     Its ``shutdown()`` stops its re-bootstrapping watcher first (``swarm_opt._hivemind.rebootstrap``)."""
 
     def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
+        drop_inherited_tensors()
         # a SIGTERM before the handler is in place kills this process alone, before it has started the daemon
         if die_with_parent(signal.SIGTERM, self._parent_pid):
             os.setpgid(0, 0)  # before the handler: it kills the group this process is in

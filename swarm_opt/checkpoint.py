@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import math
 import os
 import re
@@ -40,6 +41,8 @@ import torch
 
 from swarm_opt.errors import CheckpointWriteError, ConfigError, IncompatibleStateError
 from swarm_opt.ranks import SOLO
+
+logger = logging.getLogger(__name__)
 
 _FORMAT = 1
 _NAME = re.compile(r"^epoch-(\d{8})\.pt$")
@@ -362,8 +365,16 @@ class Checkpointer:
         return path if self.keep_last else self.directory / "best.pt"
 
     def _prune(self) -> None:
+        """Delete the numbered checkpoints beyond ``keep_last``. One that cannot be deleted (the directory turned
+        read-only after the new checkpoint was written) stays, said in one line, until a later save deletes it:
+        the save itself succeeded."""
         for old in self.checkpoints()[:-self.keep_last] if self.keep_last else self.checkpoints():
-            old.unlink(missing_ok=True)
+            try:
+                old.unlink(missing_ok=True)
+            except OSError as e:
+                logger.warning(f"Could not delete the old checkpoint {old} ({e.strerror or e}); it is kept until a "
+                               f"later save deletes it")
+                return
 
     # --- loading ------------------------------------------------------------------------------------------------------
     def checkpoints(self) -> List[Path]:

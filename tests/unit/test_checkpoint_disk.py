@@ -4,6 +4,7 @@ works once the disk is fixed (real file systems: a tmpfs of a few MiB, see tests
 from __future__ import annotations
 
 import errno
+import logging
 
 import pytest
 import torch
@@ -61,3 +62,35 @@ def test_a_full_disk_and_a_read_only_directory_raise_one_line_and_keep_the_previ
             swarm_opt.Checkpointer(ckpt.directory)
         with pytest.raises(swarm_opt.CheckpointWriteError, match=r"cannot create the checkpoint directory"):
             swarm_opt.ScoredCheckpointer(ckpt.directory / "best", score=swarm_opt.Latest())
+
+
+def test_a_directory_that_turns_read_only_between_a_write_and_the_pruning_keeps_the_new_checkpoint(tmp_path,
+                                                                                                   monkeypatch,
+                                                                                                   caplog):
+    """The race the CLI met (``test_cli_disk``): the new checkpoint written, the old one's deletion refused. The save
+    succeeded: one line, and a later save deletes what is left over."""
+    opt, model = _Optimizer(), torch.nn.Linear(4, 2)
+    ckpt = swarm_opt.Checkpointer(tmp_path / "ckpt", every_epochs=1, keep_last=2)
+    first = ckpt.save(opt, model)
+    opt.local_epoch = 2
+    second = ckpt.save(opt, model)
+    real_unlink = type(first).unlink
+
+    def refused(self, missing_ok=False):  # the numbered checkpoints' deletion only (the write's own files go)
+        if self.name.startswith("epoch-"):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(first), "unlink", refused)
+    opt.local_epoch = 3
+    with caplog.at_level("WARNING", logger="swarm_opt.checkpoint"):
+        third = ckpt.save(opt, model)
+    assert ckpt.checkpoints() == [first, second, third]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"Could not delete the old checkpoint {first} (Read-only file system); it is kept until a later save deletes "
+        f"it"]
+    monkeypatch.setattr(type(first), "unlink", real_unlink)
+    opt.local_epoch = 4
+    fourth = ckpt.save(opt, model)
+    assert ckpt.checkpoints() == [third, fourth]
+    ckpt.close()

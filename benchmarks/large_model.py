@@ -31,6 +31,7 @@ import argparse
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -93,7 +94,7 @@ class Peer:
         testing.signal_group(self.proc, signal.SIGINT)
         try:
             return self.proc.wait(timeout)
-        except Exception:
+        except subprocess.TimeoutExpired:
             testing.kill([self.proc])
             return None
         finally:

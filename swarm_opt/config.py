@@ -41,7 +41,8 @@ class Timeouts:
     :param averaging_timeout: a round that has not finished this long after it was due is abandoned; the peer keeps
         its local progress and retries. Increase it for large models on slow links.
     :param state_download_timeout: a newcomer or a peer that fell behind gives up downloading the swarm's state after
-        this long and raises StateDownloadError.
+        this long and raises StateDownloadError, unless the state is arriving: a download goes on while it receives at
+        least 32 KiB/s, however large the state and slow the link (``swarm_opt.deadlines.DownloadDeadline``).
     :param adaptive: ``True`` (default): each round's averaging deadline follows the swarm's measured round times (a
         high quantile of this peer's recent committed rounds, with a wide margin) and ``averaging_timeout`` is its
         upper bound: a fast swarm drops a member that stopped sending mid-round within seconds, and a round that

@@ -14,6 +14,10 @@ the time it needs at its next round, and a slowly slowing one through the quanti
 joined (``swarm_opt._hivemind.averager``), so it is only the fallback for a group that is not complete, and
 shortening it was measured to cost more than it saves (hivemind's search converged in 3-4 s instead of 0.1-0.7 s
 once peers declared shorter or different expirations: benchmarks/NOTEBOOK.md).
+
+A state download's deadline (``DownloadDeadline``) moves on while the state keeps arriving: a user's
+``state_download_timeout`` cannot know the state's size and the link's speed (a 100M-parameter model's state takes
+~100 s at 100 Mbit/s), so it bounds the wait for a download to get going and each stall, not the transfer.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ MIN_ROUNDS, WINDOW = 5, 20
 QUANTILE = 0.9
 #: the shortest averaging deadline ever set (seconds): below it a loaded machine's jitter alone fails rounds
 MIN_AVERAGING_TIMEOUT = 10.0
+#: bytes per second a state download must keep receiving for its deadline to move on: below it a donor trickling
+#: its state (a liar, or a link too slow to be of use) holds the peer no longer
+MIN_DOWNLOAD_RATE = 32 * 1024
 #: deadline = matchmaking_time + margin x the quantile + slack: rounds may take several times their usual time
 AVERAGING_MARGIN, AVERAGING_SLACK = 3.0, 2.0
 
@@ -92,3 +99,23 @@ class RoundDeadlines:
     def now(self) -> Tuple[float, float]:
         """``(matchmaking_time, averaging_timeout)`` for the next round."""
         return self.timeouts.matchmaking_time, self.averaging_timeout
+
+
+class DownloadDeadline:
+    """When a state download gives up: ``timeout`` seconds after it began, moved ``window`` seconds on each time it
+    is reached while the state arrived at ``MIN_DOWNLOAD_RATE`` or faster since the last move (``received``: the
+    bytes received so far, a counter that only grows). ``window`` should exceed the time the downloader waits for a
+    donor's next chunk before it tries another donor, so that a switch of donors does not end the download."""
+
+    def __init__(self, timeout: float, window: float, *, now: float, received: float) -> None:
+        self.at, self.window = now + timeout, window
+        self._since, self._received = now, received
+
+    def moved(self, now: float, received: float) -> bool:
+        """At or after the deadline: move it on if the state still arrives fast enough, and say whether it did."""
+        if now < self.at:
+            return True
+        if received - self._received < MIN_DOWNLOAD_RATE * max(now - self._since, 0.0):
+            return False
+        self.at, self._since, self._received = now + self.window, now, received
+        return True

@@ -224,6 +224,9 @@ class Optimizer(torch.optim.Optimizer):
         self._rounds = RoundRunner(self._averager, lock=self._state_lock, on_commit=self._committed,
                                    await_target=self._await_target, agrees=self._agrees, grid=self._grid)
         self._bad_donors: set = set()  # peers that served a state the majority of the swarm disowned
+        #: the swarm's state downloaded as this peer joined, kept until its first step: a checkpoint loaded after
+        #: construction (and older) is then put under it again instead of downloaded twice (``_resume``)
+        self._joined_state: Optional[Tuple[Any, List[torch.Tensor], bytes]] = None
         self._clipping = None
         try:
             self._tracker.report(0, 0, params_digest=self._params_digest())
@@ -306,6 +309,9 @@ class Optimizer(torch.optim.Optimizer):
         if self._ranks.follows:  # this machine's rank 0 does the swarm's part of the step (swarm_opt.ranks)
             return self._ranks.follow(self, closure, batch_size)
         self._note_step_period()
+        if self._joined_state is not None:  # its tensors may be the inner optimizer's own, which this step changes
+            self._joined_state = None
+            malloc_trim()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -609,10 +615,10 @@ class Optimizer(torch.optim.Optimizer):
         """A newcomer to a swarm already at ``epoch``: download its state now, before the training loop computes a
         first step at this peer's initial parameters that the catch-up at that step would throw away. Within
         ``state_sync.NEWCOMER_PATIENCE``: failing that, ``step()`` catches up as for any peer behind."""
-        logger.info(f"The swarm is at epoch {epoch}: downloading its state before the first step (for up to "
-                    f"{state_sync.NEWCOMER_PATIENCE:.0f} s)")
+        logger.info(f"The swarm is at epoch {epoch}: downloading its state before the first step (giving up after "
+                    f"{state_sync.NEWCOMER_PATIENCE:.0f} s unless it is arriving)")
         try:
-            self.load_state_from_peers(timeout=state_sync.NEWCOMER_PATIENCE, _min_epoch=epoch)
+            self.load_state_from_peers(timeout=state_sync.NEWCOMER_PATIENCE, _min_epoch=epoch, _keep=True)
         except StateDownloadError as e:
             logger.info(f"{e}; catching up at the first step instead")
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
@@ -636,18 +642,21 @@ class Optimizer(torch.optim.Optimizer):
             self._next_catch_up = time.monotonic() + _CATCH_UP_BACKOFF
 
     def load_state_from_peers(self, timeout: Optional[float] = None, *, _min_epoch: int = 0,
-                              _donors: Sequence[Any] = ()) -> None:
+                              _donors: Sequence[Any] = (), _keep: bool = False) -> None:
         """Download parameters, optimizer, scheduler, epoch and strategy state from a peer of the swarm.
 
         Retries with backoff until ``timeout`` (default ``Timeouts.state_download_timeout``), then raises
-        ``StateDownloadError``. With a local group every rank calls it: rank 0 downloads, the others take its state.
+        ``StateDownloadError``; a download that still receives the state goes on past it
+        (``swarm_opt.deadlines.DownloadDeadline``). With a local group every rank calls it: rank 0 downloads, the
+        others take its state.
         """
         try:
-            self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors))
+            self._ranks.around_download(self, lambda: self._download_state(timeout, _min_epoch, _donors, _keep))
         finally:  # the downloaded state and the backup of ours, freed: glibc would keep their memory for itself
             malloc_trim()
 
-    def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any]) -> None:
+    def _download_state(self, timeout: Optional[float], _min_epoch: int, _donors: Sequence[Any],
+                        keep: bool = False) -> None:
         timeout = self.timeouts.state_download_timeout if timeout is None else timeout
         # a round in the background ends first; then each try's record reads (swarm_opt.ranks: the other ranks wait)
         settle = self.timeouts.averaging_timeout + self._averager.round_bound(self._epoch + 1) \
@@ -658,8 +667,10 @@ class Optimizer(torch.optim.Optimizer):
         deadline, delay, attempts = started + timeout, 0.5, 0
         while True:
             remaining = deadline - time.monotonic()
-            downloaded = self._averager.load_state(timeout=max(1.0, remaining), donors=_donors,
-                                                   exclude=tuple(self._bad_donors))
+            downloaded = self._averager.load_state(
+                timeout=max(1.0, remaining), donors=_donors, exclude=tuple(self._bad_donors),
+                on_extend=lambda seconds: self._ranks.expect(  # the state still arrives: the other ranks wait on
+                    self, seconds + 2 * state_sync.RECORDS_READ_TIMEOUT, "a download"))
             attempts, nobody_ahead = attempts + 1, False
             if downloaded is None:
                 reason = self._averager.last_download_failure
@@ -667,6 +678,8 @@ class Optimizer(torch.optim.Optimizer):
                 try:
                     epoch = self._apply_downloaded_state(*downloaded, min_epoch=_min_epoch)
                     logger.info(f"Loaded the swarm's state at epoch {epoch}")
+                    if keep:
+                        self._joined_state = downloaded
                     return
                 except IncompatibleStateError as e:
                     reason = f"a peer sent an unusable state ({e})"
@@ -777,9 +790,11 @@ class Optimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load what ``state_dict()`` returned (a checkpoint). A checkpoint older than the state this peer held (it
         downloaded the swarm's newer state as it joined: Hugging Face's ``Trainer`` and most loops load the
-        optimizer's checkpoint after building it) leaves its parameters ahead of its epoch: the peer catches up with
-        the swarm at once, as its next step would have (the checkpoint's own strategy state kept, as in any catch-up),
-        so that no step computes gradients at a state that never existed. On a machine of several ranks every rank
+        optimizer's checkpoint after building it) goes under the swarm's state again: the state downloaded at
+        joining, kept until the first step, is applied over it (the checkpoint's own strategy state and personal
+        parameters kept, as in any download); later, or if the swarm's records disown that state, the peer catches
+        up with the swarm at once, as its next step would have. So no step computes gradients at a state that never
+        existed. On a machine of several ranks every rank
         calls it (as it would ``torch.optim.Optimizer.load_state_dict``): rank 0 loads and catches up, and the other
         ranks take its state (``swarm_opt.ranks``)."""
         if self._ranks.follows:  # rank 0's state: the checkpoint's, or the swarm's; or the error rank 0 met
@@ -791,15 +806,27 @@ class Optimizer(torch.optim.Optimizer):
 
     def _resume(self, state_dict: Dict[str, Any], held: int) -> None:
         """``load_state_dict``'s work on the peer that speaks for its machine (``held``: its epoch before)."""
+        joined, self._joined_state = self._joined_state, None
         if not self._load_state_locally(state_dict):
             return
         self._mark_synced()  # our own history; if the swarm moved on, we catch up below (or step() does)
         self._tracker.report(self._epoch, 0, params_digest=self._params_digest())
         self._averager.offer_state(self._epoch)
-        if self._epoch < held:
-            logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
-                        f"{held}): catching up with the swarm")
-            self._catch_up(max(held, self._tracker.progress.epoch))
+        if self._epoch >= held:
+            return
+        if joined is not None:  # the swarm's state this peer joined with, over the checkpoint: as if loaded after it
+            saved = self._epoch
+            try:
+                self._apply_downloaded_state(*joined, min_epoch=held)
+                logger.info(f"The checkpoint is at epoch {saved}, older than the swarm's state this peer downloaded "
+                            f"as it joined: went on from the swarm's (epoch {self._epoch}), with this peer's own "
+                            f"state from the checkpoint")
+                return
+            except IncompatibleStateError as e:  # the swarm's records disown it now: download as below
+                logger.debug(f"The state downloaded at joining no longer fits: {e}")
+        logger.info(f"The checkpoint is at epoch {self._epoch}, older than the state this peer held (epoch "
+                    f"{held}): catching up with the swarm")
+        self._catch_up(max(held, self._tracker.progress.epoch))
 
     def _load_state_locally(self, state_dict: Dict[str, Any]) -> bool:
         """Load ``state_dict()``'s output into the inner optimizer, scheduler and strategy; True if it held an epoch

@@ -18,6 +18,7 @@ import random
 import signal
 import time
 from collections import OrderedDict
+from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -172,6 +173,7 @@ class _Engine(DecentralizedAverager):
         self._uploads_most = mp.Value("i", 0)  # the most it served at once (shared)
         self._uploads_declined = mp.Value("i", 0)  # downloads it sent to other donors, being busy (shared)
         self._uploads_served = mp.Value("i", 0)  # downloads it served to the end (shared)
+        self._downloaded = mp.Value("d", 0.0)  # bytes of state received from donors, ever (shared)
         self._traffic = Traffic()  # bytes of tensor parts sent and received in all-reduces (shared)
         #: peers an audited round showed lying as reducers, left out of groups for a while (averager process)
         self._liars: Suspensions[PeerID] = Suspensions(LIAR_BAN_SECONDS, LIAR_LONGEST_BAN_SECONDS)
@@ -727,11 +729,17 @@ class _Engine(DecentralizedAverager):
                               ) -> Any:
         """hivemind's, with the donor's peer id in the result ``(metadata, tensors, donor)``, the donors to ask in
         order (hivemind only asks those of highest priority on the DHT, which may be the ones to avoid), donors to
-        skip (they served a state that failed our checks), and at most ``max_bytes`` accepted from a donor."""
+        skip (they served a state that failed our checks), and at most ``max_bytes`` accepted from a donor.
+        Cancelling the future stops the download at the donor's next message; ``downloaded`` counts its bytes."""
         future = MPFuture()
         self._outer_pipe.send(("_load_state_from_peers", [], dict(timeout=timeout, future=future, donors=tuple(donors),
                                                                    exclude=tuple(exclude), max_bytes=max_bytes)))
         return future.result(timeout=timeout) if wait else future
+
+    @property
+    def downloaded(self) -> float:
+        """Bytes of state this peer received from donors so far (every download, whole or not)."""
+        return self._downloaded.value
 
     async def _announce(self, access: RunAccess) -> None:
         try:
@@ -742,6 +750,7 @@ class _Engine(DecentralizedAverager):
     async def _load_state_from_peers(self, future: MPFuture, timeout: Optional[float] = None,
                                      donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (),
                                      max_bytes: int = 2**62) -> None:
+        state = None
         try:
             if self.access is not None:  # a private run's donors serve only peers that wrote through its DHT
                 await self._announce(self.access)
@@ -749,19 +758,20 @@ class _Engine(DecentralizedAverager):
                 await self._listed_donors(exclude)
             chunk_timeout = self.next_chunk_timeout or self.request_timeout
             for donor in candidates:
-                if donor == self.peer_id or future.done():
+                if donor == self.peer_id or future.done():  # done: the host gave the download up
                     continue
                 try:
-                    state = await self._download_from(donor, chunk_timeout, max_bytes)
+                    state = await self._download_from(donor, chunk_timeout, max_bytes, future)
                 except Exception as e:  # a donor that left or misbehaved: the next one
                     logger.debug(f"Could not download the state from {donor}: {e!r}")
                     continue
                 if state is not None:
-                    future.set_result((*state, donor.to_bytes()))
-                    return
+                    state = (*state, donor.to_bytes())
+                    break
         finally:
-            if not future.done():
-                future.set_result(None)
+            with contextlib.suppress(InvalidStateError):  # the host cancelled it meanwhile
+                if not future.done():
+                    future.set_result(state)
 
     async def _listed_donors(self, exclude: Sequence[bytes]) -> List[PeerID]:
         """The donors listed on the DHT, most advanced first (ties in random order: newcomers spread over them)."""
@@ -775,14 +785,21 @@ class _Engine(DecentralizedAverager):
                   and math.isfinite(info.value)}
         return sorted(donors, key=donors.get, reverse=True)
 
-    async def _download_from(self, donor: PeerID, timeout: float, max_bytes: int) -> Optional[Tuple[Any, list]]:
-        """One donor's state as hivemind streams it: metadata in the first message, each tensor in parts."""
+    async def _download_from(self, donor: PeerID, timeout: float, max_bytes: int, future: MPFuture
+                             ) -> Optional[Tuple[Any, list]]:
+        """One donor's state as hivemind streams it: metadata in the first message, each tensor in parts; ``None``
+        once ``future`` is done (the host gave the download up: the rest is not read)."""
         stub = self.get_stub(self._p2p, donor, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, parts, tensors, received = None, [], [], 0
         async with contextlib.aclosing(stream):
             async for message in aiter_with_timeout(stream, timeout=timeout):
-                received += message.ByteSize()
+                if future.done():
+                    return None
+                size = message.ByteSize()
+                received += size
+                with self._downloaded.get_lock():
+                    self._downloaded.value += size
                 if received > max_bytes:
                     raise ValueError(f"the donor sent more than {max_bytes} bytes")
                 if message.metadata:

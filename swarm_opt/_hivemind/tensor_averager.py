@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -56,7 +57,7 @@ from swarm_opt.auth import RunAccess
 from swarm_opt.buffers import AveragingResult, all_finite, buffer_like
 from swarm_opt.compression import Compression, NoCompression, PowerSGD
 from swarm_opt.config import Timeouts
-from swarm_opt.deadlines import RoundDeadlines, RoundTiming
+from swarm_opt.deadlines import MIN_DOWNLOAD_RATE, DownloadDeadline, RoundDeadlines, RoundTiming
 from swarm_opt.gloo_lane import Gloo, GlooLane, LaneFailure, lane_codec_dtype, lane_key
 
 logger = logging.getLogger(__name__)
@@ -410,27 +411,53 @@ class TensorAverager:
         if control is not None and not control.done():
             cancel_step(control)
 
-    def load_state(self, timeout: float, *, donors: Sequence[bytes] = (), exclude: Sequence[bytes] = ()
+    def load_state(self, timeout: float, *, donors: Sequence[bytes] = (), exclude: Sequence[bytes] = (),
+                   on_extend: Callable[[float], None] = lambda seconds: None
                    ) -> Optional[Tuple[Any, List[torch.Tensor], bytes]]:
         """Download (metadata, tensors, donor's peer id) from the first of ``donors`` that serves its state, or
         without donors from the best donor listed on the DHT, never from one in ``exclude``; ``None`` if none sent
         its state, with why in ``last_download_failure``. A donor may send at most 16x the averaged tensors' size,
-        plus 64 MiB (optimizer state)."""
+        plus 64 MiB (optimizer state). Gives up ``timeout`` seconds after it began unless the state still arrives
+        (``swarm_opt.deadlines.DownloadDeadline``); ``on_extend(seconds)`` hears each move of the deadline."""
+        engine = self._engine
         try:
-            downloaded = self._engine.load_state_from_peers(
-                timeout=timeout, donors=[d.to_bytes() if isinstance(d, PeerID) else d for d in donors],
+            future = engine.load_state_from_peers(
+                wait=False, timeout=timeout, donors=[d.to_bytes() if isinstance(d, PeerID) else d for d in donors],
                 exclude=exclude, max_bytes=16 * self._state_bytes + 2**26)
-        except concurrent.futures.TimeoutError:
-            return self._download_failed(f"no donor sent its state within {timeout:.0f} s")
+        except Exception as e:  # the averager process is gone
+            return self._download_broke(e)
+        started, before = time.monotonic(), engine.downloaded
+        deadline = DownloadDeadline(timeout, self.timeouts.next_chunk_timeout + self.timeouts.request_timeout,
+                                    now=started, received=before)
+        while not future.done():
+            at = deadline.at
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                future.exception(timeout=max(0.0, at - time.monotonic()))
+            if future.done():
+                break
+            if not deadline.moved(time.monotonic(), engine.downloaded):
+                future.cancel()  # the averager process stops reading at the donor's next message
+                received = engine.downloaded - before
+                return self._download_failed(
+                    f"no donor sent its state within {timeout:.0f} s" if not received else
+                    f"the state arrived slower than {MIN_DOWNLOAD_RATE // 1024} KiB/s ({received / 1e6:.3g} MB in "
+                    f"{time.monotonic() - started:.3g} s)")
+            if deadline.at != at:
+                on_extend(deadline.window)
+        try:
+            downloaded = future.result()
         except Exception as e:  # the averager process or its connection broke: say how
-            logger.debug("State download failed: %r", e)
-            return self._download_failed(f"the download failed ({type(e).__name__}: {_reason(e)})")
+            return self._download_broke(e)
         if downloaded is None:
             # every donor listed for this run and model was tried: none is listed, or each download failed (each
             # donor's error is logged at DEBUG)
             return self._download_failed("no peer sent its state (none listed, or each download failed: see the "
                                          "DEBUG log of swarm_opt._hivemind.engine)")
         return downloaded
+
+    def _download_broke(self, error: Exception) -> None:
+        logger.debug("State download failed: %r", error)
+        return self._download_failed(f"the download failed ({type(error).__name__}: {_reason(error)})")
 
     def _download_failed(self, reason: str) -> None:
         """``load_state``'s result for a download that failed: ``None``, with ``reason`` kept in

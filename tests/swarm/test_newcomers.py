@@ -118,6 +118,38 @@ def test_newcomers_arriving_together_join_a_founder_that_trained_alone():
             dht.shutdown()
 
 
+def test_a_newcomer_that_loads_an_older_checkpoint_after_joining_keeps_the_swarms_state_without_downloading_again(
+        caplog):
+    """A peer restarted with its checkpoint downloads the swarm's newer state while its optimizer is built, then its
+    loop loads the checkpoint (the CLI, Hugging Face's Trainer and Lightning all do it in that order): the state it
+    joined with goes over the checkpoint again, with no second download (which over a slow link costs as much as the
+    first), and it steps first at the swarm's state."""
+    dhts = [hivemind.DHT(host_maddrs=LOOPBACK, start=True)]
+    models, opts = [torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)], []
+    try:
+        opts.append(_optimizer(dhts[0], models[0]))
+        while opts[0].local_epoch < 1:
+            _train_step(opts[0], models[0])
+        checkpoint = {"model": {k: v.clone() for k, v in models[0].state_dict().items()},
+                      "optimizer": opts[0].state_dict()}  # the restarted peer's, saved at epoch 1
+        while opts[0].local_epoch < 3:
+            _train_step(opts[0], models[0])
+        dhts.append(hivemind.DHT(initial_peers=dhts[0].get_visible_maddrs(), host_maddrs=LOOPBACK, start=True))
+        opts.append(_optimizer(dhts[1], models[1]))
+        assert opts[1].local_epoch == 3 and opts[0]._averager.uploads.served == 1
+        with caplog.at_level("INFO", "swarm_opt"):
+            models[1].load_state_dict(checkpoint["model"])  # what Checkpointer.restore does
+            opts[1].load_state_dict(checkpoint["optimizer"])
+        assert opts[1].local_epoch == 3 and torch.equal(models[1].weight, models[0].weight)
+        assert opts[0]._averager.uploads.served == 1  # the state was downloaded once
+        assert "older than the swarm's state this peer downloaded as it joined" in caplog.text
+    finally:
+        for opt in opts:
+            opt.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+
+
 def _train_step(opt, model):
     opt.zero_grad()
     model(torch.ones(8, 16)).sum().backward()

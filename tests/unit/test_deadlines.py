@@ -3,7 +3,15 @@
 import pytest
 
 from swarm_opt import Timeouts
-from swarm_opt.deadlines import MIN_AVERAGING_TIMEOUT, MIN_ROUNDS, RoundDeadlines, RoundTiming, quantile
+from swarm_opt.deadlines import (
+    MIN_AVERAGING_TIMEOUT,
+    MIN_DOWNLOAD_RATE,
+    MIN_ROUNDS,
+    DownloadDeadline,
+    RoundDeadlines,
+    RoundTiming,
+    quantile,
+)
 from swarm_opt.errors import ConfigTypeError
 
 FAST, SLOW = RoundTiming(waited=0.05, averaged=0.1), RoundTiming(waited=1.0, averaged=6.0)
@@ -59,3 +67,20 @@ def test_round_timing_and_quantile_inputs():
         Timeouts(adaptive="yes")
     assert quantile([3.0, 1.0, 2.0], 0.9) == 3.0
     assert quantile([float(i) for i in range(1, 21)], 0.9) == 18.0
+
+
+def test_a_download_deadline_moves_on_while_the_state_arrives_fast_enough_and_only_then():
+    deadline = DownloadDeadline(15.0, 23.0, now=100.0, received=5e6)  # the counter counts earlier downloads too
+    assert deadline.at == 115.0
+    assert deadline.moved(110.0, 5e6) and deadline.at == 115.0  # before the deadline: nothing to decide
+    assert deadline.moved(115.0, 5e6 + MIN_DOWNLOAD_RATE * 15) and deadline.at == 138.0  # exactly the floor rate
+    assert deadline.moved(138.0, 5e6 + MIN_DOWNLOAD_RATE * 15 + 1e8) and deadline.at == 161.0  # a fast link
+    # a window below the floor rate (a donor trickling, or a stalled one): the download ends, whatever came before
+    assert not deadline.moved(161.0, 5e6 + MIN_DOWNLOAD_RATE * 15 + 1e8 + MIN_DOWNLOAD_RATE * 22)
+    assert deadline.at == 161.0
+
+
+def test_a_download_that_receives_nothing_ends_at_its_timeout():
+    deadline = DownloadDeadline(3.0, 23.0, now=0.0, received=0.0)
+    assert not deadline.moved(3.0, 0.0)
+    assert not deadline.moved(3.5, MIN_DOWNLOAD_RATE)  # 32 KiB in 3.5 s: below the rate

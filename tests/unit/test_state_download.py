@@ -3,40 +3,75 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
+
+import pytest
 
 from swarm_opt._hivemind.tensor_averager import TensorAverager
+from swarm_opt.config import Timeouts
+from swarm_opt.deadlines import MIN_DOWNLOAD_RATE
 
 
 class _Engine:
-    def __init__(self, outcome):
-        self.outcome = outcome
+    """The averager process's side of a download: ``outcome`` (the result, or an exception raised by the call), after
+    ``seconds``, with ``rate`` bytes per second arriving until then (``downloaded``)."""
 
-    def load_state_from_peers(self, timeout=None, donors=(), exclude=(), max_bytes=None):
+    def __init__(self, outcome, seconds: float = 0.0, rate: float = 0.0):
+        self.outcome, self.seconds, self.rate = outcome, seconds, rate
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def load_state_from_peers(self, wait=True, timeout=None, donors=(), exclude=(), max_bytes=None):
         if isinstance(self.outcome, BaseException):
             raise self.outcome
-        return self.outcome
+        self.started = time.monotonic()
+        if self.seconds == 0.0:
+            self.future.set_result(self.outcome)
+        else:
+            threading.Timer(self.seconds, lambda: self.future.done() or self.future.set_result(self.outcome)).start()
+        return self.future
+
+    @property
+    def downloaded(self) -> float:
+        return self.rate * (min(time.monotonic() - self.started, self.seconds) if hasattr(self, "started") else 0.0)
 
 
-def _averager(outcome) -> TensorAverager:
+def _averager(engine) -> TensorAverager:
     averager = TensorAverager.__new__(TensorAverager)  # no network: only load_state's bookkeeping is under test
-    averager._engine = _Engine(outcome)
+    averager._engine = engine if isinstance(engine, _Engine) else _Engine(engine)
     averager._state_bytes = 1024
+    # a window of 0.15 s (next_chunk_timeout 0.1 + request_timeout 0.05) in which the state must keep arriving
+    averager.timeouts = Timeouts(matchmaking_time=0.1, averaging_timeout=0.3)
     return averager
 
 
 def test_each_kind_of_failed_download_keeps_its_reason():
     cases = [(None, "no peer sent its state"),
-             (concurrent.futures.TimeoutError(), "no donor sent its state within 7 s"),
+             (_Engine(("state", [], b""), seconds=60.0), "no donor sent its state within 1 s"),
              (BrokenPipeError("the averager process is gone"), "BrokenPipeError: the averager process is gone")]
     for outcome, reason in cases:
         averager = _averager(outcome)
-        assert averager.load_state(timeout=7.0) is None
+        assert averager.load_state(timeout=1.0) is None
         assert reason in averager.last_download_failure
+    assert cases[1][0].future.cancelled()  # the averager process stops reading what nobody waits for
 
 
 def test_a_download_returns_what_the_donor_sent():
     state = ({"epoch": 3}, [])
     assert _averager(state).load_state(timeout=1.0) is state
+
+
+def test_a_download_that_keeps_receiving_goes_on_past_its_timeout_and_one_that_trickles_does_not():
+    state, moved = ({"epoch": 3}, []), []
+    arriving = _averager(_Engine(state, seconds=1.5, rate=4 * MIN_DOWNLOAD_RATE))
+    assert arriving.load_state(timeout=0.5, on_extend=moved.append) is state
+    assert moved and all(seconds == pytest.approx(0.15) for seconds in moved)  # the other ranks hear each move
+    trickling = _averager(_Engine(state, seconds=1.5, rate=MIN_DOWNLOAD_RATE / 4))
+    started = time.monotonic()
+    assert trickling.load_state(timeout=0.5) is None
+    assert time.monotonic() - started < 1.2
+    assert "arrived slower than 32 KiB/s" in trickling.last_download_failure
+    assert trickling._engine.future.cancelled()
 
 
 def _control(kind=None):

@@ -1,5 +1,5 @@
 """A state larger than a slow link carries within the download deadlines: two hosts (network namespaces) whose links
-``tc tbf`` limits to 2 Mbit/s, a donor whose state (~5.6 MB) takes ~22 s to cross, and a newcomer whose download
+``tc tbf`` limits to 2 Mbit/s, a donor whose state (~4.6 MB) takes ~19 s to cross, and a newcomer whose download
 before its first step would give up after 15 s if the state were not arriving. Skipped, with the reason, where
 namespaces cannot be created (not root, no iproute2); in CI here it runs."""
 

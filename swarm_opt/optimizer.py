@@ -794,15 +794,17 @@ class Optimizer(torch.optim.Optimizer):
         joining, kept until the first step, is applied over it (the checkpoint's own strategy state and personal
         parameters kept, as in any download); later, or if the swarm's records disown that state, the peer catches
         up with the swarm at once, as its next step would have. So no step computes gradients at a state that never
-        existed. On a machine of several ranks every rank
-        calls it (as it would ``torch.optim.Optimizer.load_state_dict``): rank 0 loads and catches up, and the other
-        ranks take its state (``swarm_opt.ranks``)."""
+        existed. On a machine of several ranks every rank calls it (as it would ``torch.optim.Optimizer.
+        load_state_dict``): rank 0 loads and catches up, and the other ranks take its state (``swarm_opt.ranks``)."""
         if self._ranks.follows:  # rank 0's state: the checkpoint's, or the swarm's; or the error rank 0 met
             self._ranks.around_download(self, lambda: None)
             return
         held = self._epoch
         self._rounds.settle()
-        self._ranks.around_download(self, lambda: self._resume(state_dict, held))
+        try:
+            self._ranks.around_download(self, lambda: self._resume(state_dict, held))
+        finally:  # the state replaced (and the one kept from joining), freed: glibc would keep their memory
+            malloc_trim()
 
     def _resume(self, state_dict: Dict[str, Any], held: int) -> None:
         """``load_state_dict``'s work on the peer that speaks for its machine (``held``: its epoch before)."""

@@ -16,6 +16,8 @@ from swarm_opt import testing
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
+#: what a peer says when it loads a checkpoint older than the swarm's state it held (``Optimizer.load_state_dict``)
+OLDER_CHECKPOINT = r"older than the (state this peer held|swarm's state this peer downloaded as it joined)"
 
 
 class Swarm:

@@ -1,7 +1,7 @@
 """A state larger than a slow link carries within the download deadlines: two hosts (network namespaces) whose links
 ``tc tbf`` limits to 2 Mbit/s, a donor whose state (~4.6 MB) takes ~19 s to cross, and a newcomer whose download
 before its first step would give up after 15 s if the state were not arriving. Skipped, with the reason, where
-namespaces cannot be created (not root, no iproute2); in CI here it runs."""
+namespaces cannot be created (not root, no iproute2). One of the extended scenarios."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def hosts():
 
 
 @pytest.mark.swarm
+@pytest.mark.extended  # 28 s: the default suite stays within 20 minutes (its rule: tests/unit/test_state_download.py)
 @pytest.mark.timeout(240)
 def test_a_newcomer_downloads_a_state_that_takes_longer_than_its_patience_over_a_slow_link(hosts, tmp_path):
     donor_log, newcomer_log = tmp_path / "donor.log", tmp_path / "newcomer.log"

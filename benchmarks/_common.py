@@ -45,6 +45,24 @@ def quantiles(values: Sequence[float]) -> Dict[str, float]:
             "n": int(arr.size), "min": float(arr.min()), "max": float(arr.max())}
 
 
+def require_test_hosts(what: str = "") -> None:
+    """Exit with why, where this machine cannot make test hosts (network namespaces: root and iproute2 needed);
+    ``what`` needs them (default: this script)."""
+    from tests.hosts import namespaces_unavailable
+
+    reason = namespaces_unavailable()
+    if reason:
+        raise SystemExit(f"{what or os.path.basename(sys.argv[0])} needs test hosts: {reason}")
+
+
+def link_hosts(n: int, rate: str) -> Any:
+    """``n`` test hosts (``tests/hosts.py``) on one bridge, each one's outgoing link limited to ``rate`` by ``tc tbf``
+    with a bucket fit for that rate."""
+    from tests.hosts import Hosts, burst_for
+
+    return Hosts(n, rate=rate, burst=burst_for(rate))
+
+
 def machine() -> Dict[str, Any]:
     import torch
 

@@ -85,7 +85,9 @@ from _common import (  # also puts the repo on sys.path for swarm_opt
     kill_all,
     launch,
     leftovers,
+    link_hosts,
     quantiles,
+    require_test_hosts,
     table,
     wait_all,
     wait_for,
@@ -431,9 +433,7 @@ def run_world(args: argparse.Namespace, world: int, helpers: int, tmp: Path) -> 
     procs, logs = [], []
     hosts, link_mbit_s = None, None
     if args.link:  # one test host (network namespace) per worker, each one's outgoing link limited by tc tbf
-        from tests.hosts import Hosts, burst_for
-
-        hosts = Hosts(world, rate=args.link, burst=burst_for(args.link))
+        hosts = link_hosts(world, args.link)
     address = (lambda rank: hosts.address(rank)) if hosts else (lambda rank: "127.0.0.1")
     try:
         if hosts:
@@ -526,11 +526,7 @@ def main() -> None:
         return helper(args)
 
     if args.link:
-        from tests.hosts import namespaces_unavailable
-
-        reason = namespaces_unavailable()
-        if reason:
-            raise SystemExit(f"--link needs test hosts: {reason}")
+        require_test_hosts("--link")
         if args.helpers != [0]:
             raise SystemExit("--link runs no helpers: drop --helpers")
     print(f"command: {command_line()}", flush=True)

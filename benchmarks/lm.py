@@ -52,7 +52,18 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from _common import REPO, RESULTS_DIR, join_loopback_swarm, kill_all, launch, leftovers, table, tail, write_json
+from _common import (
+    RESULTS_DIR,
+    join_loopback_swarm,
+    kill_all,
+    launch,
+    leftovers,
+    link_hosts,
+    require_test_hosts,
+    table,
+    tail,
+    write_json,
+)
 
 PEERS = 4
 #: the systems of the slow link (the DiLoCo family's goals are set at 100 Mbit/s)
@@ -571,16 +582,11 @@ def main() -> None:
                              f"{steps_per_round(system, args)} local steps per round: the last round would "
                              f"be cut, and the tokens would differ")
 
-    sys.path.insert(0, str(REPO))
-    from tests.hosts import Hosts, burst_for, namespaces_unavailable
-
-    reason = namespaces_unavailable()
-    if reason:
-        raise SystemExit(f"lm.py needs test hosts: {reason}")
+    require_test_hosts()
     started, results = time.time(), {}
     for i, rate in enumerate(args.rates):
         chosen = args.fast_systems if i == 0 and len(args.rates) > 1 else args.systems
-        hosts = Hosts(PEERS, rate=rate, burst=burst_for(rate))
+        hosts = link_hosts(PEERS, rate)
         hosts.rate = rate
         try:
             link = hosts.measure_link()

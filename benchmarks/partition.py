@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Set
 
-from _common import REPO, table, write_json
+from _common import require_test_hosts, table, write_json
 
 SCENARIOS: Dict[str, tuple] = {"1of5": (5, [{2}]), "2of6": (6, [{2, 5}]), "2of6-apart": (6, [{2}, {5}])}
 DROPPED = re.compile(r"\((\d+) local samples dropped\)")
@@ -97,12 +97,7 @@ def main() -> None:
     parser.add_argument("--out", default="partition.json", help="the JSON's name under benchmarks/results/")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(REPO))
-    from tests.hosts import namespaces_unavailable
-
-    reason = namespaces_unavailable()
-    if reason:
-        raise SystemExit(f"partition.py needs test hosts: {reason}")
+    require_test_hosts()
     runs: List[Dict[str, Any]] = []
     started = time.time()
     for scenario in args.scenarios:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _common import REPO, kill_all, table, write_json
+from _common import kill_all, link_hosts, require_test_hosts, table, write_json
 
 from swarm_opt import state_sync, testing
 
@@ -55,13 +55,8 @@ def main() -> None:
                         help="the linear layer's widths: 680 -> 5.6 MB of state, 2048 -> 50 MB, 5800 -> 404 MB")
     parser.add_argument("--out", default="slow_download.json", help="the JSON's name under benchmarks/results/")
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
-    from tests.hosts import Hosts, burst_for, namespaces_unavailable
-
-    reason = namespaces_unavailable()
-    if reason:
-        raise SystemExit(f"slow_download.py needs test hosts: {reason}")
-    hosts = Hosts(2, rate=args.rate, burst=burst_for(args.rate))
+    require_test_hosts()
+    hosts = link_hosts(2, args.rate)
     runs: List[Dict[str, Any]] = []
     started = time.time()
     try:

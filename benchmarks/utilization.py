@@ -36,7 +36,17 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from _common import REPO, join_loopback_swarm, kill_all, launch, leftovers, table, tail, write_json
+from _common import (
+    join_loopback_swarm,
+    kill_all,
+    launch,
+    leftovers,
+    link_hosts,
+    require_test_hosts,
+    table,
+    tail,
+    write_json,
+)
 
 PEERS = 4
 BATCH = 32
@@ -236,13 +246,8 @@ def main() -> None:
         worker(args)
         return
 
-    sys.path.insert(0, str(REPO))
-    from tests.hosts import Hosts, burst_for, namespaces_unavailable
-
-    reason = namespaces_unavailable()
-    if reason:
-        raise SystemExit(f"utilization.py needs test hosts: {reason}")
-    hosts = Hosts(PEERS, rate=args.rate, burst=burst_for(args.rate))
+    require_test_hosts()
+    hosts = link_hosts(PEERS, args.rate)
     runs: List[Dict[str, Any]] = []
     started = time.time()
     try:

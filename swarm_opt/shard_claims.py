@@ -51,21 +51,26 @@ def _least_loaded(claims: Dict[str, int], count: int) -> Tuple[List[int], List[i
     return load, [i for i in range(count) if load[i] == least]
 
 
-def claim_shard(dht: Any, run_id: str, count: int, *, seed: int, rounds: int = 6,
+def claim_shard(dht: Any, run_id: str, count: int, *, seed: int, rounds: int = 12,
                 settle: float = 0.3) -> Tuple[DataShard, Beacon]:
     """Claim a shard of ``count`` for this peer (``dht``'s peer id) and keep the claim alive until the returned
-    beacon's ``stop()``. Reads the claims back after each pick (``rounds`` at most, ``settle`` s apart) and moves
-    while a peer with a smaller id holds the same shard and a less-claimed one exists."""
+    beacon's ``stop()``. Reads the claims back after every pick (``settle`` s later, ``rounds`` picks at most) and
+    moves while a peer with a smaller id holds the same shard and a less-claimed one exists: the claim returned is
+    one that a read confirmed, unless ``rounds`` picks in a row collided."""
     own = str(dht.peer_id)
     rng = random.Random(own)  # ties drawn per peer: peers starting together rarely pick alike
     beacon = Beacon(dht, claims_key(run_id), own, None, period=CLAIM_PERIOD, ttl=CLAIM_TTL, name="ShardClaim")
     index = -1
-    for _ in range(rounds):
+    for picks in range(rounds + 1):
         claims = read_claims(dht, run_id, count, own=own)
         load, least = _least_loaded(claims, count)
         if index >= 0:
             rivals = [peer for peer, claimed in claims.items() if claimed == index]
             if not rivals or load[index] <= load[least[0]] or own < min(rivals):
+                break
+            if picks == rounds:
+                logger.debug("Data shard %s/%s is still claimed by %s after %s picks: keeping it", index, count,
+                             min(rivals), rounds)
                 break
             logger.debug("Data shard %s/%s is claimed by %s too: moving on", index, count, min(rivals))
         index = rng.choice(least)

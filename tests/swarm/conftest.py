@@ -16,6 +16,7 @@ from swarm_opt import testing
 
 PEER_SCRIPT = Path(__file__).with_name("peer.py")
 REPO = Path(__file__).resolve().parents[2]
+LOG_TAIL = 40  # lines of each peer's log shown under a failed swarm test
 #: what a peer says when it loads a checkpoint older than the swarm's state it held (``Optimizer.load_state_dict``)
 OLDER_CHECKPOINT = r"older than the (state this peer held|swarm's state this peer downloaded as it joined)"
 
@@ -98,6 +99,20 @@ class Swarm:
 
     def kill_all(self) -> None:
         testing.kill(self.procs.values())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """When a test of the ``swarm`` fixture fails, its report ends with the tail of every peer's log: why a round
+    failed or a peer caught up is what a failure on a CI machine, whose files are gone, needs first."""
+    outcome = yield
+    report = outcome.get_result()
+    swarm = getattr(item, "funcargs", {}).get("swarm")
+    if report.when == "call" and report.failed and isinstance(swarm, Swarm):
+        for log in sorted(swarm.tmp.glob("peer*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            report.sections.append((f"{log.name} (last {min(len(lines), LOG_TAIL)} lines)",
+                                    "\n".join(lines[-LOG_TAIL:])))
 
 
 @pytest.fixture

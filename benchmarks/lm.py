@@ -22,7 +22,8 @@ run, so that each sees the same load):
 * ``swarm_opt/grad``, ``swarm_opt/grad+overlap`` (``Overlap()``), ``swarm_opt/grad/powersgd4``: gradient averaging on
   hivemind's path; ``lane/grad``, ``lane/grad+overlap``: the same over the gloo lane (``transport=Gloo(host=...)``);
 * ``swarm_opt/dilocoH/CODEC``: DiLoCo with ``H`` inner steps, outer Nesterov SGD (lr 0.7, momentum 0.9), the
-  pseudo-gradients sent in fp32, fp16 (``Float16``), 8 bits (``Int8Blockwise``) or ``TopK(0.01)``.
+  pseudo-gradients sent in fp32, fp16 (``Float16``), 8 bits (``Int8Blockwise``) or ``TopK(0.01)``;
+  ``swarm_opt/dilocoH+overlap/CODEC``: the same with ``Overlap()`` (the inner steps go on while a round averages).
 
 Per system: validation loss and perplexity at equal tokens (rank 0's model, all 512 held-out windows), tokens/s (wall
 time with evaluations taken out), compute utilization (seconds in forward+backward / wall seconds; DDP's all-reduce
@@ -92,7 +93,7 @@ def steps_per_round(system: str, args: argparse.Namespace) -> int:
     micro-steps per global batch (``--global-batch``, or the system's ``@GLOBAL_BATCH``)."""
     _, strategy, _ = parse_system(system)
     if strategy.startswith("diloco"):
-        return int(strategy[len("diloco"):])
+        return int(strategy[len("diloco"):].split("+")[0])
     if strategy == "local":
         return args.local_h
     global_batch = int(system.split("@")[1]) if "@" in system else args.global_batch
@@ -146,11 +147,12 @@ def make_swarm_optimizer(args: argparse.Namespace, dht: Any, model: Any, lr: flo
 
     family, strategy, codec = parse_system(args.system)
     h = steps_per_round(args.system, args)
+    overlap = swarm_opt.Overlap() if strategy.endswith("+overlap") else None
     if strategy.startswith("diloco"):
         algorithm = swarm_opt.DiLoCo(
-            outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True))
+            outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True), overlap=overlap)
     elif strategy == "grad+overlap":
-        algorithm = swarm_opt.GradientAveraging(overlap=swarm_opt.Overlap())
+        algorithm = swarm_opt.GradientAveraging(overlap=overlap)
     else:
         algorithm = swarm_opt.GradientAveraging()
     codecs: Dict[str, Callable[[], Any]] = {

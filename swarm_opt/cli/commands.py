@@ -298,6 +298,8 @@ OPTIONS: Dict[str, List[_Option]] = {
                 "instead of the gradients, so that a robust --aggregation tells attackers from honest noise; the "
                 "inner SGD then has no momentum of its own (raise --lr about 1/(1-BETA) times)", type=worker_momentum,
                 metavar="BETA"),
+        _Option("--overlap", "grad and diloco: average each round in the background while this peer trains on "
+                "(rounds cost no compute time; the steps made meanwhile are one update stale)", is_switch=True),
         _Option("--optimizer", "inner optimizer", choices=("sgd", "adam"), default="sgd"),
         _Option("--lr", "inner learning rate", type=positive_float, default=0.1),
         _Option("--momentum", "SGD momentum (default 0.9; 0 with --worker-momentum)", type=non_negative_float),

@@ -45,10 +45,10 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
     strategy = registered.get(args.strategy)
     if strategy is None:
         raise ConfigError(f"unknown strategy '{args.strategy}'; choose one of {', '.join(registered)}")
-    for name, other in registered.items():
-        for dest in other.cli_options:
-            if dest not in strategy.cli_options and _given(args, dest):
-                raise ConfigError(f"--{dest.replace('_', '-')} applies to --strategy {name}, not {args.strategy}")
+    for dest in {dest for other in registered.values() for dest in other.cli_options} - set(strategy.cli_options):
+        if _given(args, dest):
+            names = " or ".join(name for name, other in registered.items() if dest in other.cli_options)
+            raise ConfigError(f"--{dest.replace('_', '-')} applies to --strategy {names}, not {args.strategy}")
     return strategy.from_options({dest: getattr(args, dest) for dest in strategy.cli_options})
 
 

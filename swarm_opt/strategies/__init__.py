@@ -33,7 +33,7 @@ REGISTRY: List[StrategyRow] = [
 
 #: the other public names of this package (the base, and the options strategies take): name -> module
 HELPERS: Dict[str, str] = {
-    "Strategy": "base", "Overlap": "grad_averaging", "WorkerMomentum": "grad_averaging", "Anchored": "local_updates",
+    "Strategy": "base", "Overlap": "base", "WorkerMomentum": "grad_averaging", "Anchored": "local_updates",
     "AdaptiveMu": "adaptive", "KeepLocal": "partial", "DriftedLayers": "partial", "PeerDP": "peer_dp",
     "AdaptiveClip": "peer_dp",
 }

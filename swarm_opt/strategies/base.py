@@ -19,6 +19,7 @@ when rounds are measured from the swarm's starting point ``x``, on ``Anchored`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,6 +33,24 @@ from swarm_opt.groups import ONE_GROUP, RoundPlan
 #: instead of going on from its own (``Strategy.keeps_local_state_when_behind``: its work is averaged back in if it
 #: rejoins sooner)
 MAX_ROUNDS_ON_LOCAL_STATE = 3
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Average each round in the background while the peer trains on: ``GradientAveraging(overlap=Overlap())``,
+    ``DiLoCo(..., overlap=Overlap())``.
+
+    When the swarm reaches the global batch, the peer sets the round's values aside and goes on computing; the round
+    is applied at the first ``step()`` after its all-reduce finished, so the all-reduce costs no compute time.
+    **Staleness:** the steps computed while a round is in flight use parameters one update behind (gradient
+    averaging: their gradients are one step stale, as with hivemind's ``delay_optimizer_step``; DiLoCo: the outer
+    step lands on top of the inner steps made meanwhile). Never more than one update: a round starts only after the
+    previous one was applied. A round that fails gives its values back to the next round, as without overlap, and
+    it does not change the maths of a round: every member applies the same update.
+
+    Costs one more fp32 buffer per parameter (the round set aside while training goes on). Worth it when the
+    all-reduce takes a noticeable share of the time between rounds (large models, slow links).
+    """
 
 
 class Round(ABC):

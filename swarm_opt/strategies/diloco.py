@@ -19,7 +19,9 @@ import torch
 from swarm_opt.buffers import AveragingResult
 from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
+from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.strategies.anchor import entry
+from swarm_opt.strategies.base import Overlap, Round
 from swarm_opt.strategies.local_updates import Anchored
 from swarm_opt.strategies.partial import DriftedLayers, KeepLocal
 from swarm_opt.strategies.peer_dp import PeerDP
@@ -41,6 +43,14 @@ class DiLoCo(Anchored):
     :param exchange: ``KeepLocal(model, where)``: parameters that never leave this peer, trained by the inner
         optimizer alone (the outer optimizer steps on the averaged ones). ``select=`` and ``peer_dp=`` are refused
         (``Anchored``).
+    :param overlap: ``Overlap()``: a round averages in the background while the inner steps go on (as Streaming
+        DiLoCo overlaps them, with its full overlap); when it ends, the outer step moves ``x`` and the parameters
+        move by as much as ``x`` did since the round's snapshot, keeping the inner steps made meanwhile (they count
+        in the next round's pseudo-gradient, measured from the new ``x``). Every peer still holds the same ``x``
+        after a round; a failed round gives nothing back, since the next pseudo-gradient, measured from the same
+        ``x``, holds its steps too. In groups too (``x`` and the outer momentum, which only the outer step changes,
+        travel as they are). Not with ``average_optimizer_state``: the inner steps would change those statistics
+        under the round. One more fp32 copy of the averaged parameters.
 
     A peer that missed a round downloads the swarm's state: the anchor and outer optimizer must be the swarm's.
 
@@ -54,19 +64,30 @@ class DiLoCo(Anchored):
     outer: Optional[torch.optim.Optimizer] = None  # made at ``bind``
     dp_safe = True  # the round's change comes from DP-SGD steps
     supports_groups = True
-    cli_options = ("outer_lr", "outer_momentum")
+    cli_options = ("outer_lr", "outer_momentum", "overlap")
+    cli_settings = ("outer_lr", "outer_momentum")  # peers with and without overlap average together
 
     @classmethod
     def from_options(cls, options: Dict[str, Any]) -> DiLoCo:
-        """The outer Nesterov SGD of ``--outer-lr`` and ``--outer-momentum``."""
+        """The outer Nesterov SGD of ``--outer-lr`` and ``--outer-momentum``, in the background with ``--overlap``."""
         lr, momentum = options["outer_lr"], options["outer_momentum"]
-        return cls(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0))
+        return cls(outer_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum, nesterov=momentum > 0),
+                   overlap=Overlap() if options["overlap"] else None)
 
     def __init__(self, outer_optimizer: OuterFactory, *, average_optimizer_state: Sequence[str] = (),
                  exchange: Optional[KeepLocal] = None, select: Optional[DriftedLayers] = None,
-                 peer_dp: Optional[PeerDP] = None) -> None:
+                 peer_dp: Optional[PeerDP] = None, overlap: Optional[Overlap] = None) -> None:
         super().__init__(average_optimizer_state=average_optimizer_state, exchange=exchange, select=select,
                          peer_dp=peer_dp)
+        if overlap is not None and not isinstance(overlap, Overlap):
+            raise ConfigTypeError(f"overlap must be swarm_opt.Overlap() or None, got {overlap!r}")
+        if overlap is not None and self.average_optimizer_state:
+            raise ConfigError("DiLoCo(overlap=Overlap()) averages pseudo-gradients while the inner steps go on; the "
+                              "inner optimizer's statistics (average_optimizer_state) would change under the round: "
+                              "drop one of them")
+        self.overlap = overlap
+        self._held: Optional[_HeldChange] = None  # a round set aside (overlap), until it is applied or given back
+        self._spare: Optional[List[torch.Tensor]] = None
         if isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer):
             raise ConfigTypeError(
                 "outer_optimizer must be a factory over the anchor parameters, e.g. "
@@ -88,6 +109,7 @@ class DiLoCo(Anchored):
             raise ConfigTypeError(f"outer_optimizer returned {type(self.outer).__name__}, not a torch.optim.Optimizer")
         if self._groups is not None:
             _check_linear(self.outer, self._groups)
+            _momentum_buffers(self.outer)  # made now: a round that fails must leave the state as it found it
         anchored = {id(p) for p in self.anchor.params}
         #: where each anchored parameter's value sits among the averaged tensors (in the anchor's order)
         self._anchored = [j for j, p in enumerate(self.shared) if id(p) in anchored]
@@ -131,6 +153,58 @@ class DiLoCo(Anchored):
                 torch.sub(x, result.averaged[j], out=result.averaged[j])
         super().apply_round(result)
 
+    def begin_round(self, plan: RoundPlan = ONE_GROUP) -> Round:
+        """Without overlap, a round over the live parameters (the loop waits for it); with ``Overlap()`` the round
+        takes this peer's pseudo-gradient ``x - y`` as it is now, and the inner steps go on."""
+        if self.overlap is None:
+            return super().begin_round(plan)
+        self.round_plan = plan
+        assert self._held is None, "one round at a time"
+        held = self._spare if self._spare is not None else [torch.empty_like(x) for x in self.anchor.tensors]
+        for change, x, p in zip(held, self.anchor.tensors, self.anchor.params):
+            torch.sub(x, p.detach().to(x.device, x.dtype), out=change)
+        self._held, self._spare = _HeldChange(self, held, self._samples), None
+        self._samples = 0
+        return self._held
+
+    def _apply_held(self, held: _HeldChange, result: AveragingResult) -> None:
+        """The round of ``held`` committed: the outer step on the group's mean pseudo-gradient moves ``x``, and the
+        parameters move by as much as ``x`` did since the snapshot ``y = x - change`` (the inner steps made since are
+        kept). Averaged parameters without an anchor (frozen) take the group's mean as they are."""
+        means = result.averaged
+        for change, x in zip(held.changes, self.anchor.tensors):
+            torch.sub(x, change, out=change)  # the snapshot y, from this peer's own x
+        if means is not None:  # in groups: the outer step starts from the group's mean x and momentum
+            state = self._grouped_state()
+            for tensor, mean in zip(state, means[len(means) - len(state):]):
+                tensor.copy_(mean)
+        for change, x, j in zip(held.changes, self.anchor.tensors, self._anchored):
+            mean = torch.sub(x, change) if means is None else means[j]  # (alone: this peer's own pseudo-gradient)
+            x.grad = mean if (mean.dtype, mean.device) == (x.dtype, x.device) else mean.to(x.device, x.dtype)
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        for change, x, p in zip(held.changes, self.anchor.tensors, self.anchor.params):
+            torch.sub(x, change, out=change)  # how far x moved from y
+            p.detach().add_(change.to(p.device, p.dtype))
+        if means is not None:
+            anchored = set(self._anchored)
+            for j, p in enumerate(self.shared):
+                if j not in anchored:
+                    p.detach().copy_(means[j])
+        self.lr_sums.clear()
+        self._spare, self._held = held.changes, None
+
+    def _give_back(self, held: _HeldChange) -> None:
+        """The round failed: its inner steps stay in the parameters, and the next round's pseudo-gradient (measured
+        from the same ``x``) sends them; only its samples are counted again."""
+        self._samples += held.samples
+        self._spare, self._held = held.changes, None
+
+    def reset(self) -> None:
+        super().reset()
+        if self._held is not None:  # (the loop concludes a round before it downloads: this is a safety net)
+            self._spare, self._held = self._held.changes, None
+
     def _grouped_state(self) -> List[torch.Tensor]:
         if self._groups is None:
             return []
@@ -163,6 +237,39 @@ class DiLoCo(Anchored):
         except (KeyError, ValueError, TypeError) as e:
             raise IncompatibleStateError(f"DiLoCo outer: the outer optimizer's state does not fit: {e!r}") from e
         load_anchor()
+
+
+class _HeldChange(Round):
+    """A DiLoCo round's pseudo-gradients, set aside while it is averaged in the background (``overlap``)."""
+
+    in_background = True
+
+    def __init__(self, owner: DiLoCo, changes: List[torch.Tensor], samples: int) -> None:
+        self.owner, self.changes, self.samples = owner, changes, samples
+
+    @property
+    def weight(self) -> float:
+        return float(self.samples)
+
+    def write(self, buffers: Sequence[torch.Tensor]) -> None:
+        owner = self.owner
+        for change, j in zip(self.changes, owner._anchored):
+            buffers[j].copy_(change)
+        anchored = set(owner._anchored)
+        for j, p in enumerate(owner.shared):  # frozen parameters: their values, which no inner step changes
+            if j not in anchored:
+                buffers[j].copy_(p.detach())
+        state = owner._grouped_state()  # in groups: x and the outer momentum, which only the outer step changes
+        for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
+            buffer.copy_(tensor)
+
+    def apply(self, result: AveragingResult) -> None:
+        if self.owner._held is self:  # not dropped by a reset meanwhile
+            self.owner._apply_held(self, result)
+
+    def give_back(self) -> None:
+        if self.owner._held is self:
+            self.owner._give_back(self)
 
 
 def _check_linear(outer: torch.optim.Optimizer, groups: Groups) -> None:

@@ -13,27 +13,15 @@ from swarm_opt.config import Groups
 from swarm_opt.errors import ConfigError, ConfigTypeError, IncompatibleStateError
 from swarm_opt.groups import ONE_GROUP, RoundPlan
 from swarm_opt.strategies.anchor import checked_tensors, copy_into, entry
-from swarm_opt.strategies.base import MAX_ROUNDS_ON_LOCAL_STATE, Round, Strategy, grads_are_finite, state_dtype
+from swarm_opt.strategies.base import (
+    MAX_ROUNDS_ON_LOCAL_STATE,
+    Overlap,
+    Round,
+    Strategy,
+    grads_are_finite,
+    state_dtype,
+)
 from swarm_opt.strategies.statistics import OptimizerStatistics
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """Average a round's gradients in the background while the peer computes the next round's (delayed updates):
-    ``GradientAveraging(overlap=Overlap())``.
-
-    When the swarm reaches the global batch, the peer sets its accumulated gradients aside for the round and goes on
-    computing; the round's update is applied at the first ``step()`` after the all-reduce finished. **Staleness:**
-    gradients computed while a round is in flight use parameters one update behind, so a round that takes a fraction
-    ``f`` of an epoch's compute leaves about ``f`` of the next epoch's gradients one step stale (all of them when
-    averaging is slower than computing: then this is one-step-delayed SGD, as hivemind's ``delay_optimizer_step``).
-    Never more than one step: a round starts only after the previous one was applied. A round that fails gives its
-    gradients back to the next round, as without overlap.
-
-    Costs one more fp32 buffer per parameter (the round set aside while the next one accumulates). Worth it when
-    the all-reduce takes a noticeable share of an epoch (large models, slow links); it does not change the maths of
-    a round, so every peer still applies the same update.
-    """
 
 
 @dataclass(frozen=True)
@@ -124,12 +112,12 @@ class GradientAveraging(Strategy):
 
     name = "grad"
     supports_groups = True
-    cli_options = ("worker_momentum",)
-    cli_settings = ()  # the momentum is in ``variant``
+    cli_options = ("worker_momentum", "overlap")
+    cli_settings = ()  # the momentum is in ``variant``; peers with and without overlap average together
 
     @classmethod
     def from_options(cls, options: Dict[str, Any]) -> GradientAveraging:
-        return cls(momentum=options["worker_momentum"])
+        return cls(momentum=options["worker_momentum"], overlap=Overlap() if options["overlap"] else None)
 
     def privacy_refusal(self) -> Optional[str]:
         return ("GradientAveraging sends each round's raw accumulated gradients to its groupmates and runs the DP "

@@ -100,6 +100,16 @@ STRATEGIES = {
         inner=lambda p: torch.optim.AdamW(p, lr=0.01),
         bad_arguments=((lambda: swarm_opt.DiLoCo(outer_optimizer=torch.optim.SGD([torch.zeros(1)], lr=1)),
                         TypeError, "factory"),)),
+    "diloco+overlap": StrategyInfo(
+        lambda: swarm_opt.DiLoCo(outer_optimizer=_outer, overlap=swarm_opt.Overlap()),
+        inner=lambda p: torch.optim.AdamW(p, lr=0.01),
+        bad_arguments=((lambda: swarm_opt.DiLoCo(_outer, overlap=True), TypeError, "Overlap"),
+                       (lambda: swarm_opt.DiLoCo(_outer, overlap=swarm_opt.Overlap(),
+                                                 average_optimizer_state=("exp_avg",)), ValueError,
+                        "average_optimizer_state"))),
+    "diloco+groups+overlap": StrategyInfo(
+        lambda: _in_groups(swarm_opt.DiLoCo(outer_optimizer=_outer, overlap=swarm_opt.Overlap())),
+        inner=lambda p: torch.optim.AdamW(p, lr=0.01)),
     "fednova": StrategyInfo(
         lambda: swarm_opt.FedNova(average_optimizer_state=("momentum_buffer",)),
         bad_arguments=((lambda: swarm_opt.FedNova(average_optimizer_state=[1]), TypeError, "sequence"),)),

@@ -101,6 +101,8 @@ def make_strategy(name: str, model=None):
         "fedprox_adaptive": lambda: swarm_opt.FedProx(mu=1.0, adaptive=swarm_opt.AdaptiveMu(delta=0.1, patience=2)),
         "diloco": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9,
                                                                                         nesterov=True)),
+        "diloco_overlap": lambda: swarm_opt.DiLoCo(outer_optimizer=lambda p: torch.optim.SGD(
+            p, lr=0.7, momentum=0.9, nesterov=True), overlap=swarm_opt.Overlap()),
     }[name]()
 
 
@@ -509,6 +511,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     # pending: the batches since the last committed round, each with the epoch of the parameters it was computed at
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
     last_report, resources, after, first_step, computed = None, {}, {}, None, 0
+    anchors, steps_in_flight = {}, 0  # the strategy's x after each committed round; steps while a round averaged
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     if opt.last_round is not None:  # a newcomer that downloaded the swarm's state as it was built
@@ -528,6 +531,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         loss.backward()
         attack(cfg, model)
         first_step = time.time() if first_step is None else first_step
+        steps_in_flight += bool(getattr(opt, "_rounds", None) and opt._rounds.in_flight)  # (before this step)
         opt.step()
         computed += bs
         if opt.local_epoch == cfg.get("perturb_at_epoch") and not os.path.exists(cfg["out"] + ".perturbed"):
@@ -556,6 +560,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                 discarded_versions[last_report.epoch] = [v for _, v in pending]
                 pending = []
             lrs[opt.local_epoch] = opt.param_groups[0]["lr"]
+            if hasattr(opt.strategy, "anchor") and not last_report.caught_up:
+                anchors[last_report.epoch] = opt.strategy.anchor.state()
             if cfg.get("record_sent"):
                 after[last_report.epoch] = [p.detach().clone() for p in model.parameters()]
             if cfg.get("count_resources"):  # ours (the lane runs its rounds here) and the averager process's, per epoch
@@ -578,7 +584,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                    discarded=discarded, versions=versions,
                    discarded_versions=discarded_versions, lane_rounds=_lane_rounds(opt), resources=resources,
                    reports=reports, lrs=lrs, params=[full(p) for p in model.parameters()],
-                   first_step=first_step, samples_computed=computed,
+                   first_step=first_step, samples_computed=computed, anchors=anchors,
+                   steps_in_flight=steps_in_flight,
                    peer_id=str(opt._averager.peer_id) if hasattr(opt, "_averager") else None))
 
 

@@ -1,8 +1,10 @@
-"""Gradient averaging with ``Overlap()``: rounds average in the background while the peers compute on.
+"""``Overlap()``: rounds average in the background while the peers compute on.
 
-The exact claim: every epoch's update is the sample-weighted mean of the gradients of the batches the swarm
-committed to it, each gradient taken at the parameters it was computed at (the epoch before, or, for a batch computed
-while the previous round was still in flight, the epoch before that: never older).
+Gradient averaging, the exact claim: every epoch's update is the sample-weighted mean of the gradients of the batches
+the swarm committed to it, each gradient taken at the parameters it was computed at (the epoch before, or, for a
+batch computed while the previous round was still in flight, the epoch before that: never older). DiLoCo: the inner
+steps go on while a round averages, and every peer still holds the same ``x`` after every round (its maths against
+DiLoCo without overlap: ``tests/unit/test_diloco_overlap.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,31 @@ def test_overlapped_rounds_apply_each_epochs_gradients_at_the_parameters_they_we
     for r in fresh:
         r["versions"] = {e: [e - 1] * len(vs) for e, vs in r["versions"].items()}
     assert not _close(results[0]["params"], delayed_reference(fresh, epochs), 1e-5)
+
+
+def test_diloco_peers_step_on_while_rounds_average_and_hold_one_x_after_every_round(swarm):
+    epochs = 5
+    for rank, batch_size in enumerate([8, 12, 20]):
+        swarm.start(rank, batch_size=batch_size, target_batch_size=240, inner="adam", epochs=epochs, expect_peers=3,
+                    step_sleep=0.03, strategy="diloco_overlap")
+    swarm.wait(timeout=200)
+    results = [swarm.result(r) for r in range(3)]
+    for r in results:
+        assert r["epoch"] == epochs
+        assert sum(rep["group_size"] == 3 for rep in r["reports"]) >= epochs // 2, r["reports"]
+        assert r["steps_in_flight"] > 0, "no inner step was made while a round averaged: nothing overlapped"
+        assert all(torch.isfinite(p).all() for p in r["params"])
+        assert_quiet(swarm.log(r["rank"]))
+    compared = 0
+    for epoch in range(1, epochs + 1):
+        held = [r["anchors"][epoch] for r in results if epoch in r["anchors"]]
+        for anchor in held[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(anchor, held[0])), f"peers hold two x at epoch {epoch}"
+        compared += len(held) - 1
+    assert compared >= epochs, "too few rounds that several peers committed to compare their x"
+    # a peer stands where x is, moved by the inner steps it made while the last round averaged (without overlap
+    # it would stand at x)
+    assert any(not _close(r["params"], r["anchors"][epochs], 1e-6) for r in results if epochs in r["anchors"])
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("grad", marks=pytest.mark.extended), "grad_overlap"])

@@ -53,7 +53,15 @@ def test_the_command_line_selects_worker_momentum_for_gradient_averaging():
     assert make_strategy(_train_args()).momentum is None
     with pytest.raises(swarm_opt.ConfigError, match="applies to --strategy grad, not local"):
         make_strategy(_train_args("--strategy", "local", "--worker-momentum", "0.9"))
+    with pytest.raises(swarm_opt.ConfigError, match="applies to --strategy grad or diloco, not fedprox"):
+        make_strategy(_train_args("--strategy", "fedprox", "--overlap"))
     with pytest.raises(swarm_opt.ConfigError, match="drop --momentum"):
         make_inner_optimizer(_train_args("--worker-momentum", "0.9", "--momentum", "0.5"))([w])
     with pytest.raises(Exception, match=r"worker-momentum.*must be in \[0, 1\)"):  # one line naming the bound
         _train_args("--worker-momentum", "1.5")
+
+
+def test_the_command_line_overlaps_rounds_of_gradient_averaging_and_diloco():
+    assert make_strategy(_train_args("--overlap")).overlap == swarm_opt.Overlap()
+    assert make_strategy(_train_args("--strategy", "diloco", "--overlap")).overlap == swarm_opt.Overlap()
+    assert make_strategy(_train_args("--strategy", "diloco")).overlap is None

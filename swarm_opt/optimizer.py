@@ -328,7 +328,10 @@ class Optimizer(torch.optim.Optimizer):
                 self._samples += batch_size
             else:
                 logger.debug("Skipped a step with non-finite gradients; it is not averaged into the swarm")
-        self._tracker.report(self._epoch, self._samples)
+        # while a round is in flight in the background, the samples computed since it began are the next epoch's:
+        # publishing them for this one would let the swarm start its next round short of the global batch
+        in_flight = self._rounds.samples_in_flight
+        self._tracker.report(self._epoch, self._samples if in_flight is None else in_flight)
 
         progress = self._tracker.progress
         if self._rounds.in_flight:  # a round in the background: nothing else starts until it is concluded

@@ -120,6 +120,12 @@ class RoundRunner:
     def in_flight(self) -> bool:
         return self._flight is not None
 
+    @property
+    def samples_in_flight(self) -> Optional[int]:
+        """This peer's samples in the round in flight (None when none is): all it computed toward that round's
+        epoch; what it computes meanwhile is the next epoch's."""
+        return None if self._flight is None else self._flight.samples
+
     def run(self, round: Round, *, round_id: int, num_peers: int, samples: int,
             round_is_over: Callable[[], Optional[str]], plan: RoundPlan = ONE_GROUP) -> None:
         """Run ``round``: alone if ``num_peers <= 1`` (its mean is our own values), in a thread of its own if

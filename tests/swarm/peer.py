@@ -512,6 +512,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
     committed, discarded, versions, discarded_versions, pending, reports, lrs = {}, {}, {}, {}, [], [], {}
     last_report, resources, after, first_step, computed = None, {}, {}, None, 0
     anchors, steps_in_flight = {}, 0  # the strategy's x after each committed round; steps while a round averaged
+    published_ahead = 0  # steps after which this peer published more samples than its round in flight holds
     journal = open(cfg["out"] + ".journal", "a", buffering=1) if cfg.get("journal") else None  # what a killed peer did
     deadline = time.monotonic() + cfg.get("max_seconds", 120)
     if opt.last_round is not None:  # a newcomer that downloaded the swarm's state as it was built
@@ -534,6 +535,8 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
         steps_in_flight += bool(getattr(opt, "_rounds", None) and opt._rounds.in_flight)  # (before this step)
         opt.step()
         computed += bs
+        if getattr(opt, "_rounds", None) and opt._rounds.in_flight:  # what its record says of the epoch in flight
+            published_ahead += opt._tracker._samples > opt._rounds.samples_in_flight
         if opt.local_epoch == cfg.get("perturb_at_epoch") and not os.path.exists(cfg["out"] + ".perturbed"):
             with torch.no_grad():  # stands for a bit flip or a bug: this peer alone now holds other parameters
                 for p in model.parameters():
@@ -585,7 +588,7 @@ def run_mlp(cfg: dict, opt, model, dtype) -> None:
                    discarded_versions=discarded_versions, lane_rounds=_lane_rounds(opt), resources=resources,
                    reports=reports, lrs=lrs, params=[full(p) for p in model.parameters()],
                    first_step=first_step, samples_computed=computed, anchors=anchors,
-                   steps_in_flight=steps_in_flight,
+                   steps_in_flight=steps_in_flight, published_ahead=published_ahead,
                    peer_id=str(opt._averager.peer_id) if hasattr(opt, "_averager") else None))
 
 

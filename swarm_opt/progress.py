@@ -136,7 +136,8 @@ class SwarmProgress:
     that a peer cut off from the swarm does not train a second version of the run (``max_peers`` includes it).
     ``contributors``: the live peers that will send something to the epoch's round, this peer included if it will:
     those that computed samples in it, or whose compute speed is measured; a peer that sits every round out (all its
-    steps skipped: non-finite gradients) publishes neither, and a round's leader does not wait for it."""
+    steps skipped: non-finite gradients) publishes neither, and a round's leader does not wait for it. ``behind``:
+    the other live peers whose records stand at an earlier epoch (late to the last round, or catching up)."""
 
     epoch: int
     samples_accumulated: int
@@ -151,6 +152,7 @@ class SwarmProgress:
     share: Optional[float] = None
     recent_peers: int = 0
     contributors: int = 0
+    behind: int = 0
 
     @property
     def eta_seconds(self) -> float:
@@ -249,6 +251,7 @@ def aggregate_progress(
         recent_peers=recent_peers,
         contributors=round(sum(w for w, r, counted in zip(weights, peers, computing)
                                if counted and (r.samples > 0 or r.samples_per_second > 0))),
+        behind=round(sum(w for w, r in zip(weights, peers) if r is not local and r.epoch < epoch)),
     )
 
 

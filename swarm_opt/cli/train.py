@@ -464,6 +464,8 @@ def run_train(args: argparse.Namespace) -> int:
             else:
                 stats.publish(last_epoch)  # a heartbeat: stores only once a minute within an epoch
                 bar.update(opt)
+        if args.epochs is not None and opt.local_epoch >= args.epochs:
+            _stay_for_stragglers(opt, stop)
     except KeyboardInterrupt:  # a second Ctrl-C: abandon the step, still leave cleanly
         pass
     finally:
@@ -531,6 +533,24 @@ def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht:
     helped = helper.rounds_helped if helper is not None else 0
     _say(f"helped {helped} round(s), reduced {helper.values_reduced if helper else 0:,} values; done")
     return 0
+
+
+_QUIET_STAY = 3.0  # seconds a finished peer stays without a word: its last round's groupmates publish it meanwhile
+
+
+def _stay_for_stragglers(opt: Any, stop: StopRequest) -> None:
+    """Having reached ``--epochs``, stay a donor while live peers of the run still stand at an earlier epoch: one
+    late to the last round then downloads the final state, instead of computing a second version of that epoch alone
+    once the others left (clean leavers are not waited for). At most the round deadline; a dead peer's record expires
+    within seconds (``TrackerConfig.record_ttl``)."""
+    began = time.monotonic()
+    deadline, said = began + opt.timeouts.averaging_timeout, False
+    while not stop.requested and time.monotonic() < deadline and (behind := opt.progress.behind) > 0:
+        if not said and time.monotonic() - began > _QUIET_STAY:  # (groupmates of the last round republish first)
+            _say(f"staying up to {opt.timeouts.averaging_timeout:.0f} s for {behind} peer(s) still at an earlier "
+                 f"epoch to take the final state (Ctrl-C leaves now)")
+            said = True
+        time.sleep(0.2)
 
 
 def _wait_for_peers(opt: Any, min_peers: int, stop: StopRequest) -> None:

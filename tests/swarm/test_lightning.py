@@ -140,6 +140,7 @@ def test_mixed_precision_skips_an_overflowing_step_and_keeps_the_swarm_finite(sw
 
 
 @pytest.mark.extended
+@pytest.mark.timeout(420)  # four Lightning imports: a minute or more each on a loaded machine
 def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swarm, tmp_path):
     """Peer 2 saves a Lightning checkpoint (trainer.save_checkpoint) at every global epoch; it is SIGKILLed
     mid-run and restarted with ckpt_path=: it resumes, catches up with the swarm, trains two more rounds with the
@@ -150,14 +151,16 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
                   checkpoint=True, until_file=until)
     for rank in range(PEERS):
         swarm.start(rank, expect_peers=PEERS, **common)
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 150
     while "epoch 1:" not in swarm.log(2) and time.monotonic() < deadline:
         time.sleep(0.1)
     resume = tmp_path / "resume.ckpt"  # its replacement imports while they train, then waits for this checkpoint
     swarm.start(3, expect_peers=PEERS - 1, resume=str(resume), signal_after_rounds=2, **common)
+    deadline = time.monotonic() + 150
     while not ("epoch 3:" in swarm.log(2) and (tmp_path / "peer3.pt.ready").exists()) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert (tmp_path / "peer3.pt.ready").exists(), "the replacement did not finish its imports within 150 s"
     assert (tmp_path / "peer2.pt.ckpt").exists(), swarm.log(2)
     swarm.kill(2)
     killed_at = time.time()

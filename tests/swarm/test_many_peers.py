@@ -17,6 +17,7 @@ from many_peers import run, simulated_spread  # noqa: E402  (the benchmark's own
 
 @pytest.mark.extended
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # its own run gives up after max_seconds (400)
 def test_two_dozen_peers_in_groups_survive_a_quarter_killed_and_end_within_the_simulated_bound(tmp_path):
     """Epochs keep completing (every survivor reaches the last), every newcomer joins the running swarm, and the
     survivors' final spread is within the largest the in-process simulation of the same swarm ends with when each

@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(items: list) -> None:
     items.sort(key=lambda item: -timeout(item))  # stable: the file order among equals
 
 
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """Every test leaves the process environment as it found it: Lightning's Trainer writes its rank variables
+    (``LOCAL_RANK``, ``WORLD_SIZE``, ...) into it and keeps them, and a swarm test later in the same worker passes its
+    environment to its peers, where Hugging Face's ``TrainingArguments`` takes them for a torchrun launch."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def descendants() -> set:
     """Live (non-zombie) processes descended from this one, read from /proc; torch's process-wide shared-memory
     manager, which torch starts once and keeps for the life of the process, does not count."""

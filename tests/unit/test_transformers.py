@@ -22,14 +22,6 @@ from swarm_opt.errors import ConfigError, ConfigTypeError  # noqa: E402
 from swarm_opt.transformers import SwarmCallback, _rewrap, _unwrap, check_arguments  # noqa: E402
 from tests.swarm.trainer_peer import LoggingCollator, Shard, make_data, make_model  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_process(monkeypatch):
-    """Lightning's unit tests leave a single-device run's rank variables in this process's environment, and
-    ``TrainingArguments`` reads ``LOCAL_RANK`` as "launched by torchrun": these tests are one process."""
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
 REPO = Path(__file__).resolve().parents[2]
 
 

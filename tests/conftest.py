@@ -12,17 +12,6 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "budget; run them with `bash scripts/test_extended.sh`")
 
 
-def pytest_collection_modifyitems(items: list) -> None:
-    """Longest first, by each test's timeout mark: with several workers (pytest-xdist hands tests out in this order)
-    the long swarms start at once and the short tests fill in beside them, instead of a 5-minute test starting last
-    on one worker while the other idles."""
-    def timeout(item: pytest.Item) -> float:
-        mark = item.get_closest_marker("timeout")
-        return float(mark.args[0] if mark is not None and mark.args else item.config.getini("timeout") or 0)
-
-    items.sort(key=lambda item: -timeout(item))  # stable: the file order among equals
-
-
 @pytest.fixture(autouse=True)
 def restored_environment():
     """Every test leaves the process environment as it found it: Lightning's Trainer writes its rank variables

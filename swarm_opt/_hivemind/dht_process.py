@@ -25,7 +25,10 @@ import os
 import signal
 import sys
 
+import hivemind.dht.dht as hivemind_dht
+
 from swarm_opt._hivemind.rebootstrap import WatchedDHT
+from swarm_opt._hivemind.tasks import hold_tasks_of_loops_made_by
 from swarm_opt._libc import die_with_parent, malloc_trim
 
 
@@ -71,4 +74,5 @@ class OwnGroupDHT(WatchedDHT):
         if die_with_parent(signal.SIGTERM, self._parent_pid):
             os.setpgid(0, 0)  # before the handler: it kills the group this process is in
             signal.signal(signal.SIGTERM, _kill_own_group)
+        hold_tasks_of_loops_made_by(hivemind_dht)
         super().run()

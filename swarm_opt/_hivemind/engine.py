@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+import hivemind.averaging.averager as hivemind_averager
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
@@ -59,6 +60,7 @@ from swarm_opt._hivemind.gather import member_info as _member_info
 from swarm_opt._hivemind.gather import rounds_differ as _rounds_differ
 from swarm_opt._hivemind.gather import valid_cell as _valid_cell
 from swarm_opt._hivemind.near_store import store_near
+from swarm_opt._hivemind.tasks import hold_tasks_of_loops_made_by
 from swarm_opt._libc import die_with_parent, malloc_trim, map_blocks_from
 from swarm_opt.aggregation import (
     Aggregation,
@@ -205,6 +207,7 @@ class _Engine(DecentralizedAverager):
         if self.lane is not None:
             self.lane.release() if self.lane_in_host else self.lane.start()
         _write_near(self.dht)
+        hold_tasks_of_loops_made_by(hivemind_averager)
         map_blocks_from(_MAPPED_FROM)
         self._tracer = memtrace.start_if_asked(self._memory_counters())
         try:
@@ -356,12 +359,16 @@ class _Engine(DecentralizedAverager):
         if type(expected) is not int or expected < 2 or not isinstance(due, float):
             return
         matchmaking = self._matchmaking
+        logger.debug("Round %s: a group leader assembles once %d trainers joined (due in %.2f s, deadline in %.2f s)",
+                     info.get(ROUND_KEY), expected, due - get_dht_time(), step.scheduled_time - get_dht_time())
         while not step.done():
             await asyncio.sleep(_ASSEMBLY_POLL)
             if not (step.triggered and get_dht_time() >= due and self._group_complete(step, expected)):
                 continue
             async with matchmaking.lock_request_join_group:
                 if self._group_complete(step, expected):  # still leading this step's search, nobody left
+                    logger.debug("Round %s: all %d trainers counted joined, %.2f s after it was due",
+                                 info.get(ROUND_KEY), expected, get_dht_time() - due)
                     await matchmaking.leader_assemble_group()
                     return
 

@@ -44,7 +44,12 @@ class _DropHivemindAsyncioNoise(logging.Filter):
         message = str(record.msg)
         if not message.startswith(_ASYNCIO_NOISE):
             return True
-        return not (_in_hivemind_process() or "hivemind" in _full_text(record))
+        if not (_in_hivemind_process() or "hivemind" in _full_text(record)):
+            return True
+        debug = logging.getLogger("swarm_opt.hivemind.asyncio")  # kept for whoever debugs hivemind's tasks
+        if debug.isEnabledFor(logging.DEBUG):
+            debug.debug("%s", _full_text(record))
+        return False
 
 
 def _in_hivemind_process() -> bool:

@@ -45,9 +45,11 @@ from swarm_opt._hivemind.gather import (
     AGGREGATION_KEY,
     AUX_KEY,
     CELL_KEY,
+    COUNTED_KEY,
     DEADLINE_KEY,
     DUE_KEY,
     LANE_KEY,
+    PEERS_KEY,
     ROUND_KEY,
     STEP_PERIOD_KEY,
 )
@@ -233,10 +235,13 @@ class TensorAverager:
                 when = get_dht_time() + (self.timeouts.matchmaking_time + self.timeouts.averaging_timeout) / 2
             self._scheduled_round = round_id
             self._scheduled_at = (get_dht_time(), due, 2 * averaging + matchmaking)
+            info = self.member_info()
+            logger.debug("Round %d: looking for a group, due in %.2f s (peers seen: %s, contributing: %s)", round_id,
+                         due - get_dht_time(), info.get(PEERS_KEY), info.get(COUNTED_KEY))
             self._scheduled = self._engine.step(
                 scheduled_time=when, weight=0.0, timeout=averaging,
                 require_trigger=True, wait=False, allow_retries=False,
-                gather={**self.member_info(), ROUND_KEY: round_id, STEP_PERIOD_KEY: self.step_period, DUE_KEY: due,
+                gather={**info, ROUND_KEY: round_id, STEP_PERIOD_KEY: self.step_period, DUE_KEY: due,
                         AUX_KEY: self.auxiliary, AGGREGATION_KEY: self._aggregation, CELL_KEY: self.group_key(round_id),
                         DEADLINE_KEY: float(averaging), **({LANE_KEY: self.lane_address} if self.lane_address else {})},
             )

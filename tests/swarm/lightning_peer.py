@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import os
 import sys
 import time
@@ -26,12 +25,11 @@ import lightning as L
 import torch
 
 from swarm_opt import testing
-from tests.swarm.peer import lsq_problem, make_data, make_model, make_strategy
+from tests.swarm.peer import configure_logging, lsq_problem, make_data, make_model, make_strategy
 
 
 def main(config_path: str) -> None:
-    logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(json.load(open(config_path))["out"])
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     import swarm_opt

@@ -320,24 +320,29 @@ def install_fault(cfg: dict) -> None:
         _Engine.rpc_download_state = rpc_download_state
 
 
-def main(config_path: str) -> None:
+def configure_logging(out: str) -> None:
+    """A test peer's logging, before swarm_opt is imported. SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages
+    too (swarm_opt re-emits them at DEBUG); SWARM_TEST_DEBUG_LOG=1 writes them to OUT.debug.log instead, the peer's
+    log staying as a user sees it."""
     import logging
 
-    import hivemind
-
-    cfg = json.load(open(config_path))
-    # SWARM_TEST_LOG_LEVEL=DEBUG shows hivemind's own messages too (swarm_opt re-emits them at DEBUG);
-    # SWARM_TEST_DEBUG_LOG=1 writes them to OUT.debug.log instead, the peer's log staying as a user sees it
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"), format=fmt)
     if os.environ.get("SWARM_TEST_DEBUG_LOG"):
         root = logging.getLogger()
         for handler in root.handlers:
             handler.setLevel(root.level)
-        debug = logging.FileHandler(cfg["out"] + ".debug.log")
+        debug = logging.FileHandler(out + ".debug.log")
         debug.setFormatter(logging.Formatter(fmt))
         root.addHandler(debug)
         root.setLevel(logging.DEBUG)
+
+
+def main(config_path: str) -> None:
+    import hivemind
+
+    cfg = json.load(open(config_path))
+    configure_logging(cfg["out"])
 
     import swarm_opt
     from swarm_opt import testing

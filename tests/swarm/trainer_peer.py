@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import gc
 import json
-import logging
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import TrainerCallback  # noqa: E402
 
 from swarm_opt import testing  # noqa: E402
+from tests.swarm.peer import configure_logging  # noqa: E402
 
 VOCAB, SEQ, SAMPLES = 64, 12, 960
 
@@ -94,8 +94,7 @@ class LoggingCollator:
 
 
 def main(config_path: str) -> None:
-    logging.basicConfig(level=os.environ.get("SWARM_TEST_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(json.load(open(config_path))["out"])
     from transformers import Trainer
 
     import swarm_opt

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -148,3 +150,39 @@ def test_ctrl_c_while_a_newcomer_joins_is_heard(cli):
         time.sleep(0.2)
     assert not testing.session_members(newcomer.proc.pid), "the newcomer left processes behind (DHT, p2pd, averager)"
 
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_peer_late_to_the_last_round_takes_the_final_state_from_peers_that_stay(cli):
+    """Three volunteers train to ``--epochs 3``; one is paused once it finished epoch 2, so the other two commit the
+    last epoch without it. Having reached ``--epochs``, they stay donors while it stands at an earlier epoch: it then
+    downloads the final state instead of computing a second version of epoch 3 alone (they withdraw their records as
+    they leave: it would see a swarm of one, and did, 1 run of 2, without the stay). One model in the end."""
+    _, maddr = cli.dht()
+    epochs = 3
+    common = train_args("e2e_last_round", maddr, "--target-batch-size", "32768", "--epochs", str(epochs),
+                        "--min-peers", "3")
+    peers = [cli.start(f"peer{rank}", *common, "--checkpoint-dir", f"ckpt{rank}", "--data-seed", str(rank))
+             for rank in range(3)]
+    late = peers[2]
+    late.wait_for(rf"^epoch {epochs - 1}: test accuracy", 150)
+    # paused until the others committed the last epoch, for at most 5 s: its record (published every second) lives
+    # record_ttl = 6 s, and a peer whose record expired is no longer waited for (by design: it may be dead)
+    os.kill(late.proc.pid, signal.SIGSTOP)  # its trainer only: its DHT and averager processes run on
+    try:
+        deadline = time.monotonic() + 5.0
+        while not re.search(rf"^epoch {epochs}: ", peers[0].stdout, re.MULTILINE) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        os.kill(late.proc.pid, signal.SIGCONT)
+    for peer in peers:
+        assert peer.wait(120) == 0, peer.describe()
+        assert f"reached epoch {epochs}; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
+    # (a peer that trained the last epoch alone says "averaged with 1 of 1 peer(s)" there)
+    assert re.search(rf"^epoch {epochs}: .*caught up by downloading the swarm's state", late.stdout, re.MULTILINE), \
+        late.describe()
+    models = [load_checkpoint(cli.workdir / f"ckpt{rank}")["model"] for rank in range(3)]
+    for model in models[1:]:
+        for key in models[0]:
+            torch.testing.assert_close(model[key], models[0][key], rtol=0, atol=0)

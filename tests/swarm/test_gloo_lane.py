@@ -4,7 +4,6 @@ averagers whose host processes run the lane's rounds."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -99,12 +98,14 @@ def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
         counts = r["resources"]
         for process in ("averager", "host"):
             for what in ("fds", "threads"):
-                # connections come and go (a state download, a DHT request: +-2); a leak grows with the rounds,
-                # one per ten rounds would already add ~3 between these windows (26 rounds apart)
+                # streams come and go on top of what the process holds (each DHT request or stream to p2pd is a
+                # socket while in flight: more of them at once on a loaded machine, whose load changes over the
+                # test); a leak raises the floor under them, one per ten rounds by ~3 between these windows (26
+                # rounds apart)
                 early = [counts[e][process][what] for e in counts if 5 <= e <= 14]
                 late = [counts[e][process][what] for e in counts if e > epochs - 10]
-                assert late and statistics.median(late) <= statistics.median(early) + 1 \
-                    and max(late) <= max(early) + 2, (process, what, {e: c[process] for e, c in counts.items()})
+                assert late and min(late) <= min(early) + 1, (process, what,
+                                                              {e: c[process] for e, c in counts.items()})
 
 
 def assert_one_process(swarm, results: list, inner: str, epochs: int) -> None:

@@ -44,11 +44,10 @@ class _DropHivemindAsyncioNoise(logging.Filter):
         message = str(record.msg)
         if not message.startswith(_ASYNCIO_NOISE):
             return True
-        if not (_in_hivemind_process() or "hivemind" in _full_text(record)):
+        text = _full_text(record)
+        if not (_in_hivemind_process() or "hivemind" in text):
             return True
-        debug = logging.getLogger("swarm_opt.hivemind.asyncio")  # kept for whoever debugs hivemind's tasks
-        if debug.isEnabledFor(logging.DEBUG):
-            debug.debug("%s", _full_text(record))
+        logging.getLogger("swarm_opt.hivemind.asyncio").debug("%s", text)  # for whoever debugs hivemind's tasks
         return False
 
 

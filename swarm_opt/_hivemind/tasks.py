@@ -15,8 +15,7 @@ from typing import Any, Callable, Coroutine, Set
 
 
 def hold_every_task(loop: asyncio.AbstractEventLoop) -> None:
-    """Make ``loop`` keep a reference to every task it creates from now on, and to the current task, until each ends.
-    Idempotent."""
+    """Make ``loop`` keep a reference to every task it creates from now on, until each ends. Idempotent."""
     if getattr(loop, "_swarm_opt_held", None) is not None:
         return
     held: Set[asyncio.Future] = set()
@@ -24,7 +23,8 @@ def hold_every_task(loop: asyncio.AbstractEventLoop) -> None:
 
     def factory(loop: asyncio.AbstractEventLoop, coro: Coroutine, **kwargs: Any) -> asyncio.Future:
         task = make_task(loop, coro, **kwargs) if make_task is not None else asyncio.Task(coro, loop=loop, **kwargs)
-        _hold(held, task)
+        held.add(task)
+        task.add_done_callback(held.discard)
         return task
 
     loop.set_task_factory(factory)
@@ -46,7 +46,3 @@ def hold_tasks_of_loops_made_by(module: ModuleType) -> None:
     switch_to_uvloop._swarm_opt_holds = True  # type: ignore[attr-defined]
     module.switch_to_uvloop = switch_to_uvloop
 
-
-def _hold(held: Set[asyncio.Future], task: asyncio.Future) -> None:
-    held.add(task)
-    task.add_done_callback(held.discard)

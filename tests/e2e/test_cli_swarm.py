@@ -151,7 +151,6 @@ def test_ctrl_c_while_a_newcomer_joins_is_heard(cli):
     assert not testing.session_members(newcomer.proc.pid), "the newcomer left processes behind (DHT, p2pd, averager)"
 
 
-
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_peer_late_to_the_last_round_takes_the_final_state_from_peers_that_stay(cli):

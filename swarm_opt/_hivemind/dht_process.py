@@ -21,15 +21,20 @@ So it frees them first thing (``drop_inherited_tensors``).
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import sys
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Tuple
 
 import hivemind.dht.dht as hivemind_dht
 
 from swarm_opt._hivemind.rebootstrap import WatchedDHT
 from swarm_opt._hivemind.tasks import hold_tasks_of_loops_made_by
 from swarm_opt._libc import die_with_parent, malloc_trim
+
+logger = logging.getLogger(__name__)
 
 
 def _kill_own_group(signum: int, frame: object) -> None:
@@ -64,9 +69,50 @@ def drop_inherited_tensors() -> int:
     return freed
 
 
-class OwnGroupDHT(WatchedDHT):
-    """``hivemind.DHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent.
-    Its ``shutdown()`` stops its re-bootstrapping watcher first (``swarm_opt._hivemind.rebootstrap``)."""
+class _Requests:
+    """The DHT process's end of its request pipe, read as hivemind's loop reads it, except that a request which
+    cannot be unpickled is dropped (a DEBUG line) instead of ending the process with a traceback. Each request
+    carries a pipe end of its sender's, which the sending process hands over as the request is unpickled: a process
+    that sent one just before it ended (an averager leaving) is no longer there to do so. A pipe that every sender
+    closed without asking for a shutdown (they all died) is a shutdown."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+
+    def fileno(self) -> int:
+        return self._pipe.fileno()
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        return self._pipe.poll(timeout)
+
+    def recv(self) -> Tuple[str, list, dict]:
+        try:
+            message = self._pipe.recv_bytes()
+        except EOFError:
+            return ("_shutdown", [], {})
+        try:
+            return ForkingPickler.loads(message)
+        except Exception as e:  # noqa: BLE001 (its sender is gone, and nobody waits for the answer)
+            logger.debug("Dropped a DHT request whose sender is gone: %r", e)
+            return ("_dropped_request", [], {})
+
+
+class SturdyDHT(WatchedDHT):
+    """``hivemind.DHT`` whose process holds every task of its event loop until it ends
+    (``swarm_opt._hivemind.tasks``) and drops requests whose sender is gone (``_Requests``). Its ``shutdown()``
+    stops its re-bootstrapping watcher first (``swarm_opt._hivemind.rebootstrap``)."""
+
+    def run(self) -> None:  # in the DHT process
+        self._inner_pipe = _Requests(self._inner_pipe)
+        hold_tasks_of_loops_made_by(hivemind_dht)
+        super().run()
+
+    async def _dropped_request(self) -> None:
+        """What the DHT process runs for a request it could not read: nothing."""
+
+
+class OwnGroupDHT(SturdyDHT):
+    """``SturdyDHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent."""
 
     def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
         drop_inherited_tensors()
@@ -74,5 +120,4 @@ class OwnGroupDHT(WatchedDHT):
         if die_with_parent(signal.SIGTERM, self._parent_pid):
             os.setpgid(0, 0)  # before the handler: it kills the group this process is in
             signal.signal(signal.SIGTERM, _kill_own_group)
-        hold_tasks_of_loops_made_by(hivemind_dht)
         super().run()

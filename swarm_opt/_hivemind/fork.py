@@ -14,9 +14,10 @@ child. On systems without ``madvise`` this does nothing.
 The forked helpers end with their parent through ``swarm_opt._libc.die_with_parent()``.
 
 ``children_ignore_sigint()``: a terminal's Ctrl-C reaches every process of the foreground group; helpers forked
-inside ignore it from their first instruction (set in the child right after the fork), so that only the user's
-process reacts and shuts them down in order. The caller's own handler is never touched: ignoring SIGINT in the
-parent around the fork, as hivemind's ``run_in_background`` does, loses a Ctrl-C that arrives meanwhile.
+inside ignore it from their first instruction (blocked across the fork, ignored in the child right after it), so
+that only the user's process reacts and shuts them down in order. The caller's own handler is never touched:
+ignoring SIGINT in the parent around the fork, as hivemind's ``run_in_background`` does, loses a Ctrl-C that arrives
+meanwhile.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ _forking = threading.local()  # .ignore_sigint: whether this thread's forks shou
 def _after_fork_in_child() -> None:
     if getattr(_forking, "ignore_sigint", False):
         _forking.ignore_sigint = False  # the child's own forks decide for themselves
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a SIGINT already caught is dropped by Python's check
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a SIGINT that arrived since the fork (blocked)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -55,12 +57,19 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @contextlib.contextmanager
 def children_ignore_sigint() -> Iterator[None]:
-    """Processes this thread forks inside ignore SIGINT from their start; this process keeps its own handler."""
+    """Processes this thread forks inside ignore SIGINT from their start; this process keeps its own handler.
+
+    SIGINT is blocked in this thread meanwhile, so that the child is born with it blocked: one that arrives before
+    the child's after-fork hook ignores it (a Ctrl-C to the whole group, on a loaded machine) would otherwise run the
+    handler the child inherited (seen: the trainer's KeyboardInterrupt in a starting DHT process). This process
+    still hears it: in another thread, or here once unblocked."""
     _forking.ignore_sigint = True
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         _forking.ignore_sigint = False
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _libc_madvise():

@@ -18,12 +18,11 @@ import functools
 import logging
 import os
 import re
-import signal
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
@@ -117,6 +116,7 @@ def start_dht(
     identity_path: Optional[str] = None,
     private_run: Optional[PrivateRun] = None,
     join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    stop: Optional[threading.Event] = None,
 ):
     """A started ``hivemind.DHT``; raises ``ConfigError`` with one line on bad input or a failed start. Started from
     the main thread, the DHT and its p2p daemon run in a process group of their own
@@ -125,9 +125,10 @@ def start_dht(
     When none of ``initial_peers`` answers, it says which and why in one line and, while one of them cannot be
     reached at all (it may be starting, or its link down), tries again with a growing pause for up to
     ``join_timeout`` seconds (0: one try). The DHT re-bootstraps by itself whenever it later loses sight of
-    the swarm (``swarm_opt._hivemind.rebootstrap``)."""
-    from swarm_opt._hivemind.dht_process import OwnGroupDHT
-    from swarm_opt._hivemind.rebootstrap import WatchedDHT, watch_dht
+    the swarm (``swarm_opt._hivemind.rebootstrap``). Once ``stop`` is set (a command's first Ctrl-C), it gives up
+    its wait and raises ``KeyboardInterrupt``, leaving nothing behind."""
+    from swarm_opt._hivemind.dht_process import OwnGroupDHT, SturdyDHT
+    from swarm_opt._hivemind.rebootstrap import watch_dht
 
     initial_peers = parse_maddrs(initial_peers, option="--initial-peers", need_peer_id=True)
     host_maddrs = parse_maddrs(host_maddrs, option="--host-maddrs")
@@ -149,8 +150,8 @@ def start_dht(
     listening = False  # whether every initial peer's port accepted connections at the last probe
     while True:
         try:
-            dht = _started(OwnGroupDHT if threading.current_thread() is threading.main_thread() else WatchedDHT,
-                           kwargs)
+            dht = _started(OwnGroupDHT if threading.current_thread() is threading.main_thread() else SturdyDHT,
+                           kwargs, stop)
             watch_dht(dht, initial_peers)
             if not client_mode:  # peers of the run tell newcomers whether they can reach them (swarm-opt doctor)
                 _serve_dial_back(dht)
@@ -177,20 +178,30 @@ def start_dht(
         pause = min(pause, left)
         logger.warning(f"none of the initial peers answered: {why}; trying again in {pause:.0f} s "
                        f"(for up to {left:.0f} s more)")
-        time.sleep(pause)
+        if stop is None:
+            time.sleep(pause)
+        elif stop.wait(pause):
+            raise KeyboardInterrupt
         pause = min(pause * 2, 30.0)
 
 
-def _started(dht_type: type, kwargs: dict) -> Any:
+def _started(dht_type: type, kwargs: dict, stop: Optional[threading.Event]) -> Any:
     """A DHT of ``dht_type`` once it is ready. The DHT process ignores Ctrl-C; this one does not: a Ctrl-C while the
-    DHT joins the swarm, which may take a while, stops this process, and the half-started DHT with it."""
+    DHT joins the swarm, which may take a while, stops this process (at once, or once ``stop`` is set), and the
+    half-started DHT with it."""
     from swarm_opt._hivemind.fork import children_ignore_sigint
 
     dht = dht_type(**kwargs)
     with children_ignore_sigint():
         dht.run_in_background(await_ready=False)
     try:
-        dht.wait_until_ready()
+        while True:
+            try:
+                dht.wait_until_ready(timeout=None if stop is None else 0.2)
+                break
+            except FutureTimeoutError:
+                if stop.is_set():
+                    raise KeyboardInterrupt from None
     except KeyboardInterrupt:
         dht.terminate()  # an OwnGroupDHT takes its p2p daemon down with it
         dht.join(5.0)
@@ -250,33 +261,3 @@ def _probe(value: str, timeout: float) -> str:
         return f"no answer within {timeout:.0f} s"
     except OSError as e:
         return (e.strerror or str(e)).lower()
-
-
-class StopRequest:
-    """SIGINT/SIGTERM handling for long-running commands: the first signal asks to stop at the next safe point,
-    a second one interrupts at once (``KeyboardInterrupt``)."""
-
-    def __init__(self, message: Optional[str] = None) -> None:
-        self.event = threading.Event()
-        self.signal_name: Optional[str] = None
-        self._message = message
-
-    def install(self) -> StopRequest:
-        signal.signal(signal.SIGINT, self._handle)
-        signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
-        self.event.set()
-        if self._message:
-            print(self._message, file=sys.stderr, flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.event.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return self.event.wait(timeout)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tupl
 
 from swarm_opt import strategies
 from swarm_opt.cli.options import PROG, private_run, start_metrics
+from swarm_opt.cli.stop import StopRequest
 from swarm_opt.errors import ConfigError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -530,14 +531,14 @@ def _setup_logging(verbose: int) -> None:
 
 
 def run_dht(args: argparse.Namespace) -> int:
-    from swarm_opt._hivemind.node import StopRequest, ensure_identity, start_dht
+    stop = StopRequest().install()  # before the imports: swarm_opt.cli.stop says why
+    from swarm_opt._hivemind.node import ensure_identity, start_dht
 
     peer_id = ensure_identity(args.identity_path) if args.identity_path else None
     metrics = start_metrics(args)
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, identity_path=args.identity_path,
-                    private_run=private_run(args), join_timeout=args.join_timeout)
-    stop = StopRequest().install()
+                    private_run=private_run(args), join_timeout=args.join_timeout, stop=stop.event)
     try:
         for maddr in dht.get_visible_maddrs():
             print(maddr, flush=True)
@@ -562,7 +563,8 @@ def run_dht(args: argparse.Namespace) -> int:
 
 
 def run_monitor(args: argparse.Namespace) -> int:
-    from swarm_opt._hivemind.node import StopRequest, start_dht
+    stop = StopRequest().install()  # before the imports: swarm_opt.cli.stop says why
+    from swarm_opt._hivemind.node import start_dht
     from swarm_opt.monitor import RunMonitor, format_snapshot, plot_history
 
     page = None
@@ -573,11 +575,9 @@ def run_monitor(args: argparse.Namespace) -> int:
 
         page = MonitorPage(*args.serve, run_id=args.run_id)  # a port in use fails here, before the DHT starts
     dht = start_dht(initial_peers=args.initial_peers, client_mode=True, identity_path=args.identity_path,
-                    private_run=private_run(args), join_timeout=args.join_timeout)
-    stop = StopRequest()
+                    private_run=private_run(args), join_timeout=args.join_timeout, stop=stop.event)
     monitor = RunMonitor(dht, args.run_id, target_batch_size=args.target_batch_size, with_stats=page is not None)
     try:
-        stop.install()
         if page is not None:
             from swarm_opt.monitor.web import serve_forever
 
@@ -633,9 +633,11 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from swarm_opt.cli.train import run_train
+    stop = StopRequest(f"{PROG} train: stopping before joining the run (Ctrl-C again to stop at once)").install()
+    from swarm_opt.cli.train import run_train  # torch, hivemind: seconds on a loaded machine (swarm_opt.cli.stop)
 
-    return run_train(args)
+    stop.raise_if_requested()
+    return run_train(args, stop)
 
 
 _COMMANDS: Dict[str, Callable[[argparse.Namespace], int]] = {"dht": run_dht, "train": _run_train,

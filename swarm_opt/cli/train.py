@@ -24,8 +24,9 @@ import torch
 
 from swarm_opt import protocol, strategies
 from swarm_opt._hivemind.beacon import Beacon
-from swarm_opt._hivemind.node import StopRequest, start_dht
+from swarm_opt._hivemind.node import start_dht
 from swarm_opt.cli.options import private_run, start_metrics
+from swarm_opt.cli.stop import StopRequest
 from swarm_opt.cli.tasks import evaluate, load_task
 from swarm_opt.errors import ConfigError
 from swarm_opt.recipe import DataShard, Recipe, check_run_recipe, fingerprint, recipe_beacon
@@ -335,14 +336,15 @@ def _check_recipe(dht: Any, args: argparse.Namespace, identity: _Identity) -> Be
     flags = {setting: flag for setting, flag in _SETTING_FLAGS.items() if flag.lstrip("-").replace("-", "_") in given}
     why = check_run_recipe(dht, args.run_id, identity.settings, identity.schema, flags=flags)
     if why is not None:
-        dht.shutdown()
         raise ConfigError(f"run '{args.run_id}': {why}; peers with different settings never train "
                           f"together: use the run's (the same --task and options as its peers) or another --run-id")
     return recipe_beacon(dht, args.run_id, identity.settings, identity.base, identity.schema)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """The ``train`` command. Returns the exit status; raises ConfigError for bad input."""
+def run_train(args: argparse.Namespace, stop: StopRequest) -> int:
+    """The ``train`` command. Returns the exit status; raises ConfigError for bad input. ``stop``, installed before
+    this module was imported, ends the start-up at its next step (``KeyboardInterrupt``), or the training after the
+    current step."""
     import swarm_opt
     from swarm_opt.config import SwarmConfig, Timeouts
 
@@ -364,7 +366,6 @@ def run_train(args: argparse.Namespace) -> int:
     if args.auxiliary and args.client_mode:
         raise ConfigError("--auxiliary peers reduce what trainers send them, so they must accept connections: "
                           "drop --client-mode")
-    stop = StopRequest("swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)")
     board = None
     if args.log_dir is not None:
         from swarm_opt.monitor.tensorboard import TensorBoardLog
@@ -372,25 +373,30 @@ def run_train(args: argparse.Namespace) -> int:
         board = TensorBoardLog(args.log_dir)  # an unwritable directory fails here, before the DHT starts
     metrics = start_metrics(args)  # and so does a port in use
     ckpt = _Checkpoints(args, identity) if args.checkpoint_dir else None  # and a directory it cannot write
+    stop.raise_if_requested()
     dht = start_dht(initial_peers=args.initial_peers, host_maddrs=args.host_maddrs,
                     announce_maddrs=args.announce_maddrs, client_mode=args.client_mode,
                     identity_path=args.identity_path, private_run=private_run(args),
-                    join_timeout=args.join_timeout)
+                    join_timeout=args.join_timeout, stop=stop.event)
     claim: Optional[Beacon] = None
+    beacon: Optional[Beacon] = None
     try:  # a source that cannot open its shard says so before this peer joins
         if not args.auxiliary:  # a helper trains nothing: it claims no data
             shard, claim = _shard(args, recipe, dht, data_seed)
             batches = _Batches(recipe, args.batch_size, data_seed, shard)
-    except ConfigError:
+        beacon = _check_recipe(dht, args, identity)
+        from swarm_opt.monitor.stats import StatsPublisher
+
+        role = "auxiliary" if args.auxiliary else "client" if args.client_mode else "trainer"
+        stats = StatsPublisher(dht, args.run_id, role=role)  # what monitors show of this peer (one store per epoch)
+        stop.raise_if_requested()
+    except BaseException:  # a bad shard or recipe, or a Ctrl-C: leave before joining
         if claim is not None:
             claim.stop()
+        if beacon is not None:
+            beacon.stop(withdraw=False)
         dht.shutdown()
         raise
-    beacon = _check_recipe(dht, args, identity)
-    from swarm_opt.monitor.stats import StatsPublisher
-
-    role = "auxiliary" if args.auxiliary else "client" if args.client_mode else "trainer"
-    stats = StatsPublisher(dht, args.run_id, role=role)  # what monitors show of this peer (one store per epoch)
     if metrics is not None:
         metrics.watch(dht=dht)
     if args.auxiliary:
@@ -401,7 +407,7 @@ def run_train(args: argparse.Namespace) -> int:
     model, scaler = recipe.model, recipe.grad_scaler()
     try:
         # joining may download the swarm's state for a while: a Ctrl-C meanwhile stops the peer before its first step
-        stop.install()
+        stop.message = _STOPPING
         opt = swarm_opt.Optimizer(
             dht=dht, run_id=args.run_id, target_batch_size=args.target_batch_size,
             batch_size_per_step=args.batch_size, params=recipe.groups(),
@@ -495,6 +501,9 @@ def run_train(args: argparse.Namespace) -> int:
     return 1 if ckpt is not None and ckpt.exit_failed else 0
 
 
+_STOPPING = "swarm-opt train: stopping after the current step (Ctrl-C again to stop at once)"
+
+
 def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht: Any, stop: StopRequest,
                    identity: str, beacon: Beacon, stats: Any, metrics: Any) -> int:
     """``train --auxiliary``: help every round of the run until it reaches --epochs or Ctrl-C."""
@@ -512,7 +521,7 @@ def _run_auxiliary(args: argparse.Namespace, recipe: Recipe, strategy: Any, dht:
 
     threading.Thread(target=heartbeat, name="swarm_opt.HelperStats", daemon=True).start()
     try:
-        stop.install()
+        stop.message = _STOPPING
         params = [p for group in recipe.groups() for p in (group["params"] if isinstance(group, dict) else [group])]
         helper = swarm_opt.AuxiliaryPeer(dht=dht, run_id=args.run_id, params=params,
                                          strategy=strategy, matchmaking_time=args.matchmaking_time,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -138,14 +138,43 @@ def test_a_volunteer_whose_settings_differ_is_refused_in_one_line(cli):
 # --- the language model: three volunteers against one process -----------------------------------------------------
 
 EPOCH_LINE = re.compile(r"^epoch (\d+): (?:test loss ([\d.]+), )?(.*)$", re.MULTILINE)  # loss when evaluated
-AVERAGED = re.compile(r"averaged with \d+ of \d+ peer\(s\) \((\d+) samples from this peer\)")
+AVERAGED = re.compile(r"averaged with (\d+) of \d+ peer\(s\) \((\d+) samples from this peer\)")
+CAUGHT_UP = re.compile(r"caught up by downloading the swarm's state \((\d+) local samples dropped\)")
 
 
 def contributions(text: str) -> Dict[int, Optional[int]]:
     """What a peer's epoch lines say: epoch -> the samples it contributed to that epoch's round, or None where it
-    caught up by downloading the swarm's state (whether its samples were in the others' round is not known)."""
-    return {int(epoch): int(found.group(1)) if (found := AVERAGED.search(rest)) else None
+    caught up by downloading the swarm's state (whether its samples were in the others' round: ``replay_counts``)."""
+    return {int(epoch): int(found.group(2)) if (found := AVERAGED.search(rest)) else None
             for epoch, _, rest in EPOCH_LINE.findall(text)}
+
+
+def replay_counts(texts: List[str]) -> Tuple[List[Dict[int, int]], List[Dict[int, int]], int]:
+    """From the peers' epoch lines, per peer: epoch -> samples it gave the swarm's round, and epoch -> samples it read
+    that the round left out, for epochs 1 to the last returned (as far as every peer's lines tell). A peer that
+    caught up by downloading read the samples it dropped; they were in the round if its group (the size the others
+    print) counts it (its result came too late), and not if the others committed without it."""
+    lines = [{int(epoch): rest for epoch, _, rest in EPOCH_LINE.findall(text)} for text in texts]
+    used: List[Dict[int, int]] = [{} for _ in texts]
+    skipped: List[Dict[int, int]] = [{} for _ in texts]
+    epoch = 1
+    while all(epoch in peer for peer in lines):
+        averaged = [AVERAGED.search(peer[epoch]) for peer in lines]
+        caught = [CAUGHT_UP.search(peer[epoch]) for peer in lines]
+        sizes = {int(found.group(1)) for found in averaged if found}
+        if len(sizes) != 1 or not all(a or c for a, c in zip(averaged, caught)):
+            break  # no round, two rounds, or a line that says neither
+        members = sum(1 for found in averaged if found)
+        late_members = sizes.pop() - members  # caught-up peers counted in the round
+        if late_members not in (0, len(texts) - members):
+            break  # some of the caught-up peers were in the round, not all: which ones is not known
+        for i, (a, c) in enumerate(zip(averaged, caught)):
+            if a:
+                used[i][epoch] = int(a.group(2))
+            else:
+                (used if late_members else skipped)[i][epoch] = int(c.group(1))
+        epoch += 1
+    return used, skipped, epoch - 1
 
 
 def logged_losses(text: str) -> Dict[int, float]:
@@ -153,11 +182,12 @@ def logged_losses(text: str) -> Dict[int, float]:
 
 
 def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any], *, seed: int = 0,
-                      batch_size: int = 16) -> float:
+                      batch_size: int = 16, skipped: Optional[List[Dict[int, int]]] = None) -> float:
     """One process with the task's recipe: at each global epoch, one clipped AdamW step on the mean gradient of
     that epoch's samples, the schedule stepped once; returns the evaluation's loss. ``peers[i][epoch]`` samples of
-    the epoch come from ``shards[i]``'s stream, read in batches of ``batch_size`` as the peer read them: with the
-    peers' shards and counts, the very samples the swarm averaged."""
+    the epoch come from ``shards[i]``'s stream, read in batches of ``batch_size`` as the peer read them (after
+    ``skipped[i][epoch]`` samples it read and the swarm left out): with the peers' shards and counts, the very
+    samples the swarm averaged."""
     from swarm_opt.cli.tasks import evaluate, load_task
 
     recipe = load_task(task, seed=seed)
@@ -167,7 +197,9 @@ def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any],
     for epoch in range(1, max(max(p) for p in peers) + 1):
         total = sum(p.get(epoch, 0) for p in peers)
         optimizer.zero_grad()
-        for stream, counts in zip(streams, peers):
+        for stream, counts, left_out in zip(streams, peers, skipped or [{} for _ in peers]):
+            for _ in range(left_out.get(epoch, 0)):
+                next(stream)
             count = counts.get(epoch, 0)
             assert count % batch_size == 0, counts  # the peers' streams never run out: full batches
             for _ in range(count // batch_size):
@@ -216,15 +248,16 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     # one process on the very tokens the swarm averaged (each peer's shard, data seed and counts) over the first 10
     # epochs, compared with the loss the peers printed then: the same steps, equal to float rounding. Later, rounding
     # differences grow into different trajectories, and so the end is compared with a run of one process on as many
-    # tokens. A peer that caught up by downloading (under load a round's result
-    # can reach one member too late) leaves its samples of that round unknown: the replay stops before
-    regular = [e for e in range(1, epochs + 1) if all(isinstance(c.get(e), int) for c in peer_counts)]
-    last = min(10, next((f - 1 for e, f in zip(regular, range(1, epochs + 1)) if e != f), len(regular)))
+    # tokens. A peer that caught up by downloading (under load a round's result can reach one member too late) read
+    # samples that the round may have left out: replay_counts tells from the others' group size
+    used, skipped, resolved = replay_counts([peer.stdout for peer in peers])
+    last = min(10, resolved)
     last -= last % every  # an epoch the peers evaluated at
-    assert last >= 5, peer_counts  # on loopback, catch-ups are rare
+    assert last >= 5, peer_counts
     logged = logged_losses(peers[0].stdout)[last]
-    prefix = [{e: c[e] for e in range(1, last + 1)} for c in peer_counts]
-    same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)])
+    prefix, left_out = ([{e: n for e, n in c.items() if e <= last} for c in counts] for counts in (used, skipped))
+    same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)],
+                                    skipped=left_out)
     # at the end, one process on as many tokens drawn from the whole corpus in another order (runs of one process in
     # different orders differ by about 0.6 % among each other at this size: docs/language-model.md)
     per_epoch = {e: sum(c.get(e) or 0 for c in peer_counts) or 128 for e in range(1, epochs + 1)}

@@ -152,6 +152,34 @@ def test_ctrl_c_while_a_newcomer_joins_is_heard(cli):
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_at_any_moment_of_start_up_stops_the_peer_cleanly(cli):
+    """Ctrl-C (SIGINT to the peer's whole process group) while it imports, builds its task, starts its DHT and p2p
+    daemon, joins and downloads the swarm's state, or has just begun to train: each time it exits promptly (130
+    before it joined, 0 after, with the line that says so), with no traceback and nothing left behind. Once, under
+    load, a newcomer's Ctrl-C during start-up went unheard and it trained on; once a DHT process forked at that
+    moment took the trainer's handler and died with a traceback; once a Ctrl-C inside torch's import came out as a
+    RecursionError."""
+    _, maddr = cli.dht()
+    common = train_args("e2e_startup_ctrl_c", maddr, "--target-batch-size", "256")
+    cli.start("founder", *common).wait_for(r"^epoch 2: ", 120)  # a live run: a newcomer downloads its state
+    # from 1 s: a signal before Python has started is the interpreter's (it dies of it, as any program does)
+    for attempt, delay in enumerate((1.0, 2.0, 3.0, 4.0, 5.5, 7.0, 9.0)):
+        peer = cli.start(f"newcomer{attempt}", *common, "--data-seed", str(attempt + 1))
+        time.sleep(delay)
+        peer.interrupt()
+        code = peer.wait(60)
+        said = f"Ctrl-C {delay} s after the start:\n{peer.describe()}"
+        assert (code, "interrupted" in peer.stderr, "stopped by SIGINT" in peer.stderr) in ((130, True, False),
+                                                                                         (0, False, True)), said
+        assert "Traceback" not in peer.stderr and "Exception ignored" not in peer.stderr, said
+        deadline = time.monotonic() + 10
+        while testing.session_members(peer.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not testing.session_members(peer.proc.pid), f"left processes behind; {said}"
+
+
+@pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_peer_late_to_the_last_round_takes_the_final_state_from_peers_that_stay(cli):
     """Three volunteers train to ``--epochs 3``; one is paused once it finished epoch 2, so the other two commit the

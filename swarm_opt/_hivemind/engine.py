@@ -925,6 +925,10 @@ class _Engine(DecentralizedAverager):
                 future.cancel()
         if self.lane is not None:
             self.lane.close()
+        try:  # hivemind never shuts its replica down: each averager it ever started left a socket file in /tmp
+            await self._p2p.shutdown()
+        except Exception as e:  # noqa: BLE001 (the process ends next; the file is all that is at stake)
+            logger.debug("The averager's p2p client did not shut down: %r", e)
 
     def commit(self, result: AveragingResult, round_id: int) -> None:  # runs in the host process
         """The host applied ``result`` as round ``round_id``; plain averaging keeps nothing from round to round."""

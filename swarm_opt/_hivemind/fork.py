@@ -61,8 +61,11 @@ def children_ignore_sigint() -> Iterator[None]:
 
     SIGINT is blocked in this thread meanwhile, so that the child is born with it blocked: one that arrives before
     the child's after-fork hook ignores it (a Ctrl-C to the whole group, on a loaded machine) would otherwise run the
-    handler the child inherited (seen: the trainer's KeyboardInterrupt in a starting DHT process). This process
-    still hears it: in another thread, or here once unblocked."""
+    handler the child inherited (seen: the trainer's KeyboardInterrupt in a starting DHT process). A program it
+    executes keeps SIGINT blocked: torch's ``torch_shm_manager``, started by the process's first shared tensor, moves
+    to a process group of its own, and a Ctrl-C to the group before it had left killed it half-way through its
+    handshake, the caller waiting for its answer for ever (seen). This process still hears it: in another thread,
+    or here once unblocked."""
     _forking.ignore_sigint = True
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:

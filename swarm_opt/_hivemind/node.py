@@ -191,8 +191,8 @@ def _started(dht_type: type, kwargs: dict, stop: Optional[threading.Event]) -> A
     half-started DHT with it."""
     from swarm_opt._hivemind.fork import children_ignore_sigint
 
-    dht = dht_type(**kwargs)
-    with children_ignore_sigint():
+    with children_ignore_sigint():  # also torch's shared-memory manager, which the DHT's first future starts
+        dht = dht_type(**kwargs)
         dht.run_in_background(await_ready=False)
     try:
         while True:

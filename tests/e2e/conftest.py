@@ -73,10 +73,20 @@ class CliProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             pytest.fail(f"{self.name} did not exit within {timeout:.0f} s:\n{self.describe()}")
 
+    def dump_stacks(self) -> None:
+        """Where every thread of the process is: SIGABRT makes Python's faulthandler (on in a peer's environment,
+        ``testing.peer_env``) write their stacks to stderr before the process dies."""
+        try:
+            os.kill(self.proc.pid, signal.SIGABRT)
+            self.proc.wait(5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
     def describe(self) -> str:
-        return f"--- {self.name} stdout ---\n{self.stdout[-3000:]}\n--- {self.name} stderr ---\n{self.stderr[-3000:]}"
+        return f"--- {self.name} stdout ---\n{self.stdout[-3000:]}\n--- {self.name} stderr ---\n{self.stderr[-6000:]}"
 
     def kill(self) -> None:
         testing.kill([self.proc])

@@ -192,24 +192,43 @@ def _command(pid: int) -> bytes:
         return b""
 
 
-def test_shutdown_leaves_no_processes_behind():
+def _socket_files(pids: set) -> set:
+    """The paths of the unix sockets that ``pids`` hold open (from /proc/net/unix: ``... Inode Path``)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        inodes.update(link[len("socket:["):-1] for link in links if link.startswith("socket:["))
+    rows = [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+    return {row[7] for row in rows if len(row) >= 8 and row[6] in inodes and row[7].startswith("/")}
+
+
+def test_shutdown_leaves_no_processes_and_no_socket_files_behind():
+    """Nor the socket files of the p2p daemon and its clients: hivemind's averager never shut its client down, and a
+    file was left in /tmp for every averager ever started (thousands on a machine that runs the tests)."""
     before = _descendants(os.getpid())
     node = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     opt, model = make(node, "lifetime", batch_size_per_step=4)
     assert len(_descendants(os.getpid()) - before) >= 2  # at least the DHT, the averager, their p2pd daemons
-    opt.shutdown()
-    opt.shutdown()  # idempotent
-    node.shutdown()
     import time
 
     def ours() -> set:  # torch's shared-memory manager serves the whole process, started by the first shared tensor
         return {pid for pid in _descendants(os.getpid()) - before
                 if not _command(pid).startswith(b"torch_shm_manager")}
 
+    files = _socket_files(ours())
+    assert len(files) >= 3, files  # the daemon's, the DHT's client, the averager's client
+    opt.shutdown()
+    opt.shutdown()  # idempotent
+    node.shutdown()
+
     deadline = time.monotonic() + 10
     while ours() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not ours()
+    assert not [path for path in files if os.path.exists(path)]
 
 
 @pytest.mark.parametrize("strategy", ["grad", pytest.param("local", marks=pytest.mark.extended),
@@ -398,10 +417,18 @@ def _start_script(source: str):
 def test_ctrl_c_in_a_terminal_leaves_the_network_up_until_the_peer_has_left():
     """A terminal sends Ctrl-C to the whole foreground process group. The user's process must decide when to leave:
     hivemind's p2p daemon (spawned through libuv, which resets ignored signals) died at once, under a peer still
-    finishing its step. start_dht() runs the DHT and its daemon in a process group of their own."""
+    finishing its step. start_dht() runs the DHT and its daemon in a process group of their own. torch's
+    shared-memory manager, started by the DHT's first future, leaves the group too, but only once it runs: it is
+    born with SIGINT blocked, so that a Ctrl-C before it left cannot kill it half-way through its handshake (its
+    caller then waited for ever)."""
     import signal
 
     proc = _start_script(_PEER_UNTIL_CTRL_C)
+    managers = [pid for pid in _descendants(proc.pid) if _command(pid).startswith(b"torch_shm_manager")]
+    assert managers, "the peer started no torch_shm_manager"
+    for pid in managers:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        assert (int(status["SigBlk"], 16) | int(status["SigIgn"], 16)) & (1 << (signal.SIGINT - 1)), status
     try:
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)

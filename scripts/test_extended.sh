@@ -11,8 +11,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 set +e
-# longest first (by their timeout marks): the long scenarios start at once and the short ones fill in beside them
-.venv/bin/python -m pytest -q -m extended -n "${SWARM_OPT_TEST_WORKERS:-0}" --longest-first --durations=15 "$@"
+.venv/bin/python -m pytest -q -m extended -n "${SWARM_OPT_TEST_WORKERS:-0}" --durations=15 "$@"
 status=$?
 set -e
 # pytest's exit code 5 means "no tests were collected": never green

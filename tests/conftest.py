@@ -12,26 +12,6 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "budget; run them with `bash scripts/test_extended.sh`")
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--longest-first", action="store_true",
-                     help="run tests longest first, by their timeout marks (scripts/test_extended.sh)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """With ``--longest-first``: the long scenarios start at once on every pytest-xdist worker (it hands tests out in
-    this order) and the shorter ones fill in beside them, instead of a 6-minute soak starting last on one worker
-    while the others idle. For the extended scenarios only: in the default suite it put every short swarm test last,
-    side by side, where peers were late to rounds (docs/long-runs.md#ci)."""
-    if not config.getoption("--longest-first"):
-        return
-
-    def timeout(item: pytest.Item) -> float:
-        mark = item.get_closest_marker("timeout")
-        return float(mark.args[0] if mark is not None and mark.args else config.getini("timeout") or 0)
-
-    items.sort(key=lambda item: -timeout(item))  # stable: the file order among equals
-
-
 @pytest.fixture(autouse=True)
 def restored_environment():
     """Every test leaves the process environment as it found it: Lightning's Trainer writes its rank variables

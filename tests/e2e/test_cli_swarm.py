@@ -164,7 +164,7 @@ def test_a_ctrl_c_at_any_moment_of_start_up_stops_the_peer_cleanly(cli):
     common = train_args("e2e_startup_ctrl_c", maddr, "--target-batch-size", "256")
     cli.start("founder", *common).wait_for(r"^epoch 2: ", 120)  # a live run: a newcomer downloads its state
     # from 1 s: a signal before Python has started is the interpreter's (it dies of it, as any program does)
-    for attempt, delay in enumerate((1.0, 2.0, 3.0, 4.0, 5.5, 7.0, 9.0)):
+    for attempt, delay in enumerate((1.0, 2.5, 4.0, 5.5, 7.0, 9.0)):
         peer = cli.start(f"newcomer{attempt}", *common, "--data-seed", str(attempt + 1))
         time.sleep(delay)
         peer.interrupt()

@@ -199,16 +199,19 @@ def test_a_peer_late_to_the_last_round_takes_the_final_state_from_peers_that_sta
     os.kill(late.proc.pid, signal.SIGSTOP)  # its trainer only: its DHT and averager processes run on
     try:
         deadline = time.monotonic() + 5.0
-        while not re.search(rf"^epoch {epochs}: ", peers[0].stdout, re.MULTILINE) and time.monotonic() < deadline:
+        while not (committed := re.search(rf"^epoch {epochs}: ", peers[0].stdout, re.MULTILINE)) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         os.kill(late.proc.pid, signal.SIGCONT)
     for peer in peers:
         assert peer.wait(120) == 0, peer.describe()
         assert f"reached epoch {epochs}; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
-    # (a peer that trained the last epoch alone says "averaged with 1 of 1 peer(s)" there)
-    assert re.search(rf"^epoch {epochs}: .*caught up by downloading the swarm's state", late.stdout, re.MULTILINE), \
-        late.describe()
+    # (a peer that trained the last epoch alone says "averaged with 1 of 1 peer(s)" there). Where the others had not
+    # committed it within the pause (a loaded machine), the late peer may have joined their round: one model still
+    if committed:
+        assert re.search(rf"^epoch {epochs}: .*caught up by downloading the swarm's state", late.stdout,
+                         re.MULTILINE), late.describe()
     models = [load_checkpoint(cli.workdir / f"ckpt{rank}")["model"] for rank in range(3)]
     for model in models[1:]:
         for key in models[0]:

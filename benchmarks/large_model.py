@@ -60,7 +60,7 @@ class Peer:
     def __init__(self, name: str, argv: List[str], workdir: Path, patterns: Dict[str, Pattern]) -> None:
         self.name, self.log, self.patterns = name, workdir / f"{name}.out", patterns
         self.started = time.monotonic()
-        self.proc = testing.start(["-m", "swarm_opt", *argv], log=self.log, cwd=workdir, dies_with_us=True)
+        self.proc = testing.start(["-m", "swarm_opt", *argv], log=self.log, cwd=workdir)
         self.seen: Dict[str, float] = {}
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()

@@ -101,11 +101,11 @@ class Swarm:
         print(f"[{record['wall']}] {kind} {info if info else ''}", flush=True)
 
     def start(self, name: str, *argv: str, env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-        """Start ``swarm-opt ARGV`` in a session of its own that dies with this driver, even of a SIGKILL
-        (``dies_with_us``): a soak that stops, however it stops, leaves no swarm behind."""
+        """Start ``swarm-opt ARGV`` in a session of its own that dies with this driver, even of a SIGKILL:
+        a soak that stops, however it stops, leaves no swarm behind."""
         proc = testing.start(["-m", "swarm_opt", *argv], log=self.out / f"{name}.out",
                              stderr_log=self.out / f"{name}.err", env={**self.env, **(env or {})}, cwd=self.out,
-                             prefix=self.prefix, dies_with_us=True)
+                             prefix=self.prefix)
         self.procs.append(proc)
         self.names[proc.pid] = name
         return proc

@@ -33,18 +33,18 @@ def peer_env(**extra: str) -> Dict[str, str]:
 
 
 def start(argv: Sequence[str], *, log: Path, stderr_log: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
-          cwd: Optional[Path] = None, prefix: Sequence[str] = (), dies_with_us: bool = False) -> subprocess.Popen:
+          cwd: Optional[Path] = None, prefix: Sequence[str] = ()) -> subprocess.Popen:
     """Start ``python ARGV...`` in a session of its own, output to ``log`` (stderr too, unless ``stderr_log``).
-    ``prefix`` runs it through another command (``ip netns exec HOST``). ``dies_with_us``: the kernel SIGKILLs it when
-    the thread that called ``start`` ends (``PR_SET_PDEATHSIG``; Linux): a driver that dies, even of SIGKILL, leaves
-    no peer behind in its own session (a peer's DHT process and averager die with the peer). Call it from the thread
-    that lives as long as the peer should (a long-lived driver's main thread)."""
+    ``prefix`` runs it through another command (``ip netns exec HOST``). The kernel SIGKILLs it when the thread that
+    called ``start`` ends (``PR_SET_PDEATHSIG``; Linux): a driver or a test run that dies, even of SIGKILL, leaves no
+    peer behind in its own session (a peer's DHT process and averager die with the peer). Call it from a thread that
+    lives as long as the peer should (a driver's main thread, a test's)."""
     parent = os.getpid()
     with open(log, "w") as out, open(stderr_log or os.devnull, "w") as err:
         return subprocess.Popen([*prefix, sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=err if stderr_log else subprocess.STDOUT, start_new_session=True,
                                 env=peer_env() if env is None else env, cwd=str(cwd or SOURCE_ROOT),
-                                preexec_fn=(lambda: die_with_parent(signal.SIGKILL, parent)) if dies_with_us else None)
+                                preexec_fn=lambda: die_with_parent(signal.SIGKILL, parent))
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -42,7 +42,8 @@ def test_a_full_then_read_only_checkpoint_disk_costs_one_line_each_and_training_
         full_at = _epoch(peer)
         _wait_epochs(peer, full_at + 3, 60)  # training goes on, and says so once, not at every epoch
         assert peer.stderr.count("could not write checkpoint") == 1, peer.describe()
-        assert sorted(directory.glob("epoch-*.pt")) == intact and not list(directory.glob(".*.tmp"))
+        # (a failing write's temporary file may exist right now: it is checked for once the peer is gone)
+        assert sorted(directory.glob("epoch-*.pt")) == intact
         assert swarm_opt.load_checkpoint(intact[-1])["epoch"] >= 2
 
         disk.free()
@@ -59,7 +60,7 @@ def test_a_full_then_read_only_checkpoint_disk_costs_one_line_each_and_training_
         assert re.search(r"Read-only file system \(EROFS\).*; leaving without a checkpoint of epoch \d+$", err,
                          re.MULTILINE), peer.describe()
         assert "stopped by SIGINT" in err and "Traceback" not in err and err.count("EROFS") == 2, peer.describe()
-        assert sorted(directory.glob("epoch-*.pt")) == intact
+        assert sorted(directory.glob("epoch-*.pt")) == intact and not list(directory.glob(".*.tmp"))  # none left
         assert swarm_opt.load_checkpoint(intact[-1])["epoch"] > full_at
         node.interrupt()
         assert node.wait(30) == 0, node.describe()

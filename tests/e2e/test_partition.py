@@ -119,7 +119,8 @@ def cut_and_heal(hosts: Hosts, peers: Dict[int, DhtPeer], cut: Set[int], seconds
 @pytest.mark.timeout(240)
 def test_a_dht_node_cut_off_for_15_s_finds_the_others_again(make_hosts, tmp_path):
     """15 s: five times what a node takes to empty its table once cut off, and longer than the watcher's longest
-    backoff (``WatchConfig.max_backoff``); the 3-minute cut of two nodes runs among the extended tests."""
+    backoff (``WatchConfig.max_backoff``). Longer cuts, of two nodes together or apart, are the training swarms'
+    below (extended): they check the same and more (every trainer averages with every other again)."""
     hosts = make_hosts(4)
     peers = start_swarm(hosts, 4, tmp_path)
     cut_and_heal(hosts, peers, {3}, 15)
@@ -131,19 +132,6 @@ def test_a_dht_node_cut_off_for_15_s_finds_the_others_again(make_hosts, tmp_path
     peers[3].wait_for(FOUND, 15)
     for i in (0, 1, 2):  # three of four still saw each other: nothing to say
         assert LOST not in peers[i].text(), peers[i].text()
-
-
-@pytest.mark.swarm
-@pytest.mark.extended
-@pytest.mark.timeout(420)
-def test_two_of_six_cut_off_together_for_3_minutes_find_the_others_again(make_hosts, tmp_path):
-    hosts = make_hosts(6)
-    peers = start_swarm(hosts, 6, tmp_path)
-    cut_and_heal(hosts, peers, {2, 5}, 180)
-    wait_until(lambda: everyone_sees_everyone(peers), 60, lambda: describe(peers))
-    for i in (2, 5):  # each still saw its partner, 1 of 5: lost all the same
-        assert LOST in peers[i].text(), peers[i].text()
-        peers[i].wait_for(FOUND, 15)  # said at the watcher's next look
 
 
 @pytest.mark.swarm
@@ -226,8 +214,9 @@ def test_a_newcomer_whose_initial_peers_are_unreachable_says_so_and_retries(make
 @pytest.mark.swarm
 @pytest.mark.extended
 @pytest.mark.timeout(720)
-@pytest.mark.parametrize("size,sides", [(5, [{2}]), (6, [{2, 5}]), (6, [{2}, {5}])],
-                         ids=["1of5", "2of6", "2of6-apart"])
+# two cut off together (a side that can form groups of its own) and two each alone (what one cut off alone does, twice
+# at once; 1 of 5 is benchmarks/partition.py's default scenario)
+@pytest.mark.parametrize("size,sides", [(6, [{2, 5}]), (6, [{2}, {5}])], ids=["2of6", "2of6-apart"])
 def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s_of_each_healing(make_hosts, tmp_path,
                                                                                               size, sides):
     """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own

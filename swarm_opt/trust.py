@@ -222,27 +222,30 @@ class ClaimChecker:
 
         bounded = []
         for record in counted:
-            if record.epoch != epoch:  # peers behind only count through the current epoch's start (see progress)
+            if record.epoch < epoch - 1:  # counted as live, not toward this epoch's samples (see progress)
                 bounded.append(record.copy(update={"samples_per_second": min(record.samples_per_second, rate_cap)}))
                 continue
             key = _key(record)
             credit = self._credits.get(key)
-            if credit is None or credit.epoch != epoch:
-                began = self._epoch_began.get(epoch)
+            if credit is None or credit.epoch != record.epoch:
+                began = self._epoch_began.get(record.epoch)
                 if began is not None:
-                    credit = _Credit(epoch, 0.0, began)
+                    credit = _Credit(record.epoch, 0.0, began)
                 else:  # we did not see this epoch begin: take the peer's word, up to one global batch
-                    credit = _Credit(epoch, float(min(record.samples, target_batch_size)), now)
+                    credit = _Credit(record.epoch, float(min(record.samples, target_batch_size)), now)
                 self._credits[key] = credit
             allowed = credit.base_samples + rate_cap * (max(0.0, now - credit.base_time) + self.config.burst_seconds)
             # struck only when no honest peer could claim it: one stops at its share of the global batch, while the
-            # rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is honest)
+            # rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is honest).
+            # The last epoch's records too: one that trails the swarm counts as computing this epoch with us
             if record.samples > 2 * max(allowed, target_batch_size):
                 self._ignore(key, now, f"it claims {record.samples} samples where at most {allowed:.0f} were "
                                        f"plausible", "implausible_samples")
                 continue
-            bounded.append(record.copy(update={"samples": int(min(record.samples, allowed)),
-                                               "samples_per_second": min(record.samples_per_second, rate_cap)}))
+            update = {"samples_per_second": min(record.samples_per_second, rate_cap)}
+            if record.epoch == epoch:  # one just behind counts through the current epoch's start (see progress)
+                update["samples"] = int(min(record.samples, allowed))
+            bounded.append(record.copy(update=update))
         self._forget_absent({_key(r) for r in records}, now)
         return _checked(bounded, ahead)
 

@@ -134,6 +134,23 @@ def test_a_peer_claiming_absurd_samples_is_ignored_and_cannot_fill_the_batch(cap
     assert any("for 120 s" in r.getMessage() for r in caplog.records)
 
 
+def test_a_liar_whose_record_trails_the_swarm_by_an_epoch_is_ignored_too(caplog):
+    """A liar that copies the newest honest record every so often stands one epoch behind for most of every short
+    epoch: counted as a peer that finished the last round with us, at 4x the median speed, it took most of the
+    global batch and rounds fired after one step of each honest peer (the billion-samples swarm test, 24 of 64)."""
+    checker = ClaimChecker(TrustConfig())
+    seen_epoch_begin(checker, 3, 99.0)
+    local = rec("me", 3, 8, 10.0, 100.0)
+    honest = [rec("a", 3, 8, 10.0, 100.0), rec("b", 2, 20, 10.0, 99.0)]  # b finished round 2 with us
+    liar = rec("liar", 2, 10**9, 1e9, 99.5)
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        counted = checker.check(honest + [liar], local, 100.0, TARGET, local_epoch_started=99.0).records
+    assert {r.instance for r in counted} == {"a", "b"}
+    assert any("claims 1000000000 samples" in r.getMessage() for r in caplog.records)
+    share = aggregate_progress(counted, local, TARGET, 100.0, epoch_started=99.0).share
+    assert share == pytest.approx(TARGET / 3)  # the honest peers share the batch among them
+
+
 def test_a_slow_peer_bounds_fast_peers_but_does_not_ignore_them(caplog):
     """A peer 200x slower than the two others (their speeds measured one after the other) bounds their samples by
     its low median, but never ignores them for it: an honest peer claims at most about its share of the global

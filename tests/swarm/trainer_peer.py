@@ -185,6 +185,7 @@ class Recorder(TrainerCallback):
             open(self.cfg["until_file"], "a").close()  # e.g. a resumed peer trained with the others again
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
+        time.sleep(self.cfg.get("step_sleep", 0.0))  # a slower step: epochs longer than a catch-up under load
         until = self.cfg.get("until_file")  # then max_steps is far: the run ends at `epochs` once that file exists
         done = until is not None and self.swarm.optimizer.local_epoch >= self.cfg["epochs"] and os.path.exists(until)
         if done or time.monotonic() - START > self.cfg.get("max_seconds", 150):

@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.extended, pytest.mark.timeout(300)]
 
 BOUNDS = (5.0, 60.0)  # the product's defaults: matchmaking_time, averaging_timeout
 SLOW_FROM, EPOCHS = 9, 15
-SLOW_REPLIES = 1.0  # seconds each reducer waits before each averaged part it sends back, from epoch SLOW_FROM on
+SLOW_REPLIES = 2.0  # seconds each reducer waits before each averaged part it sends back, from epoch SLOW_FROM on
 
 
 def test_deadlines_shrink_on_a_fast_swarm_and_grow_back_when_it_turns_slow(swarm):
@@ -34,4 +34,6 @@ def test_deadlines_shrink_on_a_fast_swarm_and_grow_back_when_it_turns_slow(swarm
         fast = min(a for epoch, (_, a) in deadlines.items() if epoch < SLOW_FROM)
         assert fast <= BOUNDS[1] / 3, deadlines  # shrank on the fast swarm
         slow = max(a for epoch, (_, a) in deadlines.items() if epoch > SLOW_FROM + 1)
-        assert slow >= fast + 3 * SLOW_REPLIES, deadlines  # and grew back once its rounds took longer
+        # and grew back once its rounds took longer: by AVERAGING_MARGIN x the delay on a quiet machine; a loaded one
+        # changes the rounds' times between the two phases by a second or more (with 1 s of delay it came out below)
+        assert slow >= fast + 1.5 * SLOW_REPLIES, deadlines

@@ -86,7 +86,7 @@ def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
     """Two lane peers average many rounds; the user's process (where the lane runs its rounds) and the averager
     process (which forms the groups) hold as many threads and file descriptors at the end as after the first
     rounds."""
-    epochs = 40
+    epochs = 120
     for rank in range(2):
         swarm.start(rank, batch_size=16, target_batch_size=32, inner="sgd", epochs=epochs, expect_peers=2,
                     step_sleep=0.01, matchmaking_time=0.5, averaging_timeout=10.0, lane=True,
@@ -100,11 +100,11 @@ def test_many_lane_rounds_leak_no_threads_or_sockets(swarm):
             for what in ("fds", "threads"):
                 # streams come and go on top of what the process holds (each DHT request or stream to p2pd is a
                 # socket while in flight: more of them at once on a loaded machine, whose load changes over the
-                # test); a leak raises the floor under them, one per ten rounds by ~3 between these windows (26
-                # rounds apart)
+                # test: a window's floor rose by 2 in CI); a leak raises the floor under them, one per 25 rounds by
+                # 4 between these windows (~100 rounds apart); on a quiet machine the floor is flat over 150 rounds
                 early = [counts[e][process][what] for e in counts if 5 <= e <= 14]
                 late = [counts[e][process][what] for e in counts if e > epochs - 10]
-                assert late and min(late) <= min(early) + 1, (process, what,
+                assert late and min(late) <= min(early) + 3, (process, what,
                                                               {e: c[process] for e, c in counts.items()})
 
 

@@ -59,7 +59,8 @@ PRIVATE_RUN_EXACT_UP_TO = 2**40
 @dataclass(frozen=True)
 class RoundReport:
     """What happened at this peer's last epoch change: a committed round, or ``caught_up`` with the swarm without
-    averaging (by downloading its state, or, for local-update strategies, by going on from the local model)."""
+    averaging: by downloading its state (``downloaded``), or, for local-update strategies, by going on from the
+    local model."""
 
     epoch: int
     group_size: int
@@ -69,6 +70,7 @@ class RoundReport:
     seconds: float
     caught_up: bool
     helpers: int = 0  # auxiliary peers that reduced parts of the round (they count in no majority)
+    downloaded: bool = False
 
 
 OptimizerFactory = Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]
@@ -747,7 +749,7 @@ class Optimizer(torch.optim.Optimizer):
                 for p, old in zip(self._params, backup):
                     p.copy_(old)
                 raise IncompatibleStateError(f"could not load the optimizer state: {e}") from e
-            self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True)
+            self.last_round = RoundReport(epoch, 0, 0, self._samples, 0.0, 0.0, caught_up=True, downloaded=True)
             self.metrics.round_concluded("downloaded", 0.0, 0)
             self._epoch = epoch
             self._mark_synced()

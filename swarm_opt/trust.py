@@ -222,32 +222,37 @@ class ClaimChecker:
 
         bounded = []
         for record in counted:
-            if record.epoch < epoch - 1:  # counted as live, not toward this epoch's samples (see progress)
-                bounded.append(record.copy(update={"samples_per_second": min(record.samples_per_second, rate_cap)}))
-                continue
-            key = _key(record)
-            credit = self._credits.get(key)
-            if credit is None or credit.epoch != record.epoch:
-                began = self._epoch_began.get(record.epoch)
-                if began is not None:
-                    credit = _Credit(record.epoch, 0.0, began)
-                else:  # we did not see this epoch begin: take the peer's word, up to one global batch
-                    credit = _Credit(record.epoch, float(min(record.samples, target_batch_size)), now)
-                self._credits[key] = credit
-            allowed = credit.base_samples + rate_cap * (max(0.0, now - credit.base_time) + self.config.burst_seconds)
-            # struck only when no honest peer could claim it: one stops at its share of the global batch, while the
-            # rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is honest).
-            # The last epoch's records too: one that trails the swarm counts as computing this epoch with us
-            if record.samples > 2 * max(allowed, target_batch_size):
-                self._ignore(key, now, f"it claims {record.samples} samples where at most {allowed:.0f} were "
-                                       f"plausible", "implausible_samples")
-                continue
             update = {"samples_per_second": min(record.samples_per_second, rate_cap)}
-            if record.epoch == epoch:  # one just behind counts through the current epoch's start (see progress)
-                update["samples"] = int(min(record.samples, allowed))
+            # this epoch's samples, and the last epoch's: a record one behind counts as computing this epoch with us
+            # (see progress); older ones count as live peers only
+            if record.epoch >= epoch - 1:
+                allowed = self._allowed(record, now, target_batch_size, rate_cap)
+                # struck only when no honest peer could claim it: one stops at its share of the global batch, while
+                # the rate bound is as low as the swarm's median speed (a peer 100x faster than a slow median is
+                # honest)
+                if record.samples > 2 * max(allowed, target_batch_size):
+                    self._ignore(_key(record), now, f"it claims {record.samples} samples where at most "
+                                                    f"{allowed:.0f} were plausible", "implausible_samples")
+                    continue
+                if record.epoch == epoch:
+                    update["samples"] = int(min(record.samples, allowed))
             bounded.append(record.copy(update=update))
         self._forget_absent({_key(r) for r in records}, now)
         return _checked(bounded, ahead)
+
+    def _allowed(self, record, now: float, target_batch_size: int, rate_cap: float) -> float:
+        """The most samples ``record``'s owner could plausibly hold in its epoch by ``now``: from when we saw that
+        epoch begin, or from our first sight of it there (its word taken then, up to one global batch)."""
+        key = _key(record)
+        credit = self._credits.get(key)
+        if credit is None or credit.epoch != record.epoch:
+            began = self._epoch_began.get(record.epoch)
+            if began is not None:
+                credit = _Credit(record.epoch, 0.0, began)
+            else:
+                credit = _Credit(record.epoch, float(min(record.samples, target_batch_size)), now)
+            self._credits[key] = credit
+        return credit.base_samples + rate_cap * (max(0.0, now - credit.base_time) + self.config.burst_seconds)
 
     def _note_epoch(self, epoch: int, now: float, local_epoch: Optional[int], local_started: Optional[float]) -> None:
         """Remember when the swarm's epoch began, if we saw it begin: the epoch became the believed one after our

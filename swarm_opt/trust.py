@@ -21,7 +21,9 @@ moves the swarm only as far as its owner plausibly could:
   record counts for nothing, not even as a live peer. One WARNING line says so. A peer ignored for standing ahead
   counts again as soon as its record stands with the swarm: the side of a healed partition that trained on alone
   stands ahead until it takes the majority's state (``docs/partitions.md``), honest all along; a liar that withdraws
-  its claim gains nothing, and its next one suspends it twice as long.
+  its claim gains nothing, and its next one suspends it twice as long. Its epoch still votes once a second peer
+  stands ahead too: a healed partition's majority whose records reach us one at a time is then believed once half
+  of them are read, where one alone far ahead may be a liar.
 
 What this cannot stop: many identities that each claim plausible progress (a Sybil attack). A private run
 (``RunSecret``) keeps strangers out of the DHT altogether.
@@ -179,13 +181,25 @@ class ClaimChecker:
     def _check(self, records: list, local, now: float, target_batch_size: int,
                local_epoch_started: Optional[float], local_votes: bool,
                remembered: Collection[Tuple[bytes, str]]) -> Checked:
-        self._reinstate(records, local, now)
-        live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         local_epoch = None if local is None else local.epoch
-        votes = [r.epoch for r in live] + ([local_epoch] if local is not None and (local_votes or not live) else [])
+        live = [r for r in records if not self._ignored.suspended(_key(r), now)]
+        standing_ahead = [r for r in records
+                          if _key(r) in self._ignored_ahead and self._ignored.suspended(_key(r), now)]
         known = {key for key in remembered if not self._ignored.suspended(key, now)}
-        voters = len(known.union(_key(r) for r in live)) + len(votes) - len(live)
-        epoch = believed_epoch(votes, local_epoch, voters)
+
+        def believe(voting: list) -> int:
+            own = [local_epoch] if local is not None and (local_votes or not voting) else []
+            return believed_epoch([r.epoch for r in voting] + own, local_epoch,
+                                  len(known.union(_key(r) for r in voting)) + len(own))
+
+        epoch = believe(live)
+        # peers ignored for standing ahead vote again once another peer stands ahead too: two signed identities
+        # there are a side of a healed partition whose records reach us one by one (each would be ignored before
+        # the next arrives, and the majority never believed), where one alone may be a liar
+        if len({_key(r) for r in live + standing_ahead if r.epoch > epoch + 1}) >= 2:
+            epoch = believe(live + standing_ahead)
+        self._reinstate(records, max(epoch, self._newest_seen or 0), now)
+        live = [r for r in records if not self._ignored.suspended(_key(r), now)]
         self._note_epoch(epoch, now, local_epoch, local_epoch_started)
 
         counted, ahead = [], []
@@ -264,10 +278,9 @@ class ClaimChecker:
         for old in [e for e in self._epoch_began if e < epoch - 1]:
             del self._epoch_began[old]
 
-    def _reinstate(self, records: list, local, now: float) -> None:
+    def _reinstate(self, records: list, newest: int, now: float) -> None:
         """Count again the peers ignored for standing ahead whose records no longer do: at most one epoch ahead of
-        the epoch that was believed last (our own, at least)."""
-        newest = max(self._newest_seen or 0, 0 if local is None else local.epoch)
+        ``newest``, the newest epoch believed (our own, at least)."""
         for record in records:
             key = _key(record)
             if key in self._ignored_ahead and record.epoch <= newest + 1:

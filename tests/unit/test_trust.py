@@ -311,3 +311,37 @@ def test_a_peer_ignored_for_standing_ahead_counts_again_once_it_stands_with_the_
     # a liar still far ahead stays ignored for its whole suspension
     checked = checker.check(honest + [rec("cut", 999, 0, 10.0, 170.0)], local, 170.0, TARGET, 99.0)
     assert "cut" not in {r.instance for r in checked.records} and checked.ahead == 0
+
+
+def test_a_majority_whose_records_arrive_one_by_one_after_a_partition_is_believed(caplog):
+    """A healed partition's side that trained on alone (this peer and one other, at epoch 424) meets the majority's
+    records (epoch 564) one at a time, each more than ``ahead_grace`` after the last, as the two sides' DHT nodes
+    find each other again: each alone may be a liar and is ignored, but the second one ahead makes two signed
+    identities there, and the four are believed (this peer then downloads their state) once half of them are read,
+    not after the first one's suspension."""
+    checker = ClaimChecker(TrustConfig(ahead_grace=10.0, ignore_seconds=60.0))
+    seen_epoch_begin(checker, 424, 99.0)
+    local = rec("me", 424, 10, 10.0, 100.0)
+    side = [rec("m", 424, 20, 10.0, 100.0)]
+    majority = [rec(name, 564, 0, 10.0, 100.0) for name in "abcd"]
+    t, arrived = 100.0, []
+    with caplog.at_level(logging.WARNING, logger="swarm_opt.trust"):
+        for record in majority[:2]:
+            arrived.append(record)
+            for _ in range(3):  # reads every 5.5 s: the newest arrival outlasts its grace alone
+                checked = checker.check(side + arrived, local, t, TARGET, local_epoch_started=99.0,
+                                        remembered=[(b"m", "m")])
+                t += 5.5
+    assert any("Ignoring peer" in r.getMessage() and "epoch 564" in r.getMessage() for r in caplog.records)
+    progress = aggregate_progress(checked.records, local, TARGET, t, ahead=checked.ahead)
+    assert progress.epoch == 564, (checked, progress)
+    assert {"a", "b"} <= {r.instance for r in checked.records}  # both counted again: they stand with the swarm
+    # a lone liar far ahead, ignored, still never moves two honest peers, however long it stands there
+    checker = ClaimChecker(TrustConfig(ahead_grace=10.0, ignore_seconds=60.0))
+    seen_epoch_begin(checker, 5, 99.0)
+    local = rec("me", 5, 10, 10.0, 100.0)
+    for t in (100.0, 111.0, 122.0, 133.0):
+        checked = checker.check([rec("a", 5, 20, 10.0, t), rec("liar", 1005, 0, 10.0, t)], local, t, TARGET,
+                                local_epoch_started=99.0)
+    assert [r.instance for r in checked.records] == ["a"] and checked.ahead == 0
+    assert aggregate_progress(checked.records, local, TARGET, 133.0, ahead=checked.ahead).epoch == 5

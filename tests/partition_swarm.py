@@ -102,25 +102,28 @@ class TrainingSwarm:
             for i in range(1, size + 1)}
         self._lock = threading.Lock()
         self._seen: Dict[int, Dict[int, float]] = {i: {} for i in self.trainers}  # epoch -> when first printed
+        self._read_up_to = {i: 0 for i in self.trainers}  # what each trainer printed up to its last whole line, read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="epoch-lines", daemon=True)
         self._thread.start()
 
     # --- reading the trainers' output --------------------------------------------------------------------------------
     def _watch(self) -> None:
-        read = {i: 0 for i in self.trainers}  # what each trainer printed up to its last whole line, already read
         while not self._stop.wait(0.25):
+            self._read()
+
+    def _read(self) -> None:
+        """Note when each epoch line that a trainer printed since the last read first appeared."""
+        with self._lock:
             for i, trainer in self.trainers.items():
                 now = time.monotonic()
                 with open(trainer.out, "rb") as out:
-                    out.seek(read[i])
+                    out.seek(self._read_up_to[i])
                     new = out.read()
                 new = new[:new.rfind(b"\n") + 1]
-                read[i] += len(new)
-                epochs = [int(e) for e, _, _ in EPOCH.findall(new.decode(errors="replace"))]
-                with self._lock:
-                    for epoch in epochs:
-                        self._seen[i].setdefault(epoch, now)
+                self._read_up_to[i] += len(new)
+                for epoch, _, _ in EPOCH.findall(new.decode(errors="replace")):
+                    self._seen[i].setdefault(int(epoch), now)
 
     def offsets(self) -> Dict[int, int]:
         """How much each trainer printed so far: ``epochs_since`` reads what follows."""
@@ -133,7 +136,9 @@ class TrainingSwarm:
         return [(int(e), metrics, rest) for e, metrics, rest in EPOCH.findall(text)]
 
     def epoch(self, i: int) -> int:
-        """The newest epoch trainer ``i`` printed (0 before any)."""
+        """The newest epoch trainer ``i`` printed (0 before any), up to now (not the watcher's last read: a caller
+        that just saw a line in the output finds its epoch here)."""
+        self._read()
         with self._lock:
             return max(self._seen[i], default=0)
 
@@ -158,8 +163,15 @@ class TrainingSwarm:
         return next((e for e in sorted(common) if len({s[e] for s in seen.values()}) == 1), None)
 
     def describe(self, offsets: Dict[int, int]) -> str:
-        return "; ".join(f"trainer {i}: {[(e, m, r.strip(', ')[:40]) for e, m, r in self.epochs_since(i, o)][-3:]}"
-                         for i, o in offsets.items())
+        """Each trainer's last epochs since ``offsets`` and its last lines that are not about an epoch (what it
+        said about the swarm: lost sight of it, ignored a peer, downloaded, failed a round)."""
+        def said(i: int) -> List[str]:
+            lines = self.trainers[i].text()[offsets[i]:].splitlines()
+            return [line[:200] for line in lines
+                    if not EPOCH.match(line) and "INFO swarm_opt.optimizer: epoch" not in line][-6:]
+
+        return "; ".join(f"trainer {i}: {[(e, m, r.strip(', ')[:40]) for e, m, r in self.epochs_since(i, o)][-3:]}, "
+                         f"said {said(i)}" for i, o in offsets.items())
 
     # --- the run's course -------------------------------------------------------------------------------------------
     def wait_together(self, timeout: float = 240, since: Optional[Dict[int, int]] = None) -> None:

@@ -28,6 +28,7 @@ from tests.partition_swarm import FOUND, LOST, PORT, Proc, TrainingSwarm
 
 PEER_SCRIPT = REPO / "tests" / "e2e" / "dht_peer.py"
 FORGET_AFTER = TrackerConfig().forget_after  # the CLI's: a cut side trains on alone after this many seconds
+LATE_TIMERS = 3.0  # seconds a loaded machine may fire a round's deadline late
 
 
 @pytest.fixture
@@ -221,19 +222,20 @@ def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s
                                                                                               size, sides):
     """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own
     (``tests/partition_swarm.py``); each set of trainers in ``sides`` loses its links to the others, first for 30 s
-    (less than ``TrackerConfig.forget_after``: the cut side waits for the majority it remembers), then, once the swarm
-    is whole again, for 3 minutes (the cut side trains on alone after ``forget_after``, and the links' long absence
-    meets libp2p's dial backoff). After each cut, within 60 s of the links coming back, every trainer prints an epoch
-    with the same test metrics as every other (one model), reached by a round of the majority side and, where the
-    majority moved on meanwhile (always after 3 minutes), by a download on the cut side (the majority never takes the
-    minority's state, even when the minority is ahead); during the 30-s cut the cut side commits nothing; then every
-    trainer averages a round with all the others again (the swarm is whole, as before the cut) and they still hold
-    one model (no side went back to its own version). The cut ones said they lost sight of the swarm and found it
-    again. No ``step()`` of any trainer, over the whole run (the splits, the healings and the downloads included), is
-    held for a split: the longest is a round in flight when the links went down, which waits out its group search
-    (``averaging_timeout``, 20 s, from when it was scheduled, at most ``matchmaking_time`` before), so every step ends
-    within 22 s; a peer cut off then starts no round and keeps stepping. The epoch rate before a cut and after its
-    healing is measured by ``benchmarks/partition.py``, not here: on a shared machine it is the neighbours' load."""
+    (less than ``TrackerConfig.forget_after``: the cut side waits for the majority it remembers), then, once the
+    swarm is whole again, for 3 minutes (the cut side trains on alone after ``forget_after``, and the links' long
+    absence meets libp2p's dial backoff). After each cut, within 60 s of the links coming back, every trainer prints
+    an epoch with the same test metrics as every other (one model), reached by a round of the majority side and,
+    where the majority moved on meanwhile (always after 3 minutes), by a download on the cut side (the majority
+    never takes the minority's state, even when the minority is ahead); during the 30-s cut the cut side commits
+    nothing; then every trainer averages a round with all the others again (the swarm is whole, as before the cut)
+    and they still hold one model (no side went back to its own version). The cut ones said they lost sight of the
+    swarm and found it again. No ``step()`` of any trainer, over the whole run (the splits, the healings and the
+    downloads included), is held for a split: the longest is a round in flight when the links went down, which waits
+    out its group search (``averaging_timeout``, 20 s, from when it was scheduled, at most ``matchmaking_time``
+    before), so every step ends within 22 s (a loaded machine's timers fire a little late); a peer cut off then
+    starts no round and keeps stepping. The epoch rate before a cut and after its healing is measured by
+    ``benchmarks/partition.py``, not here: on a shared machine it is the neighbours' load."""
     swarm = TrainingSwarm(make_hosts(size + 1), size, tmp_path)  # host 0: the bootstrap node; trainer i on host i
     cut = set().union(*sides)
     report = []
@@ -264,4 +266,6 @@ def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s
     finally:
         swarm.close()
     print("; ".join(report) + f"; longest step() {max(s for s, _ in longest.values()):.1f} s")
-    assert all(seconds < swarm.averaging_timeout + swarm.matchmaking_time for seconds, _ in longest.values()), longest
+    # (a loaded machine fires the round's timers late by a second or so: 23.0 s was seen beside three busy loops)
+    held = swarm.averaging_timeout + swarm.matchmaking_time + LATE_TIMERS
+    assert all(seconds < held for seconds, _ in longest.values()), longest

@@ -21,6 +21,7 @@ import uuid
 from typing import Dict, Iterable, Union
 
 SUBNET = "10.213.{}.{}"
+OWNER = "owner"  # the file in a switch namespace's /etc/netns directory that names the process that made it
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -38,6 +39,10 @@ class Hosts:
         self._islands = 0
         self.switch, self.names = f"so{tag}sw", [f"so{tag}h{i}" for i in range(n)]
         self.third_octet = int(tag[:2], 16)
+        remove_orphans()
+        os.makedirs(f"/etc/netns/{self.switch}", exist_ok=True)
+        with open(f"/etc/netns/{self.switch}/{OWNER}", "w") as f:  # before the namespace: see ``remove_orphans``
+            f.write(str(os.getpid()))
         _sh("ip", "netns", "add", self.switch)
         self._in(self.switch, "ip", "link", "add", "br0", "type", "bridge")
         self._in(self.switch, "ip", "link", "set", "br0", "up")
@@ -134,6 +139,30 @@ class Hosts:
                     pass
             _sh("ip", "netns", "del", name, check=False)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
+def remove_orphans() -> None:
+    """Remove the test hosts of processes that died without closing them (a test run killed): each switch namespace
+    names its creator's pid in ``/etc/netns/<switch>/owner``, written before the namespace exists, so that a host set
+    another process is still making is never taken for an orphan."""
+    listed = _sh("ip", "netns", "list", check=False).stdout
+    for tag in set(re.findall(r"^so(\w{6})sw\b", listed, re.MULTILINE)):
+        try:
+            with open(f"/etc/netns/so{tag}sw/{OWNER}") as f:
+                owner = int(f.read().strip())
+        except (OSError, ValueError):
+            continue  # made before owners were named, or by hand: not ours to judge
+        try:
+            os.kill(owner, 0)
+            continue  # its creator is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        orphan = Hosts.__new__(Hosts)
+        orphan.switch = f"so{tag}sw"
+        orphan.names = sorted(set(re.findall(rf"^(so{tag}h\d+)\b", listed, re.MULTILINE)))
+        orphan.close()
 
 
 def burst_for(rate: str) -> str:

@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 
 from tests.e2e.conftest import cli_env
-from tests.hosts import Hosts, namespaces_unavailable
+from tests.hosts import Hosts, namespaces_unavailable, remove_orphans
 
 
 @pytest.fixture
@@ -107,3 +107,36 @@ def test_a_swarm_across_hosts_survives_a_killed_peer_which_rejoins_with_its_iden
     assert "resumed from" in again.text()
     node.proc.send_signal(signal.SIGINT)
     assert node.proc.wait(30) == 0, node.text()
+
+
+@pytest.mark.timeout(60)
+def test_hosts_left_by_a_killed_test_run_are_removed_by_the_next_one(tmp_path):
+    """A test run killed mid-test (SIGKILL: no ``finally``) leaves its namespaces behind; the next ``Hosts`` removes
+    them (their maker is dead) and leaves those of a live maker alone."""
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    repo = Path(__file__).resolve().parents[2]
+    maker = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom tests.hosts import Hosts\n"
+                              "h = Hosts(2)\nprint(h.tag, flush=True)\ntime.sleep(600)"],
+                             cwd=repo, stdout=subprocess.PIPE, text=True)
+    try:
+        tag = maker.stdout.readline().strip()
+        assert tag, "the maker made no hosts"
+        mine = Hosts(1)  # the maker is alive: its hosts stay
+        try:
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert f"so{tag}sw" in listed and f"so{tag}h1" in listed
+            maker.kill()
+            maker.wait(10)
+            second = Hosts(1)  # the maker died without closing them: they go
+            second.close()
+            listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+            assert f"so{tag}" not in listed and not os.path.exists(f"/etc/netns/so{tag}sw")
+            assert mine.switch in listed  # a live maker's hosts are left alone
+        finally:
+            mine.close()
+    finally:
+        maker.kill()
+        maker.wait(10)
+        remove_orphans()  # the maker's, where the test failed before removing them

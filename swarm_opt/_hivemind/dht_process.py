@@ -6,11 +6,11 @@ terminal (SIGINT to the whole foreground process group) killed the daemon while 
 step: the round in flight failed for its groupmates, the progress record was never withdrawn, and the averager
 process died with a traceback when it could not unregister its handlers.
 
-So the DHT process moves to a group of its own before it starts the daemon. Nothing would then kill it together
-with the user's process group (``kill -9 -PGID``, a closed terminal), so it asks the kernel for SIGTERM when its
-parent dies (``PR_SET_PDEATHSIG``), and answers SIGTERM by killing its own group, itself and the daemon, at once
-(hivemind sends SIGTERM only to a DHT that did not shut down in time). Where ``prctl`` is missing (not Linux) the
-DHT stays in the caller's group, as plain hivemind does.
+So the DHT process moves to a group of its own before it starts the daemon. Nothing would then kill it together with
+the user's process group (``kill -9 -PGID``, a closed terminal), so it asks the kernel for SIGTERM when its parent
+dies (``PR_SET_PDEATHSIG``), and answers SIGTERM by removing the daemon's unix sockets and killing its own group,
+itself and the daemon, at once (hivemind sends SIGTERM only to a DHT that did not shut down in time). Where
+``prctl`` is missing (not Linux) the DHT stays in the caller's group, as plain hivemind does.
 
 The DHT process is forked from the trainer, usually after the model was built, and never reads a tensor it inherited.
 Their pages are shared with the trainer only until the trainer writes them, as it does at every step; from then on
@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Tuple
 
@@ -37,7 +38,15 @@ from swarm_opt._libc import die_with_parent, malloc_trim
 logger = logging.getLogger(__name__)
 
 
-def _kill_own_group(signum: int, frame: object) -> None:
+def _kill_own_group(dht: Any, signum: int, frame: object) -> None:
+    """Kill this process and its daemon at once, removing first the two unix sockets their P2P link listens on (at a
+    SIGKILL nobody else would: 600 stale ``/tmp/hivemind-*.sock`` files after a day of killed test peers)."""
+    p2p = getattr(getattr(dht, "_node", None), "p2p", None)
+    for maddr in (getattr(p2p, "_daemon_listen_maddr", None), getattr(p2p, "_client_listen_maddr", None)):
+        try:
+            os.unlink(maddr["unix"])
+        except Exception:  # noqa: BLE001 (no P2P yet, not a unix socket, already gone: nothing to remove)
+            pass
     os.killpg(0, signal.SIGKILL)
 
 
@@ -119,5 +128,5 @@ class OwnGroupDHT(SturdyDHT):
         # a SIGTERM before the handler is in place kills this process alone, before it has started the daemon
         if die_with_parent(signal.SIGTERM, self._parent_pid):
             os.setpgid(0, 0)  # before the handler: it kills the group this process is in
-            signal.signal(signal.SIGTERM, _kill_own_group)
+            signal.signal(signal.SIGTERM, partial(_kill_own_group, self))
         super().run()

@@ -38,7 +38,19 @@ def _wait(condition, seconds: float) -> bool:
     return condition()
 
 
+def _sockets_of_daemon(members) -> list:
+    """The unix sockets of the node's P2P link: the daemon's (``-listen=/unix/...p2pd-UID.sock`` on its command
+    line) and its client's, the DHT process's (``p2pclient-UID.sock``, the same UID)."""
+    for pid in members:
+        if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd":
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            daemon = next(a.split("/unix", 1)[1] for a in args if a.startswith("-listen=/unix"))
+            return [daemon, daemon.replace("p2pd-", "p2pclient-")]
+    raise AssertionError("no p2pd among the node's processes")
+
+
 def test_a_peer_dies_whole_with_its_sigkilled_driver(tmp_path):
+    """... and its P2P link's unix sockets with it."""
     log = tmp_path / "node.log"
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(log)], stdout=subprocess.PIPE, text=True,
                               env=testing.peer_env())
@@ -51,10 +63,14 @@ def test_a_peer_dies_whole_with_its_sigkilled_driver(tmp_path):
         members = testing.session_members(node)
         names = sorted(Path(f"/proc/{pid}/comm").read_text().strip() for pid in members)
         assert "p2pd" in names and len(members) >= 3, f"expected the node, its DHT process and p2pd: {names}"
+        sockets = [path for path in _sockets_of_daemon(members) if os.path.exists(path)]
+        # (the client's exists once a stream handler is added, as averagers add)
+        assert sockets and "p2pd-" in sockets[0], sockets
         driver.kill()
         driver.wait(10)
         assert _wait(lambda: not testing.session_members(node), 15), \
             f"outlived their SIGKILLed driver: {testing.session_members(node)}"
+        assert not [path for path in sockets if os.path.exists(path)], "left its P2P sockets behind"
     finally:
         driver.kill()
         driver.wait(10)

@@ -21,7 +21,8 @@ import uuid
 from typing import Dict, Iterable, Union
 
 SUBNET = "10.213.{}.{}"
-OWNER = "owner"  # the file in a switch namespace's /etc/netns directory that names the process that made it
+OWNERS = "/run/swarm_opt-test-hosts"  # a file per switch namespace there names the process that made it (not in
+# /etc/netns/<name>, whose files ``ip netns exec`` mounts over /etc)
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -40,8 +41,8 @@ class Hosts:
         self.switch, self.names = f"so{tag}sw", [f"so{tag}h{i}" for i in range(n)]
         self.third_octet = int(tag[:2], 16)
         remove_orphans()
-        os.makedirs(f"/etc/netns/{self.switch}", exist_ok=True)
-        with open(f"/etc/netns/{self.switch}/{OWNER}", "w") as f:  # before the namespace: see ``remove_orphans``
+        os.makedirs(OWNERS, exist_ok=True)
+        with open(f"{OWNERS}/{self.switch}", "w") as f:  # before the namespace: see ``remove_orphans``
             f.write(str(os.getpid()))
         _sh("ip", "netns", "add", self.switch)
         self._in(self.switch, "ip", "link", "add", "br0", "type", "bridge")
@@ -139,16 +140,20 @@ class Hosts:
                     pass
             _sh("ip", "netns", "del", name, check=False)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+        try:
+            os.unlink(f"{OWNERS}/{self.switch}")
+        except FileNotFoundError:
+            pass
 
 
 def remove_orphans() -> None:
     """Remove the test hosts of processes that died without closing them (a test run killed): each switch namespace
-    names its creator's pid in ``/etc/netns/<switch>/owner``, written before the namespace exists, so that a host set
+    names its creator's pid in ``OWNERS/<switch>``, written before the namespace exists, so that a host set
     another process is still making is never taken for an orphan."""
     listed = _sh("ip", "netns", "list", check=False).stdout
     for tag in set(re.findall(r"^so(\w{6})sw\b", listed, re.MULTILINE)):
         try:
-            with open(f"/etc/netns/so{tag}sw/{OWNER}") as f:
+            with open(f"{OWNERS}/so{tag}sw") as f:
                 owner = int(f.read().strip())
         except (OSError, ValueError):
             continue  # made before owners were named, or by hand: not ours to judge

@@ -20,7 +20,7 @@ from typing import Dict, List
 import pytest
 
 from tests.e2e.conftest import cli_env
-from tests.hosts import Hosts, namespaces_unavailable, remove_orphans
+from tests.hosts import OWNERS, Hosts, namespaces_unavailable, remove_orphans
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_hosts_left_by_a_killed_test_run_are_removed_by_the_next_one(tmp_path):
             second = Hosts(1)  # the maker died without closing them: they go
             second.close()
             listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-            assert f"so{tag}" not in listed and not os.path.exists(f"/etc/netns/so{tag}sw")
+            assert f"so{tag}" not in listed and not os.path.exists(f"{OWNERS}/so{tag}sw")
             assert mine.switch in listed  # a live maker's hosts are left alone
         finally:
             mine.close()

@@ -2,7 +2,8 @@
 
 A diagnostic, not a feature: ``benchmarks/soak.py --tracemalloc`` sets it for the stable peers. The averager process
 then traces its Python allocations (``tracemalloc``, a few frames each) and, every ``SWARM_OPT_TRACEMALLOC_PERIOD``
-seconds (60), appends one JSON line to ``PATH.PID.jsonl``: its PSS and RSS, what tracemalloc traces, the torch
+seconds (60), appends one JSON line to ``PATH.PID.jsonl``: its PSS and RSS, its mappings of 1 MiB or more (which
+one grows: glibc's main heap, a thread's arena, a block mapped on its own), what tracemalloc traces, the torch
 tensors alive and the bytes of their storages (torch allocates them outside tracemalloc's sight), glibc's heap
 (``mallinfo2``: in use and free, so that native growth and fragmentation show as PSS minus traced), counts of the
 structures that could grow with rounds or peer ids (asyncio tasks of the averager's loop by coroutine, hivemind's
@@ -47,6 +48,29 @@ def _own_memory() -> Dict[str, int]:
                 found[key.lower()] = int(value.split()[0]) * 1024
     except OSError:
         pass
+    return found
+
+
+def _mappings(least: int = 1 << 20) -> Dict[str, int]:
+    """The process's mappings holding at least ``least`` bytes (``/proc/self/smaps``): ``"start size name"`` -> Rss
+    bytes; anonymous ones named ``anon``. Two samples' difference shows which mapping grew: glibc's main heap,
+    a thread arena (64 MiB reservations), a block mapped on its own, a thread's stack."""
+    found: Dict[str, int] = {}
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return found
+    head = None
+    for line in lines:
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            name = fields[5] if len(fields) > 5 else "anon"
+            head = f"{start:x} {(end - start) >> 10}k {name}"
+        elif head is not None and fields and fields[0] == "Rss:":
+            rss = int(fields[1]) * 1024
+            if rss >= least:
+                found[head] = rss
     return found
 
 
@@ -153,7 +177,8 @@ class Tracer:
         if not self._types or self._baseline is None:
             self._types = dict(types)
         record: Dict[str, Any] = {
-            "t": round(age, 1), "memory": _own_memory(), "traced": traced, "traced_peak": peak,
+            "t": round(age, 1), "memory": _own_memory(), "mappings": _mappings(), "traced": traced,
+            "traced_peak": peak,
             "heap": glibc_heap(), "tensors": tensors, "counts": counts, "tasks_total": sum(tasks.values()),
             "tasks": tasks,
             "types_grown": [[t, d, n] for d, t, n in grown if d > 0]}

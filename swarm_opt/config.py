@@ -129,8 +129,11 @@ class TrackerConfig:
     :param trust: how far other peers' claims are believed (``TrustConfig``).
     :param forget_after: a peer whose record vanished without its owner leaving (it crashed, or the network cut it
         off from this peer) still counts in the swarm's size, which a round's majority is measured against, for this
-        many seconds. A peer cut off from the swarm (its Wi-Fi dropped, a VPN reconnects) therefore commits no epoch
-        without a majority of the peers it saw, and trains no second version of the run, for that long; the price is
+        many seconds (a peer seen live for less time than that: that long, at least ``record_ttl``; a volunteer
+        whose process crashes and restarts in a loop, a new identity each time, would otherwise leave a ghost per
+        restart that outnumbers the live peers). A peer cut off from the swarm (its Wi-Fi dropped, a VPN
+        reconnects) therefore commits no epoch without a majority of the peers it saw, and trains no second version
+        of the run, for that long; the price is
         that a swarm of which more than half crashed at once waits as long before the rest trains on. Peers that
         leave cleanly (``Optimizer.shutdown``) say so and are forgotten at once. Small swarms only (a sharded view
         is a sample: its count is used as it is).

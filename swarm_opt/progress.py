@@ -359,6 +359,17 @@ _UNMEASURED_PERIOD = 0.2
 _READY_PERIOD = 0.5
 
 
+def remembered_for(known_for: float, config: TrackerConfig) -> float:
+    """How long a peer whose record vanished without a goodbye still counts (``recent_peers``, and as a voter on the
+    swarm's epoch: ``swarm_opt.trust``), given how long this peer had seen it live: as long as that, at least a
+    record's lifetime (a read that missed it), at most ``TrackerConfig.forget_after``. A peer cut off by a
+    partition had been seen for long and is remembered in full; a peer that crashes and restarts under a new
+    identity again and again (a crash loop) leaves about one such ghost at a time, not one per restart within
+    ``forget_after``: those would outnumber the live peers, and the swarm would then commit nothing (no majority of
+    the peers remembered) while a peer behind believed no epoch ahead of its own (and took those ahead for liars)."""
+    return min(config.forget_after, max(known_for, config.record_ttl))
+
+
 def read_interval(progress: SwarmProgress, local_samples: int, sampled: bool, config: TrackerConfig,
                   filling: bool = False, watched: bool = False) -> float:
     """Seconds until the tracker's next read: often near the end of an epoch, where the trigger's accuracy depends
@@ -577,7 +588,7 @@ class ProgressTracker:
         self._last_read = -math.inf  # monotonic
         self._watched_until = -math.inf  # monotonic: see ``epoch_reached``
         # what this peer saw of the swarm (monotonic times): see ``recent_peers``, ``settled`` and ``other_version``
-        self._memory: Dict[Tuple[bytes, str], float] = {}  # peers seen live, and when last
+        self._memory: Dict[Tuple[bytes, str], Tuple[float, float]] = {}  # peers seen live: when first, when last
         self._quiet_since = math.inf  # when our record was first stored, or a read that saw a new peer began
         self._last_read_began = -math.inf
         self._view_size, self._reads_since_growth = 0, 0
@@ -769,12 +780,15 @@ class ProgressTracker:
 
     def _remember(self, live: frozenset, present: set, departed: set, began: float, took: float) -> None:
         """After a read (under the lock): the peers seen live now are remembered (``recent_peers``) until they leave,
-        are ignored (``swarm_opt.trust``) or stay unseen for ``TrackerConfig.forget_after``; the view's growth and
-        the read's duration go into ``settled``."""
+        are ignored (``swarm_opt.trust``), restart (a new instance of the same peer id) or stay unseen for
+        ``remembered_for``; the view's growth and the read's duration go into ``settled``."""
         now = time.monotonic()
-        self._memory.update(dict.fromkeys(live, now))
-        for key, seen in list(self._memory.items()):
-            if key[1] in departed or (key in present and key not in live) or now - seen > self.config.forget_after:
+        for key in live:
+            self._memory[key] = (self._memory.get(key, (now, now))[0], now)
+        restarted = {peer for peer, _ in live}
+        for key, (first, last) in list(self._memory.items()):
+            if (key[1] in departed or (key in present and key not in live) or (key[0] in restarted and key not in live)
+                    or now - last > remembered_for(last - first, self.config)):
                 del self._memory[key]
         if len(live) > self._view_size:
             self._quiet_since, self._reads_since_growth = max(self._quiet_since, began), 0

@@ -150,6 +150,14 @@ class TrainingSwarm:
         index = bisect.bisect_right([t for t, _ in reached], when)
         return max((e for _, e in reached[:index]), default=0)
 
+    def known_since(self) -> float:
+        """When the trainers had all seen one another, at the latest (monotonic): the first epoch line any of them
+        printed (``--min-peers`` holds the first epoch until every trainer is there). A cut peer remembers the
+        others for as long as it had seen them, up to ``TrackerConfig.forget_after`` (``swarm_opt.progress``)."""
+        self._read()
+        with self._lock:
+            return min(min(seen.values()) for seen in self._seen.values() if seen)
+
     def rate(self, trainers: Iterable[int], start: float, end: float) -> float:
         """Epochs per second over [start, end] (monotonic times): the median over ``trainers`` of the epochs each
         advanced in that window, divided by its length."""

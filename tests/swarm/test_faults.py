@@ -255,3 +255,38 @@ def test_a_peer_that_leaves_after_the_last_round_lets_its_groupmates_finish_it(s
         assert all(rep["group_size"] == 2 and not rep["caught_up"] for rep in r["reports"]), r["reports"]
         assert_quiet(swarm.log(r["rank"]))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+def test_a_peer_in_a_crash_loop_stalls_nobody(swarm):
+    """A volunteer whose process dies soon after it starts, and is started again, a new identity each time (a crash
+    loop under a supervisor). Each instance vanishes without a goodbye, so the others remember it as a peer maybe
+    only cut off; remembered for ``forget_after`` (60 s) each, instances restarted every ~10 s outnumbered the two
+    live peers: no group was a majority, so nothing committed, and a peer that fell behind believed no epoch ahead
+    of its own and ignored the one ahead as a liar. Remembered no longer than they were seen, they leave about one
+    ghost at a time: the two stable peers train through the whole loop to the end, together (the same parameters at
+    every epoch), and neither ignores the other."""
+    epochs = 16
+    common = dict(batch_size=16, target_batch_size=2048, inner="sgd", step_sleep=0.05, matchmaking_time=1.0,
+                  averaging_timeout=10.0)
+    for rank in range(2):
+        swarm.start(rank, epochs=epochs, expect_peers=2, max_seconds=240, **common)
+    outs = [swarm.tmp / f"peer{rank}.pt" for rank in range(2)]
+    deadline = time.monotonic() + 200
+    incarnation = 2
+    while not all(out.exists() for out in outs) and time.monotonic() < deadline:
+        born = time.monotonic()
+        swarm.start(incarnation, epochs=10 ** 6, **common)
+        while time.monotonic() - born < 10 and "Loaded the swarm's state" not in swarm.log(incarnation):
+            time.sleep(0.2)
+        time.sleep(2.0)  # published its record, maybe took a step or joined a round
+        swarm.kill(incarnation)
+        incarnation += 1
+    assert all(out.exists() for out in outs), (f"the stable peers did not finish beside {incarnation - 2} crashed "
+                                               f"instances in 200 s\n{swarm.round_events()}")
+    swarm.wait(timeout=60)
+    assert incarnation - 2 >= 4, incarnation  # the loop ran through the training
+    results = [swarm.result(rank) for rank in range(2)]
+    assert [r["epoch"] for r in results] == [epochs, epochs], [r["epoch"] for r in results]
+    assert all(torch.equal(p, q) for p, q in zip(*(r["params"] for r in results)))  # one model
+    for rank in range(2):
+        assert "Ignoring peer" not in swarm.log(rank), swarm.log(rank)

@@ -1,6 +1,7 @@
 """What a progress tracker remembers of the swarm, on real hivemind DHTs: a peer that left cleanly is forgotten at
 once, one whose record merely vanished (crashed, or cut off by the network) counts in the swarm's size for
-``TrackerConfig.forget_after``, and a view settles only seconds after the last new peer appeared."""
+``TrackerConfig.forget_after`` (no longer than it had been seen: a crash loop leaves no crowd of ghosts), and a view
+settles only seconds after the last new peer appeared."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def test_a_vanished_peer_counts_for_forget_after_and_one_that_left_not_at_all():
         leaving.shutdown()  # leaves cleanly: withdraws its record, and is forgotten at once
         _wait(lambda: view().num_peers == 2 and view().recent_peers == 2, 10, view)
 
+        time.sleep(config.forget_after)  # seen that long: remembered that long (a peer seen briefly, less)
         vanishing._stop.set()  # stops publishing without a word (a crash, or a cut link): its record expires
         _wait(lambda: view().num_peers == 1, 15, view)
         vanished = time.monotonic()
@@ -55,6 +57,47 @@ def test_a_vanished_peer_counts_for_forget_after_and_one_that_left_not_at_all():
         for tracker in trackers:
             tracker.shutdown(timeout=2.0)
         for dht in [*others, first]:
+            dht.shutdown()
+
+
+def test_a_peer_seen_briefly_or_restarted_is_not_remembered_for_forget_after():
+    """A volunteer whose process crashes and restarts in a loop: each short-lived instance that vanishes counts only
+    about as long as it had been seen (at least ``record_ttl``), not ``forget_after``, and an instance that
+    comes back under the same peer id replaces the one it restarted at once (else the ghosts outnumber the live peers:
+    nothing commits, and a peer behind takes the peers ahead for liars). One seen longer counts longer."""
+    config = TrackerConfig(record_ttl=2.5, forget_after=40.0)
+    dhts = [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+    dhts += [hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=dhts[0].get_visible_maddrs())
+             for _ in range(2)]
+    trackers = []
+    try:
+        watcher = _tracker(dhts[0], config)
+        trackers.append(watcher)
+        view = lambda: watcher.progress  # noqa: E731
+        brief = _tracker(dhts[1], config)
+        trackers.append(brief)
+        _wait(lambda: view().num_peers == 2, 20, view)
+        brief._stop.set()  # seen for a second or two, then gone without a word (SIGKILLed)
+        _wait(lambda: view().num_peers == 1, 15, view)
+        vanished = time.monotonic()
+        _wait(lambda: view().recent_peers == 1, 15, view)  # not for forget_after (40 s)
+        assert time.monotonic() - vanished < 12, view()
+
+        steady = _tracker(dhts[2], config)
+        trackers.append(steady)
+        _wait(lambda: view().num_peers == 2, 20, view)
+        time.sleep(10)  # seen for 10 s: remembered for 10 s once it vanishes
+        steady._stop.set()
+        _wait(lambda: view().num_peers == 1, 15, view)
+        assert view().recent_peers == 2, view()
+        restarted = _tracker(dhts[2], config)  # the same peer id, a new instance, within those 10 s
+        trackers.append(restarted)
+        _wait(lambda: view().num_peers == 2, 15, view)
+        assert view().recent_peers == 2, view()  # the restart replaced its previous instance: no ghost beside it
+    finally:
+        for tracker in trackers:
+            tracker.shutdown(timeout=2.0)
+        for dht in reversed(dhts):
             dht.shutdown()
 
 

@@ -744,7 +744,9 @@ class Optimizer(torch.optim.Optimizer):
                                                                    personal)
                 own = self.strategy.own_state()  # the strategy's own entries: ours, never the donor's
                 optimizer = state_sync.with_own_entries(optimizer, self.strategy.state_dict() if own else {}, own)
-                self.load_state_dict(optimizer)
+                # not ``load_state_dict``: that is a user's checkpoint, which catches up when older than the state
+                # held, where this state is the swarm's, older when this peer takes a majority's other version
+                self._load_state_locally(optimizer)
             except (KeyError, ValueError, TypeError, RuntimeError) as e:
                 for p, old in zip(self._params, backup):
                     p.copy_(old)

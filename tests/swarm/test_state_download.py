@@ -126,3 +126,20 @@ def test_a_donor_must_serve_the_parameters_it_published_when_no_majority_vouches
                     assert opt.local_epoch == 3 and peer in opt._bad_donors
             finally:
                 donor.shutdown()
+
+
+def test_taking_a_majoritys_older_version_is_not_a_checkpoint_to_catch_up_from(dht, caplog):
+    """A peer of a side that trained on alone in a partition takes the majority's state when the links come back:
+    a state at an epoch older than its own (``Optimizer._take_other_version``). That state is the swarm's; applied
+    as if it were a user's old checkpoint, it sent the peer looking for a state at its own old epoch, which only its
+    side held (seen in the partition test: the peer silent for a minute, its step() held, its state lock taken)."""
+    with make(dht, "older_version", timeouts=Timeouts(state_download_timeout=20.0)) as opt:
+        peer = opt._tracker.dht.peer_id.to_bytes()
+        metadata, tensors = opt._shareable_state()
+        opt._apply_downloaded_state({**metadata, "epoch": 9}, tensors, peer, min_epoch=0)  # its side's epoch 9
+        assert opt.local_epoch == 9
+        started = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="swarm_opt"):
+            opt._apply_downloaded_state({**metadata, "epoch": 4}, tensors, peer, min_epoch=4)  # the majority's
+        assert opt.local_epoch == 4 and time.monotonic() - started < 5
+        assert "older than the state this peer held" not in caplog.text

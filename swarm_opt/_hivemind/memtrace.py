@@ -12,6 +12,8 @@ grew most, and the source lines whose allocations grew most since the baseline (
 ``SWARM_OPT_TRACEMALLOC_WARMUP`` seconds, 120); and to ``PATH.PID.errors`` the tracebacks of what the averager's
 event loop reports as unhandled (asyncio logs them without). ``SWARM_OPT_MALLOC_TRIM=1`` calls glibc's
 ``malloc_trim(0)`` after each sample: an experiment that shows how much of a growth is free memory glibc keeps.
+``SWARM_OPT_MEMRAY_SECONDS``: native allocations too, for a while (``Tracer._capture_native``). Each sample counts
+the loop's tasks by where they wait (``_awaiting``): a task that never ends shows where it hangs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import collections
 import gc
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -28,13 +31,14 @@ import time
 import traceback
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from swarm_opt._libc import glibc_heap, malloc_trim
 
 logger = logging.getLogger(__name__)
 
 VARIABLE = "SWARM_OPT_TRACEMALLOC"
+_MEMRAY = "SWARM_OPT_MEMRAY_SECONDS"
 _FRAMES = 4  # frames kept per traced allocation: enough to see who called a generic helper, cheap enough for hours
 _TOP = 30  # lines (and object types) reported per sample
 
@@ -100,6 +104,19 @@ def _tensor_bytes(objects: Any) -> Dict[str, int]:
     return {"count": count, "bytes": sum(storages.values())}
 
 
+def _awaiting(coro: Any) -> str:
+    """Where a task waits: its coroutine and each one it awaits in turn, ``name:line``, outermost first (a task that
+    never ends shows where it hangs)."""
+    chain = []
+    while coro is not None and len(chain) < 8:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        name = getattr(coro, "__qualname__", type(coro).__name__)
+        chain.append(f"{name}:{frame.f_lineno}" if frame is not None else name)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom",
+                                                                                               None)
+    return " > ".join(chain)
+
+
 class Tracer:
     """The sampling thread of one averager process. ``counters`` name callables that return a structure of the
     engine (its ``len`` is recorded) or a count; ``loop`` (set once the averager's event loop runs) lets it count
@@ -136,14 +153,37 @@ class Tracer:
         threading.Thread(target=self._run, name="swarm_opt-memtrace", daemon=True).start()
 
     def _run(self) -> None:
+        capture: Optional[Any] = None
+        capture_until = math.inf if os.environ.get(_MEMRAY) else None
         while True:
             time.sleep(self.period)
             try:  # a diagnostic must never take the averager down, nor stop at its first error
+                capture, capture_until = self._capture_native(capture, capture_until)
                 line = json.dumps(self.sample(), default=str)
             except Exception as e:
                 line = json.dumps({"t": round(time.monotonic() - self._t0, 1), "error": repr(e)})
             with open(self.path, "a") as out:
                 out.write(line + "\n")
+
+    def _capture_native(self, capture: Optional[Any], until: Optional[float]) -> Tuple[Optional[Any], Optional[float]]:
+        """``SWARM_OPT_MEMRAY_SECONDS``: after the warm-up, record every native allocation for that many seconds
+        (``memray``, installed apart: ``pip install memray``) into ``PATH.PID.memray``; what was never freed, with
+        its C and Python stacks: ``memray.FileReader(...).get_leaked_allocation_records()``."""
+        age = time.monotonic() - self._t0
+        if capture is None and until == math.inf and age >= self.warmup:
+            try:
+                import memray
+            except ImportError:
+                logger.warning(f"{_MEMRAY} is set but memray is not installed (pip install memray): not capturing")
+                return None, None
+
+            capture = memray.Tracker(str(self.path.with_suffix(".memray")), native_traces=True)
+            capture.__enter__()
+            return capture, age + float(os.environ[_MEMRAY])
+        if capture is not None and until is not None and age >= until:
+            capture.__exit__(None, None, None)
+            return None, None
+        return capture, until
 
     def _tasks(self) -> Dict[str, int]:
         loop = self.loop
@@ -151,8 +191,7 @@ class Tracer:
             return {}
 
         async def count() -> Dict[str, int]:
-            names = collections.Counter(getattr(task.get_coro(), "__qualname__", type(task.get_coro()).__name__)
-                                        for task in asyncio.all_tasks())
+            names = collections.Counter(_awaiting(task.get_coro()) for task in asyncio.all_tasks())
             return dict(names.most_common(_TOP))
 
         return asyncio.run_coroutine_threadsafe(count(), loop).result(timeout=30)

@@ -86,6 +86,7 @@ _GOODBYE_TIMEOUT = 5.0  # seconds to tell the groupmates that this peer left a r
 _START_TIMEOUT = 3.0  # seconds a member may take to start sending, on top of twice its announced step period
 _MAX_STEP_PERIOD = 600.0
 _REPLY_LINGER = 10.0  # seconds a reducer's stream stays open after its last reply, unless the member closes first
+_DRAIN_TIMEOUT = 5.0  # seconds a reducer's stream is drained after its handler ended (``_drain``)
 _STALL_REPORT_PERIOD = 5.0  # seconds between DEBUG reports of where a round that has not ended waits
 _CANCEL_GRACE = 5.0  # seconds a cancelled aggregation may take to unwind before the round is given up on
 _MOST_UNHEARD = 64  # what the averager process keeps of steps whose watch has not come (it always comes)
@@ -708,6 +709,8 @@ class _Engine(DecentralizedAverager):
             await asyncio.sleep(_REPLY_LINGER)
         finally:
             self._serving -= 1
+            with contextlib.suppress(RuntimeError):  # (the loop is closing: nothing is left to drain for)
+                asyncio.get_running_loop().create_task(_drain(stream, _DRAIN_TIMEOUT))
 
     async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
@@ -1090,3 +1093,18 @@ def _missing_senders(runner: Any) -> set:
     if own_parts == 0 or runner.all_senders_started.is_set():
         return set()
     return set(runner.sender_peer_ids) - runner.active_senders
+
+
+async def _drain(stream: AsyncIterator[Any], timeout: float) -> None:
+    """Read and drop what a member still sends after this peer's handler of its stream ended (a round that failed,
+    or that this peer had already left: the member sends its other parts all the same), for up to ``timeout``.
+    hivemind's stream handler puts each incoming message into a queue of five and, when that queue is full, waits for
+    room before it looks whether the handler ended: a handler that stopped reading left it waiting forever, with the
+    stream's socket, its buffers and five parts of a round held (averager processes grew by them and by their file
+    descriptors through every soak). Taking the messages lets it see that the handler ended and close the stream."""
+    async def read_all() -> None:
+        async for _ in stream:
+            pass
+
+    with contextlib.suppress(Exception):  # a stream already ended, or being read elsewhere: nothing to drain
+        await asyncio.wait_for(read_all(), timeout)

@@ -265,7 +265,7 @@ def test_a_peer_in_a_crash_loop_stalls_nobody(swarm):
     of its own and ignored the one ahead as a liar. Remembered no longer than they were seen, they leave about one
     ghost at a time: the two stable peers train through the whole loop to the end, together (the same parameters at
     every epoch), and neither ignores the other."""
-    epochs = 16
+    epochs = 12
     common = dict(batch_size=16, target_batch_size=2048, inner="sgd", step_sleep=0.05, matchmaking_time=1.0,
                   averaging_timeout=10.0)
     for rank in range(2):
@@ -284,7 +284,7 @@ def test_a_peer_in_a_crash_loop_stalls_nobody(swarm):
     assert all(out.exists() for out in outs), (f"the stable peers did not finish beside {incarnation - 2} crashed "
                                                f"instances in 200 s\n{swarm.round_events()}")
     swarm.wait(timeout=60)
-    assert incarnation - 2 >= 4, incarnation  # the loop ran through the training
+    assert incarnation - 2 >= 3, incarnation  # the loop ran through the training
     results = [swarm.result(rank) for rank in range(2)]
     assert [r["epoch"] for r in results] == [epochs, epochs], [r["epoch"] for r in results]
     assert all(torch.equal(p, q) for p, q in zip(*(r["params"] for r in results)))  # one model

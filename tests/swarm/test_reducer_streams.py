@@ -18,7 +18,9 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from swarm_opt._hivemind.engine import _drain
 from swarm_opt._hivemind.memtrace import _awaiting
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
+# hivemind's P2P.create finds its daemon with importlib.resources.path, deprecated in this Python: its warning
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60),
+              pytest.mark.filterwarnings("ignore:path is deprecated:DeprecationWarning")]
 
 PARTS = 40  # a member's parts, of 64 kB each: more than the handler's queue and the sockets' buffers hold
 

@@ -785,9 +785,9 @@ class ProgressTracker:
         now = time.monotonic()
         for key in live:
             self._memory[key] = (self._memory.get(key, (now, now))[0], now)
-        restarted = {peer for peer, _ in live}
+        live_ids = {peer for peer, _ in live}  # a remembered instance of one of them is one that restarted
         for key, (first, last) in list(self._memory.items()):
-            if (key[1] in departed or (key in present and key not in live) or (key[0] in restarted and key not in live)
+            if (key[1] in departed or (key in present and key not in live) or (key[0] in live_ids and key not in live)
                     or now - last > remembered_for(last - first, self.config)):
                 del self._memory[key]
         if len(live) > self._view_size:

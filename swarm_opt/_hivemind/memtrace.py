@@ -31,7 +31,7 @@ import time
 import traceback
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional
 
 from swarm_opt._libc import glibc_heap, malloc_trim
 
@@ -129,6 +129,9 @@ class Tracer:
         self._baseline: Optional[tracemalloc.Snapshot] = None
         self._types: Dict[str, int] = {}
         self._t0 = time.monotonic()
+        self._native_seconds = float(os.environ.get(_MEMRAY) or 0)  # a native capture still to make, that long
+        self._native: Optional[Any] = None  # the memray tracker while it records
+        self._native_until = math.inf
 
     def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Count ``loop``'s tasks from now on, and keep the tracebacks of the errors it reports to its exception
@@ -153,37 +156,34 @@ class Tracer:
         threading.Thread(target=self._run, name="swarm_opt-memtrace", daemon=True).start()
 
     def _run(self) -> None:
-        capture: Optional[Any] = None
-        capture_until = math.inf if os.environ.get(_MEMRAY) else None
         while True:
             time.sleep(self.period)
             try:  # a diagnostic must never take the averager down, nor stop at its first error
-                capture, capture_until = self._capture_native(capture, capture_until)
+                self._capture_native()
                 line = json.dumps(self.sample(), default=str)
             except Exception as e:
                 line = json.dumps({"t": round(time.monotonic() - self._t0, 1), "error": repr(e)})
             with open(self.path, "a") as out:
                 out.write(line + "\n")
 
-    def _capture_native(self, capture: Optional[Any], until: Optional[float]) -> Tuple[Optional[Any], Optional[float]]:
+    def _capture_native(self) -> None:
         """``SWARM_OPT_MEMRAY_SECONDS``: after the warm-up, record every native allocation for that many seconds
         (``memray``, installed apart: ``pip install memray``) into ``PATH.PID.memray``; what was never freed, with
         its C and Python stacks: ``memray.FileReader(...).get_leaked_allocation_records()``."""
         age = time.monotonic() - self._t0
-        if capture is None and until == math.inf and age >= self.warmup:
+        if self._native_seconds and age >= self.warmup:
+            seconds, self._native_seconds = self._native_seconds, 0.0
             try:
                 import memray
             except ImportError:
                 logger.warning(f"{_MEMRAY} is set but memray is not installed (pip install memray): not capturing")
-                return None, None
-
-            capture = memray.Tracker(str(self.path.with_suffix(".memray")), native_traces=True)
-            capture.__enter__()
-            return capture, age + float(os.environ[_MEMRAY])
-        if capture is not None and until is not None and age >= until:
-            capture.__exit__(None, None, None)
-            return None, None
-        return capture, until
+                return
+            self._native = memray.Tracker(str(self.path.with_suffix(".memray")), native_traces=True)
+            self._native.__enter__()
+            self._native_until = age + seconds
+        elif self._native is not None and age >= self._native_until:
+            self._native.__exit__(None, None, None)
+            self._native = None
 
     def _tasks(self) -> Dict[str, int]:
         loop = self.loop

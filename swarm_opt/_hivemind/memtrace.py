@@ -167,9 +167,10 @@ class Tracer:
                 out.write(line + "\n")
 
     def _capture_native(self) -> None:
-        """``SWARM_OPT_MEMRAY_SECONDS``: after the warm-up, record every native allocation for that many seconds
-        (``memray``, installed apart: ``pip install memray``) into ``PATH.PID.memray``; what was never freed, with
-        its C and Python stacks: ``memray.FileReader(...).get_leaked_allocation_records()``."""
+        """``SWARM_OPT_MEMRAY_SECONDS``: after the warm-up, record native allocations for that many seconds
+        (``memray``, installed apart: ``pip install memray``) into ``PATH.PID.memray``, aggregated by place so that
+        an hour's capture stays small; what was never freed, with its C and Python stacks:
+        ``memray.FileReader(...).get_leaked_allocation_records()``."""
         age = time.monotonic() - self._t0
         if self._native_seconds and age >= self.warmup:
             seconds, self._native_seconds = self._native_seconds, 0.0
@@ -178,7 +179,8 @@ class Tracer:
             except ImportError:
                 logger.warning(f"{_MEMRAY} is set but memray is not installed (pip install memray): not capturing")
                 return
-            self._native = memray.Tracker(str(self.path.with_suffix(".memray")), native_traces=True)
+            self._native = memray.Tracker(str(self.path.with_suffix(".memray")), native_traces=True,
+                                         file_format=memray.FileFormat.AGGREGATED_ALLOCATIONS)
             self._native.__enter__()
             self._native_until = age + seconds
         elif self._native is not None and age >= self._native_until:

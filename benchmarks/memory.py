@@ -37,6 +37,8 @@ from typing import Any, Dict
 
 from _common import RESULTS_DIR, STRATEGIES, kill_all, launch, leftovers, table, tail, write_json
 
+from swarm_opt._procfs import memory_rollup
+
 # the issue's goals, per strategy (benchmarks/README.md, memory.py)
 GOALS = {"grad": 2.0, "local": 2.0, "fedprox": 2.0, "scaffold": 3.0, "diloco": 3.0}
 MB = 1e6
@@ -44,16 +46,11 @@ MB = 1e6
 
 def smaps(pid: int) -> Dict[str, int]:
     """Fields of /proc/<pid>/smaps_rollup in bytes, plus VmHWM/VmRSS from /proc/<pid>/status."""
-    out: Dict[str, int] = {}
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-        key, value = line.split(":", 1)
-        out[key.strip()] = int(value.split()[0]) * 1024
+    out = memory_rollup(pid)
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(("VmHWM", "VmRSS")):
             key, value = line.split(":", 1)
             out[key] = int(value.split()[0]) * 1024
-    out["USS"] = out.get("Private_Clean", 0) + out.get("Private_Dirty", 0)
-    out["anon_shm_PSS"] = out.get("Pss_Anon", 0) + out.get("Pss_Shmem", 0)
     return out
 
 
@@ -181,8 +178,8 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(r: Dict[str, Any]) -> Dict[str, Any]:
     pb, inner = r["param_bytes"], r["inner_state_bytes"]
     ub, ua, ca = r["user_before"], r["user_after"], r["averager_after"]
-    d = {k: ua[k] - ub[k] for k in ("Rss", "USS", "anon_shm_PSS")}
-    extra_process = d["anon_shm_PSS"] + ca["anon_shm_PSS"] - inner
+    d = {k: ua[k] - ub[k] for k in ("Rss", "USS", "anon")}
+    extra_process = d["anon"] + ca["anon"] - inner
     peak_user = r["user_after"]["VmHWM"] - ub["Rss"]
     biggest = sorted(r["tensors"].items(), key=lambda kv: -kv[1])
     return {
@@ -190,10 +187,10 @@ def summarize(r: Dict[str, Any]) -> Dict[str, Any]:
         "tensors_x": r["tensors_total"] / pb,
         "tensors_by_owner_x": {k: v / pb for k, v in biggest},
         "user_delta_rss_x": (d["Rss"] - inner) / pb, "user_delta_uss_x": (d["USS"] - inner) / pb,
-        "user_delta_anon_shm_pss_x": (d["anon_shm_PSS"] - inner) / pb,
+        "user_delta_anon_shm_pss_x": (d["anon"] - inner) / pb,
         "user_peak_x": (peak_user - inner) / pb,
         "averager_rss_x": ca["Rss"] / pb, "averager_uss_x": ca["USS"] / pb,
-        "averager_anon_shm_pss_x": ca["anon_shm_PSS"] / pb,
+        "averager_anon_shm_pss_x": ca["anon"] / pb,
         "averager_uss_after_init_x": r["averager_after_init"]["USS"] / pb,
         "averager_uss_MB": ca["USS"] / MB,
         "process_extra_x": extra_process / pb,

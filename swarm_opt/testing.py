@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from swarm_opt._libc import die_with_parent
+from swarm_opt._procfs import memory_rollup
 
 #: the directory that holds the ``swarm_opt`` package (a checkout's root): peers import swarm_opt from there
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
@@ -170,10 +171,7 @@ def process_sample(pid: int) -> Optional[Dict[str, float]]:
     """PSS, USS, RSS, anonymous and shared-memory PSS (bytes), open fds and threads of one process; None if it went
     away while being read."""
     try:
-        memory: Dict[str, int] = {}
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-            key, value = line.split(":", 1)
-            memory[key.strip()] = int(value.split()[0]) * 1024
+        memory = memory_rollup(pid)
         threads = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                        if line.startswith("Threads:"))
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -181,9 +179,7 @@ def process_sample(pid: int) -> Optional[Dict[str, float]]:
     except (OSError, StopIteration, ValueError):
         return None
     return {"pid": pid, "comm": comm, "pss": memory.get("Pss", 0), "rss": memory.get("Rss", 0),
-            "uss": memory.get("Private_Clean", 0) + memory.get("Private_Dirty", 0),
-            # what the process adds beyond shared library files, whose PSS depends on who else maps them
-            "anon": memory.get("Pss_Anon", 0) + memory.get("Pss_Shmem", 0), "fds": fds, "threads": threads}
+            "uss": memory["USS"], "anon": memory["anon"], "fds": fds, "threads": threads}
 
 
 def name_roles(leader: int, procs: List[Dict]) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from swarm_opt._libc import glibc_heap, malloc_trim
+from swarm_opt._procfs import mappings, memory_rollup
 
 logger = logging.getLogger(__name__)
 
@@ -44,38 +45,11 @@ _TOP = 30  # lines (and object types) reported per sample
 
 
 def _own_memory() -> Dict[str, int]:
-    found = {}
     try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines()[1:]:
-            key, value = line.split(":", 1)
-            if key in ("Pss", "Rss", "Pss_Anon"):
-                found[key.lower()] = int(value.split()[0]) * 1024
+        rollup = memory_rollup()
     except OSError:
-        pass
-    return found
-
-
-def _mappings(least: int = 1 << 20) -> Dict[str, int]:
-    """The process's mappings holding at least ``least`` bytes (``/proc/self/smaps``): ``"start size name"`` -> Rss
-    bytes; anonymous ones named ``anon``. Two samples' difference shows which mapping grew: glibc's main heap,
-    a thread arena (64 MiB reservations), a block mapped on its own, a thread's stack."""
-    found: Dict[str, int] = {}
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return found
-    head = None
-    for line in lines:
-        fields = line.split()
-        if fields and "-" in fields[0] and not fields[0].endswith(":"):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            name = fields[5] if len(fields) > 5 else "anon"
-            head = f"{start:x} {(end - start) >> 10}k {name}"
-        elif head is not None and fields and fields[0] == "Rss:":
-            rss = int(fields[1]) * 1024
-            if rss >= least:
-                found[head] = rss
-    return found
+        return {}
+    return {key.lower(): rollup[key] for key in ("Pss", "Rss", "Pss_Anon") if key in rollup}
 
 
 def _size(value: Any) -> Optional[int]:
@@ -218,7 +192,7 @@ class Tracer:
         if not self._types or self._baseline is None:
             self._types = dict(types)
         record: Dict[str, Any] = {
-            "t": round(age, 1), "memory": _own_memory(), "mappings": _mappings(), "traced": traced,
+            "t": round(age, 1), "memory": _own_memory(), "mappings": mappings(), "traced": traced,
             "traced_peak": peak,
             "heap": glibc_heap(), "tensors": tensors, "counts": counts, "tasks_total": sum(tasks.values()),
             "tasks": tasks,

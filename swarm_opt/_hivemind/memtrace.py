@@ -3,7 +3,8 @@
 A diagnostic, not a feature: ``benchmarks/soak.py --tracemalloc`` sets it for the stable peers. The averager process
 then traces its Python allocations (``tracemalloc``, a few frames each) and, every ``SWARM_OPT_TRACEMALLOC_PERIOD``
 seconds (60), appends one JSON line to ``PATH.PID.jsonl``: its PSS and RSS, its mappings of 1 MiB or more (which
-one grows: glibc's main heap, a thread's arena, a block mapped on its own), what tracemalloc traces, the torch
+one grows: glibc's main heap, a thread's arena, a block mapped on its own), what tracemalloc traces, the blocks
+Python's small-object allocator holds (``sys.getallocatedblocks``: its 1-MiB arenas are anonymous mappings), the torch
 tensors alive and the bytes of their storages (torch allocates them outside tracemalloc's sight), glibc's heap
 (``mallinfo2``: in use and free, so that native growth and fragmentation show as PSS minus traced), counts of the
 structures that could grow with rounds or peer ids (asyncio tasks of the averager's loop by coroutine, hivemind's
@@ -193,7 +194,7 @@ class Tracer:
             self._types = dict(types)
         record: Dict[str, Any] = {
             "t": round(age, 1), "memory": _own_memory(), "mappings": mappings(), "traced": traced,
-            "traced_peak": peak,
+            "traced_peak": peak, "pymalloc_blocks": sys.getallocatedblocks(),
             "heap": glibc_heap(), "tensors": tensors, "counts": counts, "tasks_total": sum(tasks.values()),
             "tasks": tasks,
             "types_grown": [[t, d, n] for d, t, n in grown if d > 0]}

@@ -13,27 +13,28 @@ itself and the daemon, at once (hivemind sends SIGTERM only to a DHT that did no
 ``prctl`` is missing (not Linux) the DHT stays in the caller's group, as plain hivemind does.
 
 The DHT process is forked from the trainer, usually after the model was built, and never reads a tensor it inherited.
-Their pages are shared with the trainer only until the trainer writes them, as it does at every step; from then on
-they are this process's own copy, held for nothing (400 MB for a 100M-parameter model: ``benchmarks/large_model.py``).
-So it frees them first thing (``drop_inherited_tensors``).
+Their pages would be shared with the trainer only until the trainer writes them, as it does at every step, and from
+then on be this process's own copy, held for nothing (400 MB for a 100M-parameter model). So it is forked without
+them, sharing the rest of the trainer's heap (``swarm_opt._hivemind.fork.forking_helper``).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
-import sys
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import hivemind.dht.dht as hivemind_dht
 
 from swarm_opt._hivemind.rebootstrap import WatchedDHT
 from swarm_opt._hivemind.tasks import hold_tasks_of_loops_made_by
-from swarm_opt._libc import die_with_parent, malloc_trim
+from swarm_opt._libc import die_with_parent
+
+if TYPE_CHECKING:
+    from swarm_opt._hivemind.fork import SharedHeap
 
 logger = logging.getLogger(__name__)
 
@@ -48,34 +49,6 @@ def _kill_own_group(dht: Any, signum: int, frame: object) -> None:
         except Exception:  # noqa: BLE001 (no P2P yet, not a unix socket, already gone: nothing to remove)
             pass
     os.killpg(0, signal.SIGKILL)
-
-
-def drop_inherited_tensors() -> int:
-    """In a forked process that uses none of the tensors it inherited: give their memory back (each CPU storage not
-    in shared memory is resized to nothing; storages that cannot be resized, such as a numpy array's, are left).
-    Returns the bytes freed."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return 0
-    freed, seen = 0, set()
-    for obj in gc.get_objects():
-        # by its type: ``isinstance`` would ask each object its ``__class__``, and some answer with a warning
-        if not issubclass(type(obj), torch.Tensor):
-            continue
-        try:
-            if obj.device.type != "cpu" or obj.is_shared():
-                continue
-            storage = obj.untyped_storage()
-            if storage.data_ptr() in seen or not storage.nbytes():
-                continue
-            seen.add(storage.data_ptr())
-            size = storage.nbytes()
-            storage.resize_(0)
-        except Exception:  # not resizable (a numpy array's), or a tensor subclass without storage: left as it is
-            continue
-        freed += size
-    malloc_trim()
-    return freed
 
 
 class _Requests:
@@ -111,10 +84,19 @@ class SturdyDHT(WatchedDHT):
     (``swarm_opt._hivemind.tasks``) and drops requests whose sender is gone (``_Requests``). Its ``shutdown()``
     stops its re-bootstrapping watcher first (``swarm_opt._hivemind.rebootstrap``)."""
 
+    #: the frozen objects this DHT's process shares with its parent (``swarm_opt._hivemind.fork``), if it was
+    #: forked inside ``forking_helper()``
+    shared_heap: Optional[SharedHeap] = None
+
     def run(self) -> None:  # in the DHT process
         self._inner_pipe = _Requests(self._inner_pipe)
         hold_tasks_of_loops_made_by(hivemind_dht)
         super().run()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.shared_heap is not None:
+            self.shared_heap.ended()
 
     async def _dropped_request(self) -> None:
         """What the DHT process runs for a request it could not read: nothing."""
@@ -124,7 +106,6 @@ class OwnGroupDHT(SturdyDHT):
     """``SturdyDHT`` whose process (and p2p daemon) leaves the caller's process group; dies with its parent."""
 
     def run(self) -> None:  # runs in the DHT process, before hivemind starts the daemon
-        drop_inherited_tensors()
         # a SIGTERM before the handler is in place kills this process alone, before it has started the daemon
         if die_with_parent(signal.SIGTERM, self._parent_pid):
             os.setpgid(0, 0)  # before the handler: it kills the group this process is in

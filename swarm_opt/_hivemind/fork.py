@@ -11,6 +11,14 @@ writes them in place. The child must not read those tensors (hivemind's averager
 buffers, which are skipped). Only whole pages inside one storage are marked, so no other object loses memory in the
 child. On systems without ``madvise`` this does nothing.
 
+``share_heap()``: the Python objects the helpers inherit (torch's and hivemind's modules, the model's objects) stay
+shared with them. A full collection of the garbage collector writes into every object it tracks, so one in any of
+the processes (the trainer's, most often) made each of them hold its own copy of every page of that heap within
+minutes. The objects alive at a helper's fork are therefore frozen (``gc.freeze()``, Python's own remedy: no
+collector scans them) until the last helper has ended (``SharedHeap.ended``). A cycle among them that becomes
+garbage meanwhile is collected only then; and ``gc.get_objects()`` does not list them meanwhile, so the tensors among
+them are remembered here (weakly) for the next fork.
+
 The forked helpers end with their parent through ``swarm_opt._libc.die_with_parent()``.
 
 ``children_ignore_sigint()``: a terminal's Ctrl-C reaches every process of the foreground group; helpers forked
@@ -18,6 +26,8 @@ inside ignore it from their first instruction (blocked across the fork, ignored 
 that only the user's process reacts and shuts them down in order. The caller's own handler is never touched:
 ignoring SIGINT in the parent around the fork, as hivemind's ``run_in_background`` does, loses a Ctrl-C that arrives
 meanwhile.
+
+``forking_helper()`` is all of them: what the DHT and averager processes are forked inside.
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ import mmap
 import os
 import signal
 import threading
-from typing import Iterator, List, Tuple
+import weakref
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 
@@ -43,6 +54,9 @@ _PAGE = mmap.PAGESIZE
 
 
 _forking = threading.local()  # .ignore_sigint: whether this thread's forks should ignore SIGINT
+_helpers: List[SharedHeap] = []  # the helpers alive that share this process's frozen objects
+_frozen_tensors: Dict[int, weakref.ref[torch.Tensor]] = {}  # the tensors among the frozen objects, by id
+_helpers_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
@@ -105,12 +119,18 @@ def _private_tensor_pages() -> List[Tuple[int, int]]:
     return regions
 
 
+def _tracked_tensors() -> List[torch.Tensor]:
+    """The tensors among the objects the collector tracks and has not frozen."""
+    # by type, not isinstance: it reads __class__, which some objects answer with a warning
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
 def _tensors() -> Iterator[torch.Tensor]:
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor):  # not isinstance: it reads __class__, which some objects warn on
-            yield obj
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None:  # autograd's grads may have no
-                yield obj.grad  # Python object of their own until accessed
+    frozen = [tensor() for tensor in _frozen_tensors.values()]
+    for obj in _tracked_tensors() + [tensor for tensor in frozen if tensor is not None]:
+        yield obj
+        if obj.is_leaf and obj.requires_grad and obj.grad is not None:  # autograd's grads may have no
+            yield obj.grad  # Python object of their own until accessed
 
 
 @contextlib.contextmanager
@@ -131,3 +151,41 @@ def without_tensor_memory() -> Iterator[None]:
             if madvise(start, length, mmap.MADV_DOFORK) != 0:
                 logger.warning("Could not restore fork inheritance of a tensor (errno %d); processes forked "
                                "later may not read it", ctypes.get_errno())
+
+
+class SharedHeap:
+    """One forked helper's hold on this process's frozen objects (``share_heap``): ``ended()`` once the helper
+    has ended; when no helper holds them any more, this process's collector scans every object again."""
+
+    def ended(self) -> None:
+        """Idempotent."""
+        with _helpers_lock:
+            if not any(held is self for held in _helpers):
+                return
+            _helpers[:] = [held for held in _helpers if held is not self]
+            if not _helpers:
+                gc.unfreeze()
+                _frozen_tensors.clear()
+
+
+@contextlib.contextmanager
+def share_heap() -> Iterator[SharedHeap]:
+    """Freeze this process's objects for a helper forked inside, until the ``SharedHeap`` it yields has ended."""
+    held = SharedHeap()
+    with _helpers_lock:
+        _frozen_tensors.update((id(tensor), weakref.ref(tensor)) for tensor in _tracked_tensors())
+        gc.freeze()
+        _helpers.append(held)
+    try:
+        yield held
+    except BaseException:
+        held.ended()
+        raise
+
+
+@contextlib.contextmanager
+def forking_helper() -> Iterator[SharedHeap]:
+    """Fork a helper process (the DHT's or the averager's) inside: without the pages of large tensors, sharing the
+    heap's objects, ignoring Ctrl-C. The ``SharedHeap`` it yields must be told when the helper has ended."""
+    with without_tensor_memory(), share_heap() as held, children_ignore_sigint():
+        yield held

@@ -189,10 +189,11 @@ def _started(dht_type: type, kwargs: dict, stop: Optional[threading.Event]) -> A
     """A DHT of ``dht_type`` once it is ready. The DHT process ignores Ctrl-C; this one does not: a Ctrl-C while the
     DHT joins the swarm, which may take a while, stops this process (at once, or once ``stop`` is set), and the
     half-started DHT with it."""
-    from swarm_opt._hivemind.fork import children_ignore_sigint
+    from swarm_opt._hivemind.fork import forking_helper
 
-    with children_ignore_sigint():  # also torch's shared-memory manager, which the DHT's first future starts
+    with forking_helper() as heap:  # also torch's shared-memory manager, which the DHT's first future starts
         dht = dht_type(**kwargs)
+        dht.shared_heap = heap  # told when the DHT shuts down (SturdyDHT.shutdown)
         dht.run_in_background(await_ready=False)
     try:
         while True:
@@ -202,9 +203,11 @@ def _started(dht_type: type, kwargs: dict, stop: Optional[threading.Event]) -> A
             except FutureTimeoutError:
                 if stop.is_set():
                     raise KeyboardInterrupt from None
-    except KeyboardInterrupt:
-        dht.terminate()  # an OwnGroupDHT takes its p2p daemon down with it
-        dht.join(5.0)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            dht.terminate()  # an OwnGroupDHT takes its p2p daemon down with it
+            dht.join(5.0)
+        heap.ended()
         raise
     return dht
 

@@ -40,7 +40,7 @@ from swarm_opt._hivemind.engine import (
     _reason,
     cancel_step,
 )
-from swarm_opt._hivemind.fork import children_ignore_sigint, without_tensor_memory
+from swarm_opt._hivemind.fork import SharedHeap, forking_helper
 from swarm_opt._hivemind.gather import (
     AGGREGATION_KEY,
     AUX_KEY,
@@ -71,14 +71,15 @@ def engine_for(compression: Compression) -> Type[_Engine]:
     return PowerSGDEngine if isinstance(compression, PowerSGD) else _Engine
 
 
-def _start_child(engine: _Engine) -> None:
-    """Fork the averager process: without the model's memory (it never reads it), and ignoring Ctrl-C (the user's
-    process shuts it down; hivemind's ``run_in_background`` would ignore SIGINT in the calling process too, leaving
-    a training script deaf to Ctrl-C)."""
+def _start_child(engine: _Engine) -> SharedHeap:
+    """Fork the averager process: without the model's memory (it never reads it), sharing the heap's objects, and
+    ignoring Ctrl-C (the user's process shuts it down; hivemind's ``run_in_background`` would ignore SIGINT in the
+    calling process too, leaving a training script deaf to Ctrl-C). ``swarm_opt._hivemind.fork``."""
     # with the main thread, i.e. the process (not a thread that may end)
     engine.dies_with_parent = threading.current_thread() is threading.main_thread()
-    with without_tensor_memory(), children_ignore_sigint():
+    with forking_helper() as heap:
         engine.start()
+    return heap
 
 
 class TensorAverager:
@@ -150,12 +151,16 @@ class TensorAverager:
             self._engine.access = access
             self._engine.schema_hash = access.schema_hash(self._engine.schema_hash)
         try:
-            _start_child(self._engine)
+            self._shared_heap = _start_child(self._engine)
         finally:
             lane = self._engine.lane
             if lane is not None:
                 lane.start() if self._engine.lane_in_host and self._engine.is_alive() else lane.release()
-        self._engine.wait_until_ready(timeout=60)
+        try:
+            self._engine.wait_until_ready(timeout=60)
+        except BaseException:
+            self._shared_heap.ended()
+            raise
         #: announced in every round's gather: groups whose every member offers the lane average over it
         self.lane_address = None if self._engine.lane is None else self._engine.lane.address
         if self.lane_address is not None:
@@ -481,6 +486,7 @@ class TensorAverager:
             self._engine.lane.close()  # a lane round in another thread fails at once
         if self._engine.is_alive():
             self._engine.shutdown()
+        self._shared_heap.ended()
 
 
 class _RoundOver(RuntimeError):

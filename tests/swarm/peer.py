@@ -209,8 +209,9 @@ def install_fault(cfg: dict) -> None:
 
         def all_reduce(self, write, weight, round_id, round_is_over=lambda: False):
             deadline = time.monotonic() + self.timeouts.averaging_timeout
-            while not round_is_over() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            while not round_is_over() and time.monotonic() < deadline and self._engine.is_alive():
+                time.sleep(0.05)  # returns at once after shutdown, as the real one does: a daemon thread left
+                # running into the interpreter's finalization can abort the process
             return self._failed("injected: this peer never finds its group in time")
 
         def schedule(self, when, round_id):  # nor does it look for one ahead: nobody waits for it

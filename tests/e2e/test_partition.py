@@ -246,17 +246,19 @@ def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s
             if seconds < FORGET_AFTER:  # the cut side waits as long as it had known the majority, up to forget_after
                 time.sleep(max(0.0, swarm.known_since() + seconds + 2 - time.monotonic()))
             lost = {i: swarm.trainers[i].text().count(LOST) for i in cut}
-            at_cut = {i: swarm.epoch(i) for i in swarm.trainers}
+            before = swarm.offsets()
             swarm.cut(sides)
+            at_cut = {i: swarm.epoch(i) for i in swarm.trainers}  # once cut: a swarm whole makes ~2 epochs/s
             time.sleep(seconds)
             apart = {i: swarm.epoch(i) for i in swarm.trainers}
             healed = swarm.heal(timeout=60)
+            said = swarm.describe(before)  # what each trainer printed since the cut, for a failure's message
             if seconds < FORGET_AFTER:  # the cut side waited (a round that ended as the links went down aside)
-                assert all(apart[i] <= at_cut[i] + 1 for i in cut), (at_cut, apart)
+                assert all(apart[i] <= at_cut[i] + 1 for i in cut), (at_cut, apart, said)
             majority_ahead = max(apart[i] for i in swarm.trainers if i not in cut) > max(apart[i] for i in cut)
             if seconds > FORGET_AFTER or majority_ahead:  # (a young swarm's majority may still wait out its round)
-                assert cut <= healed.downloaded, (seconds, apart, healed)  # the cut side took the majority's state
-            assert healed.committed - cut, (seconds, healed)  # ... which the majority side reached by a round
+                assert cut <= healed.downloaded, (seconds, apart, healed, said)  # the cut side took the majority's
+            assert healed.committed - cut, (seconds, healed, said)  # state, which the majority side reached by a round
             whole = swarm.offsets()
             swarm.wait_together(timeout=60, since=whole)  # the swarm is whole again ...
             still = swarm.wait_one_model(whole, 30, "once whole again")  # ... and nobody went back

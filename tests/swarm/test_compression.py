@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 PEERS, EPOCHS, STEPS, LR, BATCH = 3, 5, 10, 0.05, 16
 LOCKSTEP = dict(task="lsq", batch_size=BATCH, steps_per_round=STEPS, target_batch_size=PEERS * BATCH * STEPS,
-                epochs=EPOCHS, step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0, max_extrapolation=0.0)
+                epochs=EPOCHS, step_sleep=0.005, matchmaking_time=5.0, averaging_timeout=20.0, max_extrapolation=0.0)
 #: the codecs encode in float32; the peers' buffers and the reducers' sums are float64 here
 FP32_ULPS = 4 * torch.finfo(torch.float32).eps
 

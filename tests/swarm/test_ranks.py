@@ -79,7 +79,7 @@ def test_a_two_rank_fsdp2_peer_and_a_one_rank_peer_equal_one_process_on_the_unio
 
 #: lockstep local updates (``peer.run_lsq``): every process completes exactly this many local steps per round
 LOCKSTEP = dict(task="lsq", batch_size=16, steps_per_round=10, target_batch_size=(32 + 16) * 10, epochs=4,
-                step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0, max_extrapolation=0.0,
+                step_sleep=0.005, matchmaking_time=5.0, averaging_timeout=20.0, max_extrapolation=0.0,
                 expect_peers=2)
 
 

@@ -51,7 +51,7 @@ def _lockstep(swarm, tmp_path, strategy: str, name: str, **config) -> list:
         # rounds start only once every peer reported its 10 steps (no extrapolation), and matchmaking is long
         # enough for all to join even with skewed start times
         return run_swarm(other, strategy, **dict(dict(steps_per_round=10, target_batch_size=4 * 16 * 10, epochs=8,
-                                                      step_sleep=0.005, matchmaking_time=2.5, averaging_timeout=20.0,
+                                                      step_sleep=0.005, matchmaking_time=5.0, averaging_timeout=20.0,
                                                       max_extrapolation=0.0), **config))
     finally:
         other.kill_all()

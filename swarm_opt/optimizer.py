@@ -10,12 +10,15 @@ instead of training on stale parameters.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
+import os
 import random
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -199,6 +202,7 @@ class Optimizer(torch.optim.Optimizer):
         # the machine's other ranks (swarm_opt.ranks): collective; on a follower, rank 0 is this peer's swarm part
         self._ranks = join_local_group(local_group, self, dht=dht, offloaded=self._offload is not None,
                                        report_type=RoundReport, shards=shards)
+        self._leave_at_exit = _LeaveAtExit(self)  # a script that ends without shutdown() still leaves cleanly
         if self._ranks.follows:
             self._clipping = None if max_norm is None else GradNormClipping(self.inner, max_norm)
             self._ranks.joined(self)  # takes rank 0's state once it joined the swarm
@@ -426,6 +430,9 @@ class Optimizer(torch.optim.Optimizer):
         def over() -> Optional[str]:
             if completed():
                 return f"the swarm completed round {round_id} without this peer"
+            progress = self._tracker.progress
+            if progress.num_peers == 1 and progress.recent_peers == 1:  # the others withdrew their records: the
+                return "every other peer left the swarm"  # next step commits alone, not after the deadline
             if self._cut_off(self._tracker.progress):
                 return "this peer was cut off from the swarm"
             if self._tracker.other_version is not None:  # the next step takes the other version's state
@@ -858,6 +865,7 @@ class Optimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        self._leave_at_exit.cancel()
         if not self._ranks.follows:  # a follower holds no part of the swarm
             self._tracker.shutdown()
             self._averager.shutdown()  # a round in flight returns at once
@@ -892,6 +900,25 @@ class Optimizer(torch.optim.Optimizer):
                      "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
+
+
+class _LeaveAtExit:
+    """``Optimizer.shutdown`` at the interpreter's exit, for a script that ends without it (no ``with opt:``):
+    the peer withdraws its record, so the others drop it at once instead of remembering it as possibly cut off (up
+    to ``TrackerConfig.forget_after``: a swarm of two then stalls), and no daemon thread of a round is left running
+    into the interpreter's finalization. Holds the optimizer weakly; does nothing in a forked child."""
+
+    def __init__(self, opt: Optimizer) -> None:
+        self._opt, self._pid = weakref.ref(opt), os.getpid()
+        atexit.register(self)
+
+    def __call__(self) -> None:
+        opt = self._opt()
+        if opt is not None and os.getpid() == self._pid:
+            opt.shutdown()
+
+    def cancel(self) -> None:
+        atexit.unregister(self)
 
 
 def _make_inner_optimizer(optimizer: Any, params: Optional[Iterable[Any]]) -> torch.optim.Optimizer:

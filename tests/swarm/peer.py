@@ -413,6 +413,8 @@ def main(config_path: str) -> None:
         run_lsq(cfg, opt, model)
     else:
         run_mlp(cfg, opt, model, dtype)
+    if cfg.get("forgets_shutdown"):  # a user's script that ends without opt.shutdown() (no ``with opt:``)
+        return
     # stay a donor for a moment so that slower peers can still catch up from us
     linger_until = time.monotonic() + cfg.get("linger", 60.0)
     while time.monotonic() < linger_until and not os.path.exists(cfg["out"] + ".stop"):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm_opt.deadlines import MIN_AVERAGING_TIMEOUT
 from tests.swarm.test_grad_averaging import _close, assert_quiet, possible_references
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
@@ -255,6 +256,30 @@ def test_a_peer_that_leaves_after_the_last_round_lets_its_groupmates_finish_it(s
         assert all(rep["group_size"] == 2 and not rep["caught_up"] for rep in r["reports"]), r["reports"]
         assert_quiet(swarm.log(r["rank"]))
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+@pytest.mark.parametrize("forgets", [False, True], ids=["shuts down", "ends without shutdown"])
+def test_a_peer_that_leaves_lets_its_partner_go_on_at_once(swarm, forgets):
+    """One of two peers leaves while the other trains on: with ``opt.shutdown()``, or at the end of a script that
+    forgot it (no ``with opt:``; ``Optimizer`` then shuts itself down at the interpreter's exit). Either way its
+    record is withdrawn, so its partner neither remembers it as a peer maybe cut off (a swarm of two stalled until
+    it was forgotten: 16-23 s measured) nor waits out its round's deadline for it (a round whose every other peer
+    left gives up at once: the whole ``averaging_timeout`` before). The leaver exits quietly."""
+    averaging_timeout = 30.0
+    common = dict(batch_size=16, target_batch_size=64, inner="sgd", expect_peers=2, step_sleep=0.02,
+                  matchmaking_time=1.0, averaging_timeout=averaging_timeout)
+    swarm.start(0, epochs=40, **common)
+    swarm.start(1, epochs=6, forgets_shutdown=forgets, linger=0.0, **common)
+    assert swarm.procs[1].wait(120) == 0, swarm.log(1)
+    assert_quiet(swarm.log(1))
+    left = swarm.result(1)["reports"][-1]["time"]  # its last epoch, just before its script ended
+    swarm.wait(timeout=200)
+    reports = swarm.result(0)["reports"]
+    assert any(rep["group_size"] == 2 for rep in reports), reports  # they trained together first
+    after = [left] + [rep["time"] for rep in reports if rep["time"] > left]
+    assert len(after) >= 10, reports  # the partner went on alone
+    longest = max(b - a for a, b in zip(after, after[1:]))
+    assert longest < MIN_AVERAGING_TIMEOUT, (longest, swarm.log(0))  # no round waited out a deadline (~1 s seen)
 
 
 def test_a_peer_in_a_crash_loop_stalls_nobody(swarm):

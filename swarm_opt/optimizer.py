@@ -433,7 +433,7 @@ class Optimizer(torch.optim.Optimizer):
             progress = self._tracker.progress
             if progress.num_peers == 1 and progress.recent_peers == 1:  # the others withdrew their records: the
                 return "every other peer left the swarm"  # next step commits alone, not after the deadline
-            if self._cut_off(self._tracker.progress):
+            if self._cut_off(progress):
                 return "this peer was cut off from the swarm"
             if self._tracker.other_version is not None:  # the next step takes the other version's state
                 return "another version of the run outnumbers this peer's"

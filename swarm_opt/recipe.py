@@ -213,6 +213,20 @@ class Recipe:
         device = next(self.model.parameters()).device.type
         return torch.autocast(device, dtype=torch.bfloat16 if self.precision == "bf16" else torch.float16)
 
+    def emulated_precision(self) -> Optional[str]:
+        """Why the recipe's mixed precision runs slower than fp32 on this machine (None when it does not): a CPU
+        without native bfloat16 (or float16) arithmetic emulates autocast's matrix products."""
+        if self.precision == "fp32" or next(self.model.parameters()).device.type != "cpu":
+            return None
+        check = getattr(torch.ops.mkldnn, f"_is_mkldnn_{self.precision}_supported")
+        try:
+            if check():
+                return None
+        except RuntimeError:  # a torch built without oneDNN: nothing to say
+            return None
+        return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native {self.precision} arithmetic: the "
+                f"recipe's {self.precision} autocast is emulated, several times slower than fp32 here")
+
     def grad_scaler(self) -> Optional[Any]:
         """A ``GradScaler`` for fp16 (None otherwise)."""
         if self.precision != "fp16":

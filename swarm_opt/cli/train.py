@@ -428,6 +428,8 @@ def run_train(args: argparse.Namespace, stop: StopRequest) -> int:
         if not args.client_mode:
             for maddr in dht.get_visible_maddrs():
                 _say(f"others can join through {maddr}")
+        if (slow := recipe.emulated_precision()) is not None:
+            _say(f"note: {slow}")
         if ckpt is not None:
             ckpt.restore(opt, model)
         _wait_for_peers(opt, args.min_peers, stop)

@@ -259,3 +259,17 @@ def test_the_peer_identity_covers_strategy_options_and_matches_the_optimizers_sc
     assert other.fingerprint != base.fingerprint and other.base == base.base
     assert identity(strategy="diloco", outer_lr=0.5).settings["outer_lr"] == 0.5
     assert identity().schema == identified_schema(identity().base, identity().fingerprint)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_precision_the_cpu_emulates_is_named_and_one_it_runs_natively_is_not(monkeypatch, precision):
+    """A volunteer whose CPU has no native bfloat16 runs a bf16 recipe several times slower than fp32 (measured: 1.16
+    s against 0.11 s a step of ``lm-tiny`` on an AVX2 CPU): the peer says so in one line (``swarm-opt train``)."""
+    for native in (False, True):
+        monkeypatch.setattr(torch.ops.mkldnn, f"_is_mkldnn_{precision}_supported", lambda native=native: native)
+        said = make_recipe(precision=precision).emulated_precision()
+        if native:
+            assert said is None
+        else:
+            assert said is not None and f"no native {precision}" in said and "slower than fp32" in said
+    assert make_recipe(precision="fp32").emulated_precision() is None

@@ -27,7 +27,9 @@ run, so that each sees the same load):
 
 Per system: validation loss and perplexity at equal tokens (rank 0's model, all 512 held-out windows), tokens/s (wall
 time with evaluations taken out), compute utilization (seconds in forward+backward / wall seconds; DDP's all-reduce
-runs inside the synchronising micro-step's backward, so that step counts as a ``no_sync`` step's compute), bytes
+runs inside the synchronising micro-step's backward, so that step counts as a ``no_sync`` step's compute; in
+brackets, with the inner optimizer's own steps counted as compute too: what is left is communication and
+coordination, and each peer lists its ``step()`` calls longer than ``SLOW_STEP``), bytes
 sent per peer per token (the hosts' ``eth0`` counters: everything on the wire, DHT included; also counted after
 every peer's first round, without the start-up), the wall time to reach ``--target-ratio`` x its baseline's final
 loss (``baseline_for``: the DDP run of the same optimizer steps per token), and where each peer's time went (compute
@@ -180,7 +182,7 @@ def make_hivemind_optimizer(args: argparse.Namespace, dht: Any, model: Any, lr: 
         matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout, verbose=False)
 
 
-def evaluate(model: Any, held_out: Any, windows: int) -> float:
+def evaluate(model: Any, held_out: Any, windows: int, precision: str) -> float:
     """Mean next-byte loss over ``windows`` windows spread evenly over the held-out set (all 512 at the end)."""
     import torch
 
@@ -190,11 +192,28 @@ def evaluate(model: Any, held_out: Any, windows: int) -> float:
     x, y = held_out.x[::stride][:windows], held_out.y[::stride][:windows]
     model.eval()
     total = 0.0
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         for i in range(0, len(x), 64):
             total += float(lm_loss(model(x[i:i + 64]), y[i:i + 64])) * len(x[i:i + 64])
     model.train()
     return total / len(x)
+
+
+#: a ``step()`` longer than this (seconds) is listed in a peer's result with its local step and epoch
+SLOW_STEP = 0.1
+
+
+def watch_inner_steps(inner: Any, total: List[float]) -> None:
+    """Add the seconds of each step of ``inner`` (the optimizer a swarm optimizer steps locally) to ``total[0]``: the
+    optimizer's own compute, which utilization counts beside forward and backward."""
+    began: List[float] = []
+    inner.register_step_pre_hook(lambda *_: began.append(time.perf_counter()))
+
+    def ended(*_: Any) -> None:
+        if began:
+            total[0] += time.perf_counter() - began.pop()
+
+    inner.register_step_post_hook(ended)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -236,6 +255,9 @@ def worker(args: argparse.Namespace) -> None:
         opt = make(args, dht, model, lr)
         epoch = lambda: opt.local_epoch  # noqa: E731
     net = ddp if ddp is not None else model
+    inner_stepping = [0.0]  # seconds in the inner optimizer's own steps (compute, not communication)
+    if ddp is None:
+        watch_inner_steps(opt.inner if family == "swarm_opt" else opt.state_averager.optimizer, inner_stepping)
 
     (workdir / f"ready{args.rank}").touch()
     deadline = time.monotonic() + 300
@@ -243,13 +265,13 @@ def worker(args: argparse.Namespace) -> None:
         time.sleep(0.01)
     start = time.perf_counter()
     evaluating = computing = stepping = sync_compute = 0.0
-    syncs, curve, first_round, first_round_step = 0, [], None, None
+    syncs, curve, first_round, first_round_step, slow_steps = 0, [], None, None, []
     local_steps = is_local(strategy)
 
     def record(step: int, windows: int) -> None:
         nonlocal evaluating
         began = time.perf_counter()
-        loss = evaluate(model, held_out, windows)
+        loss = evaluate(model, held_out, windows, args.precision)
         curve.append(dict(step=step, seconds=began - start - evaluating, loss=loss, epoch=epoch()))
         evaluating += time.perf_counter() - began
 
@@ -264,7 +286,7 @@ def worker(args: argparse.Namespace) -> None:
         x, y = (torch.stack(t) for t in zip(*(next(stream) for _ in range(args.batch))))
         sync = ddp is not None and (k + 1) % micro == 0
         with (contextlib.nullcontext() if ddp is None or sync else ddp.no_sync()):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 loss = lm_loss(net(x), y)
             (loss / micro if ddp is not None else loss).backward()
         spent = time.perf_counter() - began
@@ -282,8 +304,12 @@ def worker(args: argparse.Namespace) -> None:
         elif sync:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            inner_stepping[0] += time.perf_counter() - stepped
             opt.zero_grad()
-        stepping += time.perf_counter() - stepped
+        step_seconds = time.perf_counter() - stepped
+        stepping += step_seconds
+        if step_seconds > SLOW_STEP and len(slow_steps) < 400:
+            slow_steps.append((k, round(step_seconds, 3), epoch()))
         k += 1
         if epoch() != before and first_round is None:  # the orchestrator counts the bytes sent from here too
             first_round, first_round_step = time.perf_counter() - start - evaluating, k
@@ -304,7 +330,9 @@ def worker(args: argparse.Namespace) -> None:
     result = dict(rank=args.rank, system=args.system, steps=k, wall=wall, computing=compute_total, stepping=stepping,
                   evaluating=evaluating, sync_step_seconds=sync_compute, epoch=epoch(), first_round=first_round,
                   first_round_step=first_round_step,
-                  utilization=compute_total / wall, curve=curve, loadavg=os.getloadavg(),
+                  utilization=compute_total / wall, inner_stepping=inner_stepping[0],
+                  utilization_with_steps=(compute_total + inner_stepping[0]) / wall, slow_steps=slow_steps,
+                  curve=curve, loadavg=os.getloadavg(),
                   lane_rounds=getattr(getattr(opt, "_averager", None), "lane_rounds", None))
     (workdir / f"result{args.rank}.json").write_text(json.dumps(result))
     while not (workdir / "stop").exists():  # stay until every peer is done: a leaving peer stalls the others
@@ -407,6 +435,8 @@ def summary(run: Dict[str, Any], args: argparse.Namespace) -> Dict[str, Any]:
         if rounds else float("nan")
     return dict(system=run["system"], loss=final, perplexity=math.exp(final), tokens_per_s=tokens / wall, wall=wall,
                 utilization=sum(p["utilization"] for p in peers) / PEERS,
+                utilization_with_steps=sum(p["utilization"] + p.get("inner_stepping", 0.0) / p["wall"]
+                                           for p in peers) / PEERS,
                 bytes_per_peer_token=sum(run["bytes_sent"]) / tokens, tokens=tokens,
                 steady_bytes_per_peer_token=steady_bytes(run, args),
                 tokens_vs_budget=tokens / (args.steps * args.batch * args.context * PEERS),
@@ -494,7 +524,7 @@ def report(runs: List[Dict[str, Any]], args: argparse.Namespace) -> Tuple[str, D
             s["system"], f"{s['loss']:.4f}", f"{s['perplexity']:.2f}", vs.get("baseline", "-"),
             f"{100 * (vs['loss'] - 1):+.2f} %" if base else "-",
             f"{s['tokens_per_s']:,.0f}", f"{vs['tokens_per_s']:.2f}x" if base else "-",
-            f"{100 * s['utilization']:.1f} %",
+            f"{100 * s['utilization']:.1f} % ({100 * s['utilization_with_steps']:.1f} %)",
             f"{s['bytes_per_peer_token']:.0f}" + (f" ({steady:.0f})" if steady is not None else ""),
             (f"{vs['fewer_bytes']:.1f}x" + (f" ({vs['fewer_bytes_steady']:.1f}x)" if vs["fewer_bytes_steady"] else ""))
             if base else "-", f"{reach:.0f} s" if reach is not None else "not reached",
@@ -502,7 +532,8 @@ def report(runs: List[Dict[str, Any]], args: argparse.Namespace) -> Tuple[str, D
             f"{s['compute']:.0f} / {s['stepping']:.0f}", f"{s['rounds']} ({s['samples_per_round']:.2f}x)",
             f"{s['load']:.1f}"])
     headers = ["system", "val loss", "ppl", "baseline", "loss vs baseline", "tokens/s", "vs baseline",
-               "compute util.", "bytes/peer/token (after 1st round)", "fewer bytes (after 1st round)",
+               "compute util. (with optimizer steps)", "bytes/peer/token (after 1st round)",
+               "fewer bytes (after 1st round)",
                f"time to {args.target_ratio:g}x baseline loss", "tokens vs budget", "s compute / s in step()",
                "rounds (samples per round vs target)", "load (1 min)"]
     return table(headers, rows), ratios
@@ -550,6 +581,9 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], help="tc tbf rates, fast first")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--size", default="tiny", choices=["tiny", "small", "medium", "large"])
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                        help="the forward pass's (the recipe's bf16; fp32 where the CPU has no native bfloat16: "
+                             "emulated, bf16 is ~10x slower there)")
     parser.add_argument("--steps", type=int, default=64, help="local steps of each peer (the token budget)")
     parser.add_argument("--batch", type=int, default=16, help="sequences per local step")
     parser.add_argument("--global-batch", type=int, default=256, help="sequences per global step (DDP, grad avg.)")
@@ -570,8 +604,8 @@ def main() -> None:
         print_report(saved["rates"], args)
         return
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "size", "steps", "batch", "global_batch", "local_h", "eval_every", "eval_windows", "matchmaking_time",
-        "averaging_timeout")]
+        "size", "precision", "steps", "batch", "global_batch", "local_h", "eval_every", "eval_windows",
+        "matchmaking_time", "averaging_timeout")]
     args.context = {"tiny": 64, "small": 128, "medium": 256, "large": 256}[args.size]
     if args.worker:
         for name in ("rank", "port", "seed"):

@@ -1,7 +1,8 @@
 """Recipes through ``swarm-opt train``: bad recipes are one line; a streaming source that runs out or fails makes the
 peer leave with its checkpoint; three volunteers of the built-in language model with its full recipe (AdamW,
 warmup then cosine, clipping, bf16, a data shard each, perplexity) reach one process's loss at equal tokens, and a
-volunteer with another learning rate is refused in one line."""
+volunteer with another learning rate is refused in one line. On a CPU that emulates bf16 (no native bf16 arithmetic:
+ten times slower than fp32, ``Recipe.emulated_precision``) the volunteers and the one process run in fp32."""
 
 from __future__ import annotations
 
@@ -181,16 +182,33 @@ def logged_losses(text: str) -> Dict[int, float]:
     return {int(epoch): float(loss) for epoch, loss, _ in EPOCH_LINE.findall(text) if loss}
 
 
+def lm_precision() -> str:
+    """The built-in language model's recipe precision (bf16), or fp32 where this CPU only emulates bf16."""
+    from swarm_opt.cli.tasks import load_task
+
+    return "fp32" if load_task("lm-tiny", seed=0).emulated_precision() else "bf16"
+
+
+def _recipe(task: str, seed: int, precision: Optional[str]) -> Any:
+    from dataclasses import replace
+
+    from swarm_opt.cli.tasks import load_task
+
+    recipe = load_task(task, seed=seed)
+    return recipe if precision is None else replace(recipe, precision=precision)
+
+
 def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any], *, seed: int = 0,
-                      batch_size: int = 16, skipped: Optional[List[Dict[int, int]]] = None) -> float:
+                      batch_size: int = 16, skipped: Optional[List[Dict[int, int]]] = None,
+                      precision: Optional[str] = None) -> float:
     """One process with the task's recipe: at each global epoch, one clipped AdamW step on the mean gradient of
     that epoch's samples, the schedule stepped once; returns the evaluation's loss. ``peers[i][epoch]`` samples of
     the epoch come from ``shards[i]``'s stream, read in batches of ``batch_size`` as the peer read them (after
     ``skipped[i][epoch]`` samples it read and the swarm left out): with the peers' shards and counts, the very
-    samples the swarm averaged."""
-    from swarm_opt.cli.tasks import evaluate, load_task
+    samples the swarm averaged. ``precision`` replaces the recipe's."""
+    from swarm_opt.cli.tasks import evaluate
 
-    recipe = load_task(task, seed=seed)
+    recipe = _recipe(task, seed, precision)
     optimizer = recipe.build_optimizer(recipe.groups())
     schedule = recipe.schedule(optimizer)
     streams = [recipe.stream(shard) for shard in shards]
@@ -213,10 +231,10 @@ def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any],
     return evaluate(recipe)["loss"]
 
 
-def swarm_loss(task: str, checkpoint_dir) -> float:
-    from swarm_opt.cli.tasks import evaluate, load_task
+def swarm_loss(task: str, checkpoint_dir, precision: Optional[str] = None) -> float:
+    from swarm_opt.cli.tasks import evaluate
 
-    recipe = load_task(task, seed=0)
+    recipe = _recipe(task, 0, precision)
     recipe.model.load_state_dict(swarm_opt.load_checkpoint(sorted(checkpoint_dir.glob("epoch-*.pt"))[-1])["model"])
     return evaluate(recipe)["loss"]
 
@@ -227,8 +245,9 @@ def swarm_loss(task: str, checkpoint_dir) -> float:
 def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_rate(cli):
     epochs, target, every = 100, 128, 5
     _, maddr = cli.dht()
+    precision = lm_precision()
     common = peer_args("lm_e2e", maddr, "--task", "lm-tiny", "--target-batch-size", str(target), "--epochs",
-                       str(epochs), "--min-peers", "3")
+                       str(epochs), "--min-peers", "3", "--precision", precision)
     evaluating = ("--eval-every", str(every))  # the task's own cadence at this batch is every 14 epochs
     peers = [cli.start(f"peer{i}", *common, "--shard", f"{i}/3", "--data-seed", str(i), "--checkpoint-dir",
                        f"ckpt{i}", "--checkpoint-every", "1000", *evaluating) for i in range(3)]
@@ -243,7 +262,7 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
         assert f"reached epoch {epochs}; done" in peer.stderr and "Traceback" not in peer.stderr, peer.describe()
         assert re.search(r"^epoch \d+: test loss [\d.]+, test perplexity [\d.]+, averaged", peer.stdout, re.M)
     peer_counts = [contributions(peer.stdout) for peer in peers]
-    swarm = [swarm_loss("lm-tiny", cli.workdir / f"ckpt{i}") for i in range(3)]
+    swarm = [swarm_loss("lm-tiny", cli.workdir / f"ckpt{i}", precision) for i in range(3)]
     assert max(swarm) - min(swarm) < 1e-4, swarm  # one model
     # one process on the very tokens the swarm averaged (each peer's shard, data seed and counts) over the first 10
     # epochs, compared with the loss the peers printed then: the same steps, equal to float rounding. Later, rounding
@@ -257,11 +276,11 @@ def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_
     logged = logged_losses(peers[0].stdout)[last]
     prefix, left_out = ([{e: n for e, n in c.items() if e <= last} for c in counts] for counts in (used, skipped))
     same_tokens = train_one_process("lm-tiny", prefix, [DataShard(i, 3, seed=i) for i in range(3)],
-                                    skipped=left_out)
+                                    skipped=left_out, precision=precision)
     # at the end, one process on as many tokens drawn from the whole corpus in another order (runs of one process in
     # different orders differ by about 0.6 % among each other at this size: docs/language-model.md)
     per_epoch = {e: sum(c.get(e) or 0 for c in peer_counts) or 128 for e in range(1, epochs + 1)}
-    other_order = train_one_process("lm-tiny", [per_epoch], [DataShard(0, 1, seed=0)])
+    other_order = train_one_process("lm-tiny", [per_epoch], [DataShard(0, 1, seed=0)], precision=precision)
     print(f"\n3 peers at epoch {last}: test loss {logged:.4f}; one process on the same "
           f"{sum(sum(c.values()) for c in prefix) * 64:,} tokens: {same_tokens:.4f} "
           f"({abs(logged - same_tokens) / same_tokens:.2%} apart)\n3 peers at epoch {epochs}: {swarm[0]:.4f}; one "

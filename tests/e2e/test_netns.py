@@ -58,8 +58,19 @@ class Host:
             if match:
                 return match
             assert self.proc.poll() is None, f"exited early:\n{self.text()}"
-            assert time.monotonic() < deadline, f"timed out waiting for {pattern!r}:\n{self.text()}"
+            if time.monotonic() >= deadline:
+                self.dump_stacks()
+                pytest.fail(f"timed out waiting for {pattern!r}:\n{self.text()}")
             time.sleep(0.2)
+
+    def dump_stacks(self) -> None:
+        """Where the peer's threads are, in its stderr: SIGABRT makes its faulthandler (``PYTHONFAULTHANDLER``, set
+        by ``cli_env``) write every thread's stack before it dies (``ip netns exec`` runs Python in its own place)."""
+        try:
+            os.kill(self.proc.pid, signal.SIGABRT)
+            self.proc.wait(5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
 
 
 @pytest.mark.swarm

@@ -149,7 +149,9 @@ def install_fault(cfg: dict) -> None:
     * ``slow_reads``: every read of the swarm's progress records returns that many seconds after the DHT answered
       (a loaded machine, or a DHT over slow links): this peer sees the others late, and what it sees is that old.
     * ``hang_in_round``: from that round on, the peer's all-reduce never returns (a process stuck inside its round:
-      a deadlock, a stalled device); writes ``OUT.hung`` as it hangs."""
+      a deadlock, a stalled device); writes ``OUT.hung`` as it hangs. With adaptive deadlines it hangs in the first
+      such round whose deadline followed the measured rounds below the user's bound (under load, a start-up round
+      that missed its deadline puts the deadline back to the bound for the next rounds)."""
     if cfg.get("slow_reads"):
         from swarm_opt.progress import SampledRecords
 
@@ -172,7 +174,8 @@ def install_fault(cfg: dict) -> None:
 
         @functools.wraps(original_all_reduce)
         def all_reduce(self, write, weight, round_id, *args, **kwargs):
-            if round_id >= cfg["hang_in_round"]:
+            adapted = self.deadlines.averaging_timeout < self.timeouts.averaging_timeout
+            if round_id >= cfg["hang_in_round"] and (adapted or not self.timeouts.adaptive):
                 open(cfg["out"] + ".hung", "w").close()
                 time.sleep(3600)
             return original_all_reduce(self, write, weight, round_id, *args, **kwargs)

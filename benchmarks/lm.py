@@ -21,7 +21,8 @@ run, so that each sees the same load):
   steps: what OpenDiLoCo built on);
 * ``swarm_opt/grad``, ``swarm_opt/grad+overlap`` (``Overlap()``), ``swarm_opt/grad/powersgd4``: gradient averaging on
   hivemind's path; ``lane/grad``, ``lane/grad+overlap``: the same over the gloo lane (``transport=Gloo(host=...)``);
-* ``swarm_opt/dilocoH/CODEC``: DiLoCo with ``H`` inner steps, outer Nesterov SGD (lr 0.7, momentum 0.9), the
+* ``swarm_opt/dilocoH/CODEC``: DiLoCo with ``H`` inner steps, outer Nesterov SGD (lr ``--outer-lr``, 0.7; momentum
+  0.9; the local-update systems' inner lr is ``--inner-lr-scale`` x the recipe's), the
   pseudo-gradients sent in fp32, fp16 (``Float16``), 8 bits (``Int8Blockwise``) or ``TopK(0.01)``;
   ``swarm_opt/dilocoH+overlap/CODEC``: the same with ``Overlap()`` (the inner steps go on while a round averages).
 
@@ -152,7 +153,8 @@ def make_swarm_optimizer(args: argparse.Namespace, dht: Any, model: Any, lr: flo
     overlap = swarm_opt.Overlap() if strategy.endswith("+overlap") else None
     if strategy.startswith("diloco"):
         algorithm = swarm_opt.DiLoCo(
-            outer_optimizer=lambda p: torch.optim.SGD(p, lr=0.7, momentum=0.9, nesterov=True), overlap=overlap)
+            outer_optimizer=lambda p: torch.optim.SGD(p, lr=args.outer_lr, momentum=0.9, nesterov=True),
+            overlap=overlap)
     elif strategy == "grad+overlap":
         algorithm = swarm_opt.GradientAveraging(overlap=overlap)
     else:
@@ -232,7 +234,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # the same initial weights on every peer
     recipe = language_model(args.size)
     model, held_out = recipe.model, recipe.evaluation.data
-    lr = TRAINING[args.size][0]
+    lr = TRAINING[args.size][0] * (args.inner_lr_scale if is_local(strategy) else 1.0)
     schedule = warmup_cosine(WARMUP_EPOCHS, args.steps, FLOOR)
     stream = iter(recipe.train_data(DataShard(args.rank, PEERS, args.seed)))
     micro = steps_per_round(args.system, args)
@@ -588,6 +590,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per local step")
     parser.add_argument("--global-batch", type=int, default=256, help="sequences per global step (DDP, grad avg.)")
     parser.add_argument("--local-h", type=int, default=32, help="local steps per round of hivemind/local")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD's lr")
+    parser.add_argument("--inner-lr-scale", type=float, default=1.0,
+                        help="the local-update systems' (DiLoCo, hivemind/local) peak lr: a multiple of the recipe's")
     parser.add_argument("--eval-every", type=int, default=16, help="local steps between evaluations (rank 0)")
     parser.add_argument("--eval-windows", type=int, default=128, help="held-out windows per curve point")
     parser.add_argument("--target-ratio", type=float, default=1.02, help="the target loss, as a multiple of DDP's")
@@ -604,7 +609,8 @@ def main() -> None:
         print_report(saved["rates"], args)
         return
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "size", "precision", "steps", "batch", "global_batch", "local_h", "eval_every", "eval_windows",
+        "size", "precision", "steps", "batch", "global_batch", "local_h", "outer_lr", "inner_lr_scale", "eval_every",
+        "eval_windows",
         "matchmaking_time", "averaging_timeout")]
     args.context = {"tiny": 64, "small": 128, "medium": 256, "large": 256}[args.size]
     if args.worker:

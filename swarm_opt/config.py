@@ -125,9 +125,7 @@ class TrackerConfig:
         finish together and nobody waits for a slow peer (a volunteer swarm). ``"equal"``: the same number of
         samples each, hence the same number of local steps per round (federated learning's schedule: FedAvg's K
         local steps, SCAFFOLD's control variates); every round then lasts as long as its slowest peer takes, at
-        most ``averaging_timeout`` past the others. In a run's first epoch a peer whose first steps are slow (it has
-        published no speed yet) counts among the sharers for up to ``swarm_opt.progress.EQUAL_START_WINDOW``
-        seconds, so that the others do not take its part. Every peer of a run must use the same.
+        most ``averaging_timeout`` past the others. Every peer of a run must use the same.
     :param trust: how far other peers' claims are believed (``TrustConfig``).
     :param forget_after: a peer whose record vanished without its owner leaving (it crashed, or the network cut it
         off from this peer) still counts in the swarm's size, which a round's majority is measured against, for this

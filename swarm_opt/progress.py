@@ -56,10 +56,6 @@ logger = logging.getLogger(__name__)
 _SHARD_READ_BEAM = 1
 _MAX_CLOCK_SKEW = 60.0  # seconds a record's timestamp may lie in the future before we distrust it
 _MAX_SAMPLES_PER_SECOND = 1e9
-#: seconds after its first step during which a peer with equal shares counts the others that have not measured their
-#: speed yet, in a run's first epoch (``aggregate_progress``): their first steps may take this long (a framework's
-#: set-up on a loaded machine); a peer that sits every round out then holds the first round for this long, once
-EQUAL_START_WINDOW = 15.0
 
 
 class ProgressRecord(pydantic.BaseModel):
@@ -196,17 +192,14 @@ def aggregate_progress(
     weights = [1.0 if r is local else scale for r in peers]
     measured = [r.samples_per_second for r in peers if r.samples_per_second > 0]
     typical = statistics.median(measured) if measured else 0.0
-    equal = shares == "equal"
-    # how long an unmeasured peer counts at the typical speed (``_speed``); longer in a run's first epoch with equal
-    # shares, where the peers' first steps (a framework's set-up, a loaded machine) take unequal times
-    unmeasured_for = max(max_extrapolation, EQUAL_START_WINDOW) if equal and epoch == 0 else max_extrapolation
-    fresh = local is not None and epoch_started is not None and now - epoch_started < unmeasured_for
+    fresh = local is not None and epoch_started is not None and now - epoch_started < max_extrapolation
     speeds = [_speed(r, epoch, typical, fresh) for r in peers]
     throughput = sum(w * speed for w, speed in zip(weights, speeds))
     # the peers computing this epoch: those in it, and those that finished the last round with us (see above)
     computing = [r.epoch == epoch or (local is not None and r.epoch == epoch - 1 == local.epoch - 1
                                       and epoch_started is not None) for r in peers]
     sharers = sum(w for w, speed, counted in zip(weights, speeds, computing) if counted and speed > 0)
+    equal = shares == "equal"
     if equal:
         share_of = (lambda speed: target_batch_size / sharers if speed > 0 else 0.0)  # noqa: E731
     else:
@@ -292,8 +285,7 @@ def other_version(records: Iterable[ProgressRecord], me: Tuple[bytes, str], epoc
 def _speed(record: ProgressRecord, epoch: int, typical: float, fresh: bool) -> float:
     """The compute speed ``record``'s peer is counted at in the swarm's speed, hence in every peer's share of the
     target and in the ETA. A peer in its first steps has no measured speed yet (``_Throughput`` publishes one after
-    its second step): during the epoch's first ``max_extrapolation`` seconds (``fresh``; ``EQUAL_START_WINDOW`` in a
-    run's first epoch with equal shares) it is counted at the median
+    its second step): during the epoch's first ``max_extrapolation`` seconds (``fresh``) it is counted at the median
     measured speed (``typical``), or each peer that knows its own speed would compute the whole target alone while
     the others' records travel. Never extrapolated at that guess (its samples count as published), and only for
     those seconds: a peer still unmeasured after them is slow (or skips every step) and is not counted, so a fast

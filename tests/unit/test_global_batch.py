@@ -9,14 +9,7 @@ import pytest
 
 from swarm_opt import TrackerConfig
 from swarm_opt.optimizer import contributed_share
-from swarm_opt.progress import (
-    EQUAL_START_WINDOW,
-    ProgressRecord,
-    SwarmProgress,
-    _Throughput,
-    aggregate_progress,
-    read_interval,
-)
+from swarm_opt.progress import ProgressRecord, SwarmProgress, _Throughput, aggregate_progress, read_interval
 
 
 @pytest.mark.parametrize("samples, expected", [(4, False), (8, False), (12, True), (16, True)])
@@ -104,26 +97,3 @@ def test_reads_come_often_near_the_target_and_seldom_once_it_is_reached():
     assert read_interval(snapshot(8, 3600.0, speed=0.0), 8, False, config) == 0.2  # first steps: no speed yet
     assert read_interval(snapshot(256, 0.0), 16, True, config) == config.sampled_period
     assert read_interval(snapshot(256, 0.0), 16, True, config, filling=True) == config.refresh_period
-
-
-def test_equal_shares_count_a_peer_whose_first_steps_are_slow_in_the_runs_first_epoch():
-    """Federated learning's schedule (equal shares) at start-up: a peer whose first steps take longer (a loaded
-    machine, a framework's set-up) has not measured its speed yet. In the run's first epoch it still counts among
-    the peers sharing the target for ``EQUAL_START_WINDOW`` seconds, so the others stop at target / N, not
-    target / (N - 1) (8 Lightning peers took 57 local steps instead of 50 in their first round); after that, or
-    with speed shares, or in a later epoch, an unmeasured peer is one that sits the round out and counts for
-    nothing."""
-    target, peers = 400, 8
-
-    def share(epoch: int, since_start: float, shares: str = "equal") -> float:
-        records = [ProgressRecord(peer_id=bytes([i]), instance=str(i), epoch=epoch, samples=0,
-                                  samples_per_second=0.0 if i == peers - 1 else 100.0, time=100.0,
-                                  client_mode=False, model_schema="s", target_batch_size=target)
-                   for i in range(peers)]
-        return aggregate_progress(records[1:], records[0], target, now=100.0, epoch_started=100.0 - since_start,
-                                  shares=shares).share
-
-    assert share(0, 5.0) == pytest.approx(target / peers)
-    assert share(0, EQUAL_START_WINDOW + 1.0) == pytest.approx(target / (peers - 1))  # it sits out
-    assert share(3, 5.0) == pytest.approx(target / (peers - 1))  # a later epoch: measured peers only
-    assert share(0, 5.0, "speed") == pytest.approx(target / (peers - 1))  # speed shares: not counted either

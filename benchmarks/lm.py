@@ -526,7 +526,8 @@ def report(runs: List[Dict[str, Any]], args: argparse.Namespace) -> Tuple[str, D
             s["system"], f"{s['loss']:.4f}", f"{s['perplexity']:.2f}", vs.get("baseline", "-"),
             f"{100 * (vs['loss'] - 1):+.2f} %" if base else "-",
             f"{s['tokens_per_s']:,.0f}", f"{vs['tokens_per_s']:.2f}x" if base else "-",
-            f"{100 * s['utilization']:.1f} % ({100 * s['utilization_with_steps']:.1f} %)",
+            f"{100 * s['utilization']:.1f} % ({100 * s['utilization_with_steps']:.1f} %)"
+            if s["utilization"] > 0 else "- (no ddp run to estimate it from)",
             f"{s['bytes_per_peer_token']:.0f}" + (f" ({steady:.0f})" if steady is not None else ""),
             (f"{vs['fewer_bytes']:.1f}x" + (f" ({vs['fewer_bytes_steady']:.1f}x)" if vs["fewer_bytes_steady"] else ""))
             if base else "-", f"{reach:.0f} s" if reach is not None else "not reached",

@@ -5,10 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 set +e
-# the extended swarm scenarios run with `bash scripts/test_extended.sh` (CI runs both: .ci/run). Two workers (-n 2,
-# pytest-xdist): the suite runs in about two thirds of the time, and every swarm test runs beside another test's
-# peers, as on a user's busy machine (its invariants must hold there too)
-.venv/bin/python -m pytest -q -m "not extended" -n 2 --durations=15 "$@"
+# the extended swarm scenarios run with `bash scripts/test_extended.sh` (CI runs both: .ci/run). Three workers (-n 3,
+# pytest-xdist) on 2 cores: the swarm tests wait on rounds and deadlines as much as they compute (20:02 against
+# 24:39 with two workers on a slower 2-core machine, docs/long-runs.md#ci), and every swarm test runs beside other
+# tests' peers, as on a user's busy machine (its invariants must hold there too)
+.venv/bin/python -m pytest -q -m "not extended" -n 3 --durations=15 "$@"
 status=$?
 set -e
 # pytest's exit code 5 means "no tests collected": never green

@@ -332,8 +332,7 @@ def worker(args: argparse.Namespace) -> None:
     result = dict(rank=args.rank, system=args.system, steps=k, wall=wall, computing=compute_total, stepping=stepping,
                   evaluating=evaluating, sync_step_seconds=sync_compute, epoch=epoch(), first_round=first_round,
                   first_round_step=first_round_step,
-                  utilization=compute_total / wall, inner_stepping=inner_stepping[0],
-                  utilization_with_steps=(compute_total + inner_stepping[0]) / wall, slow_steps=slow_steps,
+                  utilization=compute_total / wall, inner_stepping=inner_stepping[0], slow_steps=slow_steps,
                   curve=curve, loadavg=os.getloadavg(),
                   lane_rounds=getattr(getattr(opt, "_averager", None), "lane_rounds", None))
     (workdir / f"result{args.rank}.json").write_text(json.dumps(result))
@@ -611,8 +610,7 @@ def main() -> None:
         return
     args.passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
         "size", "precision", "steps", "batch", "global_batch", "local_h", "outer_lr", "inner_lr_scale", "eval_every",
-        "eval_windows",
-        "matchmaking_time", "averaging_timeout")]
+        "eval_windows", "matchmaking_time", "averaging_timeout")]
     args.context = {"tiny": 64, "small": 128, "medium": 256, "large": 256}[args.size]
     if args.worker:
         for name in ("rank", "port", "seed"):

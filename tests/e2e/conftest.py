@@ -21,6 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 TAG_VARIABLE = "SWARMOPT_CLI_TEST_TAG"
 
 
+def dump_stacks(proc: subprocess.Popen) -> None:
+    """Where every thread of a peer's process is: SIGABRT makes Python's faulthandler (on in a peer's environment,
+    ``testing.peer_env``) write their stacks to its stderr before it dies."""
+    try:
+        os.kill(proc.pid, signal.SIGABRT)
+        proc.wait(5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+
+
 def cli_env(**extra: str) -> Dict[str, str]:
     """A local peer's environment without the user's own ``SWARM_OPT_*`` settings."""
     return {k: v for k, v in testing.peer_env(**extra).items() if not k.startswith("SWARM_OPT_") or k in extra}
@@ -77,13 +87,7 @@ class CliProcess:
             pytest.fail(f"{self.name} did not exit within {timeout:.0f} s:\n{self.describe()}")
 
     def dump_stacks(self) -> None:
-        """Where every thread of the process is: SIGABRT makes Python's faulthandler (on in a peer's environment,
-        ``testing.peer_env``) write their stacks to stderr before the process dies."""
-        try:
-            os.kill(self.proc.pid, signal.SIGABRT)
-            self.proc.wait(5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
+        dump_stacks(self.proc)
 
     def describe(self) -> str:
         return f"--- {self.name} stdout ---\n{self.stdout[-3000:]}\n--- {self.name} stderr ---\n{self.stderr[-6000:]}"

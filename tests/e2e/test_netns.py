@@ -19,7 +19,7 @@ from typing import Dict, List
 
 import pytest
 
-from tests.e2e.conftest import cli_env
+from tests.e2e.conftest import cli_env, dump_stacks
 from tests.hosts import OWNERS, Hosts, namespaces_unavailable, remove_orphans
 
 
@@ -59,18 +59,9 @@ class Host:
                 return match
             assert self.proc.poll() is None, f"exited early:\n{self.text()}"
             if time.monotonic() >= deadline:
-                self.dump_stacks()
+                dump_stacks(self.proc)  # ``ip netns exec`` runs Python in its own place: its pid is the peer's
                 pytest.fail(f"timed out waiting for {pattern!r}:\n{self.text()}")
             time.sleep(0.2)
-
-    def dump_stacks(self) -> None:
-        """Where the peer's threads are, in its stderr: SIGABRT makes its faulthandler (``PYTHONFAULTHANDLER``, set
-        by ``cli_env``) write every thread's stack before it dies (``ip netns exec`` runs Python in its own place)."""
-        try:
-            os.kill(self.proc.pid, signal.SIGABRT)
-            self.proc.wait(5)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
 
 
 @pytest.mark.swarm

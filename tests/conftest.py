@@ -10,6 +10,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes more than a minute")
     config.addinivalue_line("markers", "extended: long swarm scenarios the default run skips to stay within CI's "
                                        "budget; run them with `bash scripts/test_extended.sh`")
+    config.addinivalue_line("markers", "solo: an extended scenario whose swarm alone fills a 2-core machine; "
+                                       "`scripts/test_extended.sh` runs it after the others, by itself")
 
 
 @pytest.fixture(autouse=True)

@@ -212,7 +212,7 @@ def train_one_process(task: str, peers: List[Dict[int, int]], shards: List[Any],
     optimizer = recipe.build_optimizer(recipe.groups())
     schedule = recipe.schedule(optimizer)
     streams = [recipe.stream(shard) for shard in shards]
-    for epoch in range(1, max(max(p) for p in peers) + 1):
+    for epoch in range(1, max((max(p) for p in peers if p), default=0) + 1):  # (a peer late to the first rounds)
         total = sum(p.get(epoch, 0) for p in peers)
         optimizer.zero_grad()
         for stream, counts, left_out in zip(streams, peers, skipped or [{} for _ in peers]):
@@ -243,7 +243,7 @@ def swarm_loss(task: str, checkpoint_dir, precision: Optional[str] = None) -> fl
 @pytest.mark.extended
 @pytest.mark.timeout(1500)
 def test_three_lm_volunteers_reach_one_process_loss_and_refuse_another_learning_rate(cli):
-    epochs, target, every = 100, 128, 5
+    epochs, target, every = 50, 128, 5
     _, maddr = cli.dht()
     precision = lm_precision()
     common = peer_args("lm_e2e", maddr, "--task", "lm-tiny", "--target-batch-size", str(target), "--epochs",

@@ -147,8 +147,10 @@ def test_a_killed_lightning_peer_resumes_from_its_checkpoint_and_catches_up(swar
     others (the run goes on until then) and holds everyone's parameters at every epoch. The survivors never
     stall."""
     until = str(tmp_path / "resumed_trained")
+    # the survivors train on until the replacement has trained with them: under load its start took 2 minutes, and
+    # with the peers' default cap of 120 s they had left before it joined
     common = dict(script=SCRIPT, module="mlp", batch_size=16, target_batch_size=192, epochs=6, step_sleep=0.02,
-                  checkpoint=True, until_file=until)
+                  checkpoint=True, until_file=until, max_seconds=360)
     for rank in range(PEERS):
         swarm.start(rank, expect_peers=PEERS, **common)
     deadline = time.monotonic() + 150

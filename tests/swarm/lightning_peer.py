@@ -172,7 +172,7 @@ class Recorder(L.Callback):
             if isinstance(pl_module, LockstepModule):
                 pl_module.steps_in_round = 0
             if self.cfg.get("checkpoint"):
-                trainer.save_checkpoint(self.cfg["out"] + ".ckpt.tmp")
+                trainer.save_checkpoint(self.cfg["out"] + ".ckpt.tmp", weights_only=False)  # (else a log line)
                 os.replace(self.cfg["out"] + ".ckpt.tmp", self.cfg["out"] + ".ckpt")
             together = [r for r in self.rounds if not r["caught_up"] and r["group_size"] > 1]
             if len(together) >= self.cfg.get("signal_after_rounds", float("inf")):

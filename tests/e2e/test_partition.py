@@ -273,4 +273,13 @@ def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s
     print("; ".join(report) + f"; longest step() {max(s for s, _ in longest.values()):.1f} s")
     # (a loaded machine fires the round's timers late by a second or so: 23.0 s was seen beside three busy loops)
     held = swarm.averaging_timeout + swarm.matchmaking_time + LATE_TIMERS
-    assert all(seconds < held for seconds, _ in longest.values()), longest
+    too_long = {i: lines_before_epoch(swarm.trainers[i].text(), epoch + 1)
+                for i, (seconds, epoch) in longest.items() if seconds >= held}
+    assert not too_long, (longest, too_long)  # what each of those trainers printed up to the held step's end
+
+
+def lines_before_epoch(text: str, epoch: int, count: int = 30) -> str:
+    """The ``count`` lines a trainer printed before its line for ``epoch`` (or its last ones): a held step's story."""
+    lines = text.splitlines()
+    end = next((i for i, line in enumerate(lines) if line.startswith(f"epoch {epoch}: ")), len(lines))
+    return "\n".join(lines[max(0, end - count):end + 1])

@@ -58,7 +58,9 @@ def main(role: str, address: str, initial_peers: list, width: int) -> None:
     if role == "newcomer":
         print(json.dumps({"built_in": time.monotonic() - started, "epoch": opt.local_epoch,
                           "digest": parameter_digest(list(model.parameters())),
-                          "received": opt._averager._engine.downloaded}), flush=True)
+                          "received": opt._averager._engine.downloaded,
+                          # what its tracker saw by then (a newcomer that read no record took itself for a founder)
+                          "swarm_epoch": opt.progress.epoch, "peers_seen": opt.progress.num_peers}), flush=True)
         opt.shutdown()
         return
     x = torch.randn(8, width)

@@ -83,11 +83,8 @@ class CliProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.dump_stacks()
+            dump_stacks(self.proc)
             pytest.fail(f"{self.name} did not exit within {timeout:.0f} s:\n{self.describe()}")
-
-    def dump_stacks(self) -> None:
-        dump_stacks(self.proc)
 
     def describe(self) -> str:
         return f"--- {self.name} stdout ---\n{self.stdout[-3000:]}\n--- {self.name} stderr ---\n{self.stderr[-6000:]}"

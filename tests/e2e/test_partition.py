@@ -222,20 +222,19 @@ def test_a_training_swarm_split_twice_by_a_partition_holds_one_model_within_60_s
                                                                                               size, sides):
     """Gradient-averaging trainers (``swarm-opt train``), one per host, and a bootstrap node on a host of its own
     (``tests/partition_swarm.py``); each set of trainers in ``sides`` loses its links to the others, first for 30 s
-    (less than ``TrackerConfig.forget_after``: the cut side waits for the majority it remembers, once they have
-    known one another that long), then, once the swarm is whole again, for 2 minutes (the cut side trains on alone for
-    a minute after ``forget_after``, and the links' long absence meets libp2p's dial backoff). After each cut, within
-    60 s of the links coming back, every trainer prints an epoch with the same test metrics as every other (one
-    model), reached by a round of the majority side and, where the majority moved on meanwhile (always after 2
-    minutes), by a download on the cut side (the majority
-    never takes the minority's state, even when the minority is ahead); during the 30-s cut the cut side commits
-    nothing; then every trainer averages a round with all the others again (the swarm is whole, as before the cut)
-    and they still hold one model (no side went back to its own version). The cut ones said they lost sight of the
-    swarm and found it again. No ``step()`` of any trainer, over the whole run (the splits, the healings and the
-    downloads included), is held for a split: the longest is a round in flight when the links went down, which waits
-    out its group search (``averaging_timeout``, 20 s, from when it was scheduled, at most ``matchmaking_time``
-    before), so every step ends within 22 s (a loaded machine's timers fire a little late); a peer cut off then
-    starts no round and keeps stepping. The epoch rate before a cut and after its healing is measured by
+    (less than ``TrackerConfig.forget_after``: the cut side waits for the majority it remembers, once they have known
+    one another that long), then, once the swarm is whole again, for 2 minutes (the cut side trains on alone for a
+    minute after ``forget_after``, and the links' long absence meets libp2p's dial backoff). After each cut, within 60 s
+    of the links coming back, every trainer prints an epoch with the same test metrics as every other (one model),
+    reached by a round of the majority side and, where the majority moved on meanwhile (always after 2 minutes), by a
+    download on the cut side (the majority never takes the minority's state, even when the minority is ahead); during
+    the 30-s cut the cut side commits nothing; then every trainer averages a round with all the others again (the swarm
+    is whole, as before the cut) and they still hold one model (no side went back to its own version). The cut ones said
+    they lost sight of the swarm and found it again. No ``step()`` of any trainer, over the whole run (the splits, the
+    healings and the downloads included), is held for a split: the longest is a round in flight when the links went
+    down, which waits out its group search (``averaging_timeout``, 20 s, from when it was scheduled, at most
+    ``matchmaking_time`` before), so every step ends within 22 s (a loaded machine's timers fire a little late); a peer
+    cut off then starts no round and keeps stepping. The epoch rate before a cut and after its healing is measured by
     ``benchmarks/partition.py``, not here: on a shared machine it is the neighbours' load."""
     swarm = TrainingSwarm(make_hosts(size + 1), size, tmp_path)  # host 0: the bootstrap node; trainer i on host i
     cut = set().union(*sides)
